@@ -1,0 +1,81 @@
+"""Attention backends over the paged cache.
+
+A backend sees a plan and the page tensors, never the bookkeeping: ``begin_step``
+once per step (before the layer loop), then ``attend`` per layer. No mask: every
+query of the step attends to every visible key (keys are stored after RoPE).
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .pool import DevicePlan
+
+log = logging.getLogger(__name__)
+
+
+class AttentionBackend(Protocol):
+    name: str
+
+    def begin_step(self, plan: DevicePlan) -> None:
+        """Prepare for a step (host work happens here, once for all layers)."""
+
+    def attend(self, q: Tensor, k_pages: Tensor, v_pages: Tensor) -> Tensor:
+        """q [qo_len, H, D]; k/v pages [num_pages, page_size, H, D] -> [qo_len, H, D]."""
+
+
+class SdpaBackend:
+    """Gathers the visible tokens and runs PyTorch's scaled_dot_product_attention (CPU and GPU)."""
+
+    name = "sdpa"
+
+    def __init__(self) -> None:
+        self._slots: Tensor | None = None
+
+    def begin_step(self, plan: DevicePlan) -> None:
+        self._slots = plan.read_slots
+
+    def attend(self, q: Tensor, k_pages: Tensor, v_pages: Tensor) -> Tensor:
+        heads, dim = k_pages.shape[-2:]
+        k = k_pages.view(-1, heads, dim).index_select(0, self._slots)
+        v = v_pages.view(-1, heads, dim).index_select(0, self._slots)
+        out = F.scaled_dot_product_attention(q.to(k.dtype).transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None])
+        return out[0].transpose(0, 1)
+
+
+def flashinfer_available() -> bool:
+    return importlib.util.find_spec("flashinfer") is not None
+
+
+class BackendUnavailable(RuntimeError):
+    pass
+
+
+def make_backend(name: str, device: torch.device) -> AttentionBackend:
+    """Resolve a backend name (auto, sdpa, flashinfer, flashinfer-fa2, flashinfer-fa3) for a device."""
+    if name == "auto":
+        name = "flashinfer" if device.type == "cuda" and flashinfer_available() else "sdpa"
+        log.info("attention backend auto -> %s", name)
+    if name == "sdpa":
+        return SdpaBackend()
+    if name.startswith("flashinfer"):
+        if device.type != "cuda":
+            raise BackendUnavailable(f"backend {name!r} needs a CUDA device, got {device}")
+        if not flashinfer_available():
+            raise BackendUnavailable(f"backend {name!r} requested but the flashinfer package is not installed "
+                                     "(pip install flashinfer-python), or use backend 'sdpa'")
+        from .flashinfer_backend import FlashInferBackend
+
+        variant = name.split("-", 1)[1] if "-" in name else "fa3" if _is_hopper(device) else "fa2"
+        return FlashInferBackend(device, variant)
+    raise BackendUnavailable(f"unknown attention backend {name!r}")
+
+
+def _is_hopper(device: torch.device) -> bool:
+    return torch.cuda.get_device_capability(device)[0] == 9

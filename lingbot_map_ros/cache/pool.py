@@ -1,0 +1,96 @@
+"""Device-side cache storage: per-layer K/V page pools, the camera-head cache, and the
+per-step plan tensors shared by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from ..config import SPECIAL_TOKENS
+from .pages import StepPlan
+
+
+@dataclass
+class DevicePlan:
+    """Tensors of one step's plan, built once before the layer loop and reused by all layers."""
+
+    plan: StepPlan
+    write_slots: Tensor  # [S*P] long: flat slot of every token of the step (frame-major, specials first)
+    read_pages: Tensor  # [n] int32: visible pages, all full but the last
+    read_slots: Tensor  # [kv_len] long: flat slots of the visible tokens (for gather-based backends)
+    tokens_per_frame: int
+
+    @property
+    def qo_len(self) -> int:
+        return self.plan.num_frames * self.tokens_per_frame
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    if device.type == "cuda":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t
+
+
+def make_device_plan(plan: StepPlan, tokens_per_frame: int, device: torch.device) -> DevicePlan:
+    """Host work of a step: a few small index tensors, copied to the device without a sync."""
+    ps = plan.page_size
+    patches = tokens_per_frame - SPECIAL_TOKENS
+    if patches != ps:
+        raise ValueError(f"frame has {patches} patch tokens but the cache pages hold {ps}")
+    offsets = torch.arange(ps)
+    special = torch.tensor(plan.special_slots, dtype=torch.long).view(plan.num_frames, SPECIAL_TOKENS)
+    patch = torch.tensor(plan.frame_pages, dtype=torch.long)[:, None] * ps + offsets[None]
+    write_slots = torch.cat([special, patch], dim=1).flatten()
+    pages = torch.tensor(plan.read_pages, dtype=torch.long)
+    read_slots = (pages[:, None] * ps + offsets[None]).flatten()[:plan.kv_len]
+    return DevicePlan(plan=plan, write_slots=_to_device(write_slots, device),
+                      read_pages=_to_device(pages.to(torch.int32), device),
+                      read_slots=_to_device(read_slots, device), tokens_per_frame=tokens_per_frame)
+
+
+class KVPool:
+    """K and V pages of every global layer: [layers, pages, page_size, heads, head_dim]."""
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (num_layers, num_pages, page_size, num_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.page_size = page_size
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.k.numel() * self.k.element_size()
+
+    def write(self, layer: int, slots: Tensor, k: Tensor, v: Tensor) -> None:
+        """Store k, v [N, H, D] at flat token slots [N]."""
+        self.k[layer].view(-1, *k.shape[-2:]).index_copy_(0, slots, k.to(self.k.dtype))
+        self.v[layer].view(-1, *v.shape[-2:]).index_copy_(0, slots, v.to(self.v.dtype))
+
+
+class CameraKVCache:
+    """K/V of the camera head: one token per stored frame, per iteration and trunk block.
+
+    Slot i holds the frame of temporal index i; a step writes its tokens at
+    ``start`` (the number of frames stored) and attends to slots [0, start + S).
+    An attend-only step's slot is simply overwritten by the next step.
+    """
+
+    def __init__(self, iterations: int, depth: int, capacity: int, num_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        shape = (iterations, depth, capacity, num_heads, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+
+    def attend(self, iteration: int, block: int, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        """q, k, v [S, H, D] -> [S, H, D] attending over the stored frames and the step's own."""
+        end = start + q.shape[0]
+        kc, vc = self.k[iteration, block], self.v[iteration, block]
+        kc[start:end] = k
+        vc[start:end] = v
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc[:end].transpose(0, 1)[None],
+                                             vc[:end].transpose(0, 1)[None])
+        return out[0].transpose(0, 1)

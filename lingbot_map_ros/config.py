@@ -1,0 +1,186 @@
+"""Typed configuration: the model architecture and the streaming policy.
+
+Both are frozen dataclasses that validate themselves and name the bad value.
+Field names follow the released configuration (SPEC §1) and the fixture
+``config.json`` so that a JSON file of either can be loaded unchanged.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any, Mapping
+
+SPECIAL_TOKENS = 6  # [camera, register x4, scale] prepended to every frame
+HEAD_DIM = 64  # aggregator head width; the 3D RoPE split (20/22/22) needs exactly 64
+
+
+class ConfigError(ValueError):
+    """A configuration value is out of range or inconsistent."""
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ConfigError(message)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of the LingBot-Map streaming model (defaults = released checkpoints)."""
+
+    img_size: int = 518
+    patch_size: int = 14
+    dino_dim: int = 1024
+    dino_depth: int = 24
+    dino_heads: int = 16
+    num_register_tokens: int = 4
+    embed_dim: int = 1024
+    depth: int = 24
+    num_heads: int = 16
+    intermediate_layer_idx: tuple[int, ...] = (4, 11, 17, 23)
+    camera_dim: int = 2048
+    camera_trunk_depth: int = 4
+    camera_num_heads: int = 16
+    dpt_features: int = 256
+    dpt_out_channels: tuple[int, ...] = (256, 512, 1024, 1024)
+    max_frame_num: int = 1024
+    mlp_ratio: float = 4.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "intermediate_layer_idx", tuple(int(i) for i in self.intermediate_layer_idx))
+        object.__setattr__(self, "dpt_out_channels", tuple(int(c) for c in self.dpt_out_channels))
+        for name in ("img_size", "patch_size", "dino_dim", "dino_depth", "dino_heads", "embed_dim", "depth",
+                     "num_heads", "camera_dim", "camera_trunk_depth", "camera_num_heads", "dpt_features",
+                     "max_frame_num"):
+            _require(int(getattr(self, name)) > 0, f"{name} must be positive, got {getattr(self, name)!r}")
+        _require(self.img_size % self.patch_size == 0,
+                 f"img_size {self.img_size} is not a multiple of patch_size {self.patch_size}")
+        _require(self.dino_dim % self.dino_heads == 0,
+                 f"dino_dim {self.dino_dim} is not divisible by dino_heads {self.dino_heads}")
+        _require(self.embed_dim == self.dino_dim, f"embed_dim {self.embed_dim} must equal dino_dim {self.dino_dim}")
+        _require(self.embed_dim == self.num_heads * HEAD_DIM,
+                 f"embed_dim {self.embed_dim} / num_heads {self.num_heads} must give head_dim {HEAD_DIM}")
+        _require(self.camera_dim == 2 * self.embed_dim,
+                 f"camera_dim {self.camera_dim} must be 2 * embed_dim ({2 * self.embed_dim})")
+        _require(self.camera_dim % self.camera_num_heads == 0,
+                 f"camera_dim {self.camera_dim} is not divisible by camera_num_heads {self.camera_num_heads}")
+        _require(len(self.intermediate_layer_idx) == 4,
+                 f"intermediate_layer_idx needs 4 entries, got {self.intermediate_layer_idx}")
+        _require(all(0 <= i < self.depth for i in self.intermediate_layer_idx)
+                 and list(self.intermediate_layer_idx) == sorted(set(self.intermediate_layer_idx)),
+                 f"intermediate_layer_idx {self.intermediate_layer_idx} must be increasing and < depth {self.depth}")
+        _require(len(self.dpt_out_channels) == 4, f"dpt_out_channels needs 4 entries, got {self.dpt_out_channels}")
+        _require(self.dpt_features % 2 == 0 and (self.dpt_features // 2) % 4 == 0,
+                 f"dpt_features {self.dpt_features} must be a multiple of 8")
+        _require(all(c % 4 == 0 for c in self.dpt_out_channels),
+                 f"dpt_out_channels {self.dpt_out_channels} must be multiples of 4")
+
+    @property
+    def head_dim(self) -> int:
+        return self.embed_dim // self.num_heads
+
+    @property
+    def pos_grid(self) -> int:
+        """Side of DINO's square position-embedding grid (37 for 518/14)."""
+        return self.img_size // self.patch_size
+
+    def tokens_per_frame(self, height: int, width: int) -> int:
+        return SPECIAL_TOKENS + (height // self.patch_size) * (width // self.patch_size)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "ModelConfig":
+        """Build from a mapping; keys that are not model fields (streaming settings, notes) are ignored."""
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "ModelConfig":
+        return cls.from_dict(load_json(path))
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelConfig":
+        if name not in PRESETS:
+            raise ConfigError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+        return PRESETS[name]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    "lingbot-map": ModelConfig(),
+    "tiny": ModelConfig(dino_dim=128, dino_depth=2, dino_heads=2, embed_dim=128, depth=6, num_heads=2,
+                        intermediate_layer_idx=(1, 3, 4, 5), camera_dim=256, camera_trunk_depth=2,
+                        camera_num_heads=4, dpt_features=32, dpt_out_channels=(16, 32, 64, 64)),
+}
+
+BACKENDS = ("auto", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3")
+DTYPES = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class StreamConfig:
+    """How frames are streamed through the model and how the paged cache is managed.
+
+    ``num_scale_frames`` frames are processed together first (phase 1) and their
+    patch pages are pinned; afterwards one frame per step, keyframes stored into a
+    FIFO window of ``sliding_window`` frames. Frame ``i`` (0-based, since reset) is
+    a keyframe when ``(i - num_scale_frames) % keyframe_interval == 0``.
+    ``max_pending_evictions`` bounds how far the window may grow while eviction is
+    deferred (it sizes the page pool).
+    """
+
+    num_scale_frames: int = 8
+    sliding_window: int = 64
+    keyframe_interval: int = 1
+    camera_iterations: int = 4
+    deferred_eviction: bool = False
+    max_pending_evictions: int = 8
+    backend: str = "auto"
+    dtype: str = "fp32"
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _require(self.num_scale_frames >= 1, f"num_scale_frames must be >= 1, got {self.num_scale_frames}")
+        _require(self.sliding_window >= 1, f"sliding_window must be >= 1, got {self.sliding_window}")
+        _require(self.keyframe_interval >= 1, f"keyframe_interval must be >= 1, got {self.keyframe_interval}")
+        _require(self.camera_iterations >= 1, f"camera_iterations must be >= 1, got {self.camera_iterations}")
+        _require(self.max_pending_evictions >= 0,
+                 f"max_pending_evictions must be >= 0, got {self.max_pending_evictions}")
+        _require(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        _require(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),
+                 f"device must be 'cpu', 'cuda' or 'cuda:N', got {self.device!r}")
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "StreamConfig":
+        """Streaming fields of a mapping (e.g. the fixture config.json); other keys are ignored."""
+        aliases = {"camera_num_iterations": "camera_iterations"}
+        names = {f.name for f in fields(cls)}
+        out: dict[str, Any] = {}
+        for key, value in data.items():
+            key = aliases.get(key, key)
+            if key in names:
+                out[key] = value
+        return cls(**out)
+
+    def with_overrides(self, **overrides: Any) -> "StreamConfig":
+        """A copy with the given fields replaced; ``None`` values are ignored."""
+        return replace(self, **{k: v for k, v in overrides.items() if v is not None})
+
+
+def load_json(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"configuration file not found: {path}") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read configuration {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"configuration {path} must hold a JSON object")
+    return data
+
+
+__all__ = ["ModelConfig", "StreamConfig", "ConfigError", "PRESETS", "SPECIAL_TOKENS", "HEAD_DIM", "load_json"]

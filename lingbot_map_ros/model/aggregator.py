@@ -1,0 +1,120 @@
+"""The aggregator: DINO patch tokens + 6 special tokens, then alternating frame and
+global blocks (SPEC §2-3).
+
+The aggregator knows nothing about the cache: global attention is delegated to a
+``GlobalAttend`` callable that receives RoPE-rotated q/k and v of all tokens of
+the step and returns the attention output (it writes K/V into the paged cache
+and reads the visible set, or anything equivalent).
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ..config import SPECIAL_TOKENS, ModelConfig
+from .dino import DinoEncoder
+from .layers import Block, sdpa_nhd
+from .rope import Rope3DTables, apply_rope2d, apply_rope3d, rope2d_tables
+
+# global_attend(layer, q, k, v) -> out, each [S*P, H, D]; q/k rotated (float32), v as computed
+GlobalAttend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class _RopeSet:
+    """2D and 3D RoPE tables of one patch grid on one device."""
+
+    def __init__(self, grid_h: int, grid_w: int, max_frames: int, device: torch.device) -> None:
+        cos2, sin2 = rope2d_tables(grid_h, grid_w)
+        self.cos2d, self.sin2d = cos2.to(device), sin2.to(device)
+        self.rope3d = Rope3DTables(grid_h, grid_w, max_frames, device)
+
+
+class Aggregator(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        dim = cfg.embed_dim
+        self.patch_embed = DinoEncoder(cfg)
+        self.camera_token = nn.Parameter(torch.zeros(1, 2, 1, dim))
+        self.register_token = nn.Parameter(torch.zeros(1, 2, cfg.num_register_tokens, dim))
+        self.scale_token = nn.Parameter(torch.zeros(1, 2, 1, dim))
+        self.frame_blocks = nn.ModuleList(
+            Block(dim, cfg.num_heads, cfg.mlp_ratio, qk_norm=True) for _ in range(cfg.depth))
+        self.global_blocks = nn.ModuleList(
+            Block(dim, cfg.num_heads, cfg.mlp_ratio, qk_norm=True) for _ in range(cfg.depth))
+        # Not persistent: the checkpoints carry no buffers. They follow the module's dtype
+        # (the reference rounds them to bf16 together with the aggregator).
+        self.register_buffer("_mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("_std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
+        self._ropes: dict[tuple, _RopeSet] = {}
+
+    def rope_set(self, grid_h: int, grid_w: int, device: torch.device) -> _RopeSet:
+        key = (grid_h, grid_w, device)
+        if key not in self._ropes:
+            self._ropes[key] = _RopeSet(grid_h, grid_w, self.cfg.max_frame_num, device)
+        return self._ropes[key]
+
+    def special_tokens(self, num_frames: int, phase1: bool, sequence_start: bool) -> Tensor:
+        """[S, 6, C]: camera, registers, scale. Variant 0 of camera/register for the first frame
+        of a sequence, variant 1 otherwise; scale variant 0 in phase 1, 1 afterwards."""
+        variant = torch.ones(num_frames, dtype=torch.long, device=self.camera_token.device)
+        if phase1 and sequence_start:
+            variant[0] = 0
+        camera = self.camera_token[0].index_select(0, variant)  # [S, 1, C]
+        registers = self.register_token[0].index_select(0, variant)  # [S, 4, C]
+        scale = self.scale_token[0, 0 if phase1 else 1].expand(num_frames, 1, -1)
+        return torch.cat([camera, registers, scale], dim=1)
+
+    def forward(self, images: Tensor, positions: Tensor, global_attend: GlobalAttend, *,
+                phase1: bool, sequence_start: bool) -> list[Tensor]:
+        """Run one streaming step.
+
+        Args:
+            images: [S, 3, H, W] RGB in [0, 1], H and W multiples of the patch size.
+            positions: [S] long temporal index of each frame (on the images' device).
+            global_attend: cross-frame attention over the cache for one layer.
+            phase1: the step is the first ``num_scale_frames`` frames of a sequence.
+            sequence_start: the first frame of the step is the first of a sequence.
+        Returns:
+            4 tensors [S, P, 2*embed_dim] (frame output | global output of the
+            selected block pairs), P = 6 + (H/14)(W/14).
+        """
+        s, _, h, w = images.shape
+        grid_h, grid_w = h // self.cfg.patch_size, w // self.cfg.patch_size
+        ropes = self.rope_set(grid_h, grid_w, images.device)
+        cos3, sin3 = ropes.rope3d.lookup(positions)  # [S, P, 32]
+
+        x = (images - self._mean) / self._std
+        patches = self.patch_embed(x.to(self._mean.dtype))  # [S, gh*gw, C]
+        x = torch.cat([self.special_tokens(s, phase1, sequence_start).to(patches.dtype), patches], dim=1)
+        tokens = x.shape[1]
+
+        def frame_attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            q = apply_rope2d(q, ropes.cos2d, ropes.sin2d)
+            k = apply_rope2d(k, ropes.cos2d, ropes.sin2d)
+            return sdpa_nhd(q, k.to(q.dtype), v.to(q.dtype))
+
+        outputs = []
+        selected = set(self.cfg.intermediate_layer_idx)
+        for layer, (frame_block, global_block) in enumerate(zip(self.frame_blocks, self.global_blocks)):
+            x = frame_block(x, frame_attend)
+            frame_out = x
+
+            def attend(q: Tensor, k: Tensor, v: Tensor, layer: int = layer) -> Tensor:
+                q = apply_rope3d(q.view(s, tokens, *q.shape[-2:]), cos3, sin3)
+                k = apply_rope3d(k.view(s, tokens, *k.shape[-2:]), cos3, sin3)
+                out = global_attend(layer, q.flatten(0, 1), k.flatten(0, 1), v.reshape(s * tokens, *v.shape[-2:]))
+                return out.unsqueeze(0)  # [1, S*P, H, D]
+
+            x = global_block(x.reshape(1, s * tokens, -1), attend).view(s, tokens, -1)
+            if layer in selected:
+                outputs.append(torch.cat([frame_out, x], dim=-1))
+        return outputs
+
+
+__all__ = ["Aggregator", "GlobalAttend", "SPECIAL_TOKENS"]

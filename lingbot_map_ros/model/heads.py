@@ -1,0 +1,163 @@
+"""Prediction heads (SPEC §4): the iterative camera head and the DPT depth head.
+
+Both run in float32 (the reference keeps them out of bf16).
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from ..config import SPECIAL_TOKENS, ModelConfig
+from .layers import Block, Mlp
+
+# camera_attend(iteration, block, q, k, v) -> out; q/k/v [S, H, D], one camera token per frame
+CameraAttend = Callable[[int, int, Tensor, Tensor, Tensor], Tensor]
+
+
+class CameraHead(nn.Module):
+    """Camera token of the last selected layer -> pose encoding [S, 9]
+    (translation 3, quaternion xyzw 4, fov_h, fov_w), refined over iterations."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        dim = cfg.camera_dim
+        self.token_norm = nn.LayerNorm(dim)
+        self.trunk = nn.ModuleList(
+            Block(dim, cfg.camera_num_heads, cfg.mlp_ratio, qk_norm=False) for _ in range(cfg.camera_trunk_depth))
+        self.trunk_norm = nn.LayerNorm(dim)
+        self.empty_pose_tokens = nn.Parameter(torch.zeros(1, 1, 9))
+        self.embed_pose = nn.Linear(9, dim)
+        self.poseLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 3 * dim))
+        self.adaln_norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
+        self.pose_branch = Mlp(dim, dim // 2, 9)
+
+    def forward(self, head_input: Tensor, iterations: int, attend: CameraAttend) -> Tensor:
+        """head_input [S, P, camera_dim] -> pose_enc [S, 9] (last iteration, FoVs through ReLU)."""
+        c = self.token_norm(head_input[:, 0])  # [S, C]
+        raw = torch.zeros(c.shape[0], 9, dtype=c.dtype, device=c.device)
+        normed = self.adaln_norm(c)
+        pose = raw
+        for it in range(iterations):
+            embed_in = self.empty_pose_tokens[0].expand(c.shape[0], -1) if it == 0 else raw.detach()
+            shift, scale, gate = self.poseLN_modulation(self.embed_pose(embed_in)).chunk(3, dim=-1)
+            x = gate * (normed * (1 + scale) + shift) + c
+            for b, block in enumerate(self.trunk):
+                x = block(x, lambda q, k, v, it=it, b=b: attend(it, b, q, k, v))
+            raw = raw + self.pose_branch(self.trunk_norm(x))
+            pose = torch.cat([raw[:, :7], F.relu(raw[:, 7:])], dim=-1)
+        return pose
+
+
+def uv_embedding(channels: int, rows: int, cols: int, aspect: float) -> Tensor:
+    """Sin/cos embedding of normalised UV coordinates [channels, rows, cols] (float32, not yet x0.1).
+
+    aspect = W/H of the image. u spans the columns, v the rows, both symmetric around 0.
+    """
+    diag = math.sqrt(aspect * aspect + 1.0)
+    span_x, span_y = aspect / diag, 1.0 / diag
+    u = torch.linspace(-span_x * (cols - 1) / cols, span_x * (cols - 1) / cols, cols, dtype=torch.float64)
+    v = torch.linspace(-span_y * (rows - 1) / rows, span_y * (rows - 1) / rows, rows, dtype=torch.float64)
+    quarter = channels // 4
+    omega = 100.0 ** (-torch.arange(quarter, dtype=torch.float64) / quarter)
+    uu = u[None, None, :] * omega[:, None, None]  # [K, 1, cols]
+    vv = v[None, :, None] * omega[:, None, None]  # [K, rows, 1]
+    full = (quarter, rows, cols)
+    emb = torch.cat([uu.sin().expand(full), uu.cos().expand(full), vv.sin().expand(full), vv.cos().expand(full)])
+    return emb.float()
+
+
+class ResidualConvUnit(nn.Module):
+    """u(x) = conv2(relu(conv1(relu(x)))) + relu(x): the skip carries the rectified input,
+    as the checkpoints were trained (the reference's in-place ReLU)."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(features, features, 3, padding=1)
+        self.conv2 = nn.Conv2d(features, features, 3, padding=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.relu(x)
+        return self.conv2(F.relu(self.conv1(x))) + x
+
+
+class FusionBlock(nn.Module):
+    def __init__(self, features: int, has_skip_unit: bool = True) -> None:
+        super().__init__()
+        if has_skip_unit:
+            self.resConfUnit1 = ResidualConvUnit(features)
+        self.resConfUnit2 = ResidualConvUnit(features)
+        self.out_conv = nn.Conv2d(features, features, 1)
+
+    def forward(self, path: Tensor, skip: Tensor | None, size: tuple[int, int]) -> Tensor:
+        if skip is not None:
+            path = path + self.resConfUnit1(skip)
+        path = self.resConfUnit2(path)
+        path = F.interpolate(path, size=size, mode="bilinear", align_corners=True)
+        return self.out_conv(path)
+
+
+class Scratch(nn.Module):
+    def __init__(self, in_channels: tuple[int, ...], features: int) -> None:
+        super().__init__()
+        for i, ch in enumerate(in_channels, start=1):
+            setattr(self, f"layer{i}_rn", nn.Conv2d(ch, features, 3, padding=1, bias=False))
+        self.refinenet1 = FusionBlock(features)
+        self.refinenet2 = FusionBlock(features)
+        self.refinenet3 = FusionBlock(features)
+        self.refinenet4 = FusionBlock(features, has_skip_unit=False)
+        half = features // 2
+        self.output_conv1 = nn.Conv2d(features, half, 3, padding=1)
+        self.output_conv2 = nn.Sequential(nn.Conv2d(half, 32, 3, padding=1), nn.ReLU(), nn.Conv2d(32, 2, 1))
+
+
+class DepthHead(nn.Module):
+    """DPT head: 4 selected token levels -> depth [S,H,W] (exp) and confidence [S,H,W] (1+exp)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        dim = 2 * cfg.embed_dim
+        out_ch = cfg.dpt_out_channels
+        self.patch_size = cfg.patch_size
+        self.norm = nn.LayerNorm(dim)
+        self.projects = nn.ModuleList(nn.Conv2d(dim, ch, 1) for ch in out_ch)
+        self.resize_layers = nn.ModuleList([
+            nn.ConvTranspose2d(out_ch[0], out_ch[0], 4, stride=4),
+            nn.ConvTranspose2d(out_ch[1], out_ch[1], 2, stride=2),
+            nn.Identity(),
+            nn.Conv2d(out_ch[3], out_ch[3], 3, stride=2, padding=1),
+        ])
+        self.scratch = Scratch(out_ch, cfg.dpt_features)
+        self._uv_cache: dict[tuple, Tensor] = {}
+
+    def _uv(self, channels: int, rows: int, cols: int, aspect: float, ref: Tensor) -> Tensor:
+        key = (channels, rows, cols, aspect, ref.device)
+        if key not in self._uv_cache:
+            self._uv_cache[key] = (uv_embedding(channels, rows, cols, aspect) * 0.1).to(ref.device)
+        return self._uv_cache[key]
+
+    def forward(self, levels: list[Tensor], height: int, width: int) -> tuple[Tensor, Tensor]:
+        grid_h, grid_w = height // self.patch_size, width // self.patch_size
+        aspect = width / height
+        feats = []
+        for k, tokens in enumerate(levels):
+            x = self.norm(tokens[:, SPECIAL_TOKENS:])  # [S, gh*gw, 2C]
+            x = x.transpose(1, 2).unflatten(2, (grid_h, grid_w))  # [S, 2C, gh, gw]
+            x = self.projects[k](x)
+            x = x + self._uv(x.shape[1], grid_h, grid_w, aspect, x)
+            x = self.resize_layers[k](x)
+            feats.append(getattr(self.scratch, f"layer{k + 1}_rn")(x))
+        sc = self.scratch
+        path = sc.refinenet4(feats[3], None, feats[2].shape[-2:])
+        path = sc.refinenet3(path, feats[2], feats[1].shape[-2:])
+        path = sc.refinenet2(path, feats[1], feats[0].shape[-2:])
+        size1 = feats[0].shape[-2:]
+        path = sc.refinenet1(path, feats[0], (2 * size1[0], 2 * size1[1]))
+        out = sc.output_conv1(path)
+        out = F.interpolate(out, size=(height, width), mode="bilinear", align_corners=True)
+        out = out + self._uv(out.shape[1], height, width, aspect, out)
+        out = sc.output_conv2(out)  # [S, 2, H, W]
+        return out[:, 0].exp(), 1 + out[:, 1].exp()

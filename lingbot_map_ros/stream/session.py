@@ -1,0 +1,245 @@
+"""StreamingSession: the model, the paged cache and the streaming policy in one owner.
+
+``push(image)`` takes one preprocessed frame and returns the results that became
+available: nothing while the scale frames are being collected, all of them when
+phase 1 runs, then one result per frame. Keyframes follow the interval policy
+unless the caller decides (``push(image, keyframe=...)``). External keyframe
+logic uses ``set_deferred_eviction``, ``commit_eviction`` and
+``rollback_last_frame``; ``reset`` starts a new sequence. Every transition is a
+method of this object; a step that raises leaves the cache as it was.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from ..cache.attention import AttentionBackend, make_backend
+from ..cache.pages import CacheError, CacheStats, PageTable, StepPlan
+from ..cache.pool import CameraKVCache, KVPool, make_device_plan
+from ..config import SPECIAL_TOKENS, StreamConfig
+from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
+from ..model.lingbot import LingBotMap
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FrameResult:
+    """Per-frame output. World = the first camera of the sequence, OpenCV axes (x right,
+    y down, z forward); units are the model's own (metre-like, not guaranteed metric)."""
+
+    frame_index: int  # frames pushed since reset, this one's 0-based index
+    position: int  # temporal index used by the model (frames stored before it)
+    is_keyframe: bool  # stored in the cache
+    pose_enc: np.ndarray  # [9] translation, quaternion xyzw, fov_h, fov_w
+    c2w: np.ndarray  # [4, 4] camera-to-world
+    intrinsics: np.ndarray  # [3, 3] at the model resolution (pixels)
+    depth: np.ndarray | None  # [H, W] z-depth
+    confidence: np.ndarray | None  # [H, W] >= 1
+    image: np.ndarray  # [3, H, W] float32 RGB in [0, 1], the model input
+    timings: dict[str, float] = field(default_factory=dict)  # milliseconds
+
+
+class SessionError(RuntimeError):
+    """A request the session cannot honour; its state is unchanged."""
+
+
+def _torch_dtype(name: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
+
+
+class StreamingSession:
+    def __init__(self, model: LingBotMap, cfg: StreamConfig, backend: AttentionBackend | None = None,
+                 with_depth: bool = True) -> None:
+        self.model = model.eval()
+        self.cfg = cfg
+        self.device = next(model.parameters()).device
+        self.dtype = _torch_dtype(cfg.dtype)
+        self.backend = backend or make_backend(cfg.backend, self.device)
+        self.with_depth = with_depth
+        self._autocast = self.dtype if self.dtype != torch.float32 else None
+        self._pages: PageTable | None = None
+        self._pool: KVPool | None = None
+        self._camera: CameraKVCache | None = None
+        self._resolution: tuple[int, int] | None = None
+        self._pending: list[Tensor] = []
+        self._frames_pushed = 0
+        self._deferred = cfg.deferred_eviction
+        self._last_stored_frame: int | None = None
+
+    # ------------------------------------------------------------------ state
+    @property
+    def resolution(self) -> tuple[int, int] | None:
+        return self._resolution
+
+    @property
+    def frames_pushed(self) -> int:
+        return self._frames_pushed
+
+    @property
+    def deferred_eviction(self) -> bool:
+        return self._deferred
+
+    def stats(self) -> CacheStats | None:
+        return self._pages.stats() if self._pages is not None else None
+
+    def is_keyframe_index(self, frame_index: int) -> bool:
+        s0 = self.cfg.num_scale_frames
+        return frame_index < s0 or (frame_index - s0) % self.cfg.keyframe_interval == 0
+
+    # ------------------------------------------------------------------ transitions
+    def reset(self) -> None:
+        """Empty the cache; the next frame starts a new sequence (buffers are kept and reused)."""
+        if self._pages is not None:
+            self._pages.reset()
+            self._pages.set_deferred(self._deferred)
+        self._pending.clear()
+        self._frames_pushed = 0
+        self._last_stored_frame = None
+
+    def set_deferred_eviction(self, deferred: bool) -> None:
+        self._deferred = bool(deferred)
+        if self._pages is not None:
+            self._pages.set_deferred(self._deferred)
+
+    def commit_eviction(self) -> int:
+        """Perform the pending evictions; returns pages freed (0 when nothing was pending)."""
+        return self._pages.commit() if self._pages is not None else 0
+
+    def rollback_last_frame(self, expected_frame_index: int | None = None) -> int:
+        """Remove the most recently stored frame from the cache; returns its frame index.
+
+        ``expected_frame_index`` guards against removing another frame than the caller
+        meant. Raises SessionError (state unchanged) when there is nothing to roll back
+        or the index does not match. Rolling back the scale frames removes all of them.
+        """
+        if self._pages is None or self._last_stored_frame is None or not self._pages.stats().can_rollback:
+            raise SessionError("nothing to roll back")
+        if expected_frame_index is not None and expected_frame_index != self._last_stored_frame:
+            raise SessionError(f"the last stored frame is {self._last_stored_frame}, not {expected_frame_index}")
+        frame = self._last_stored_frame
+        self._pages.rollback_last()
+        was_phase1 = self._pages.in_phase1
+        self._frames_pushed = 0 if was_phase1 else frame
+        self._last_stored_frame = None
+        return frame
+
+    # ------------------------------------------------------------------ frames
+    def push(self, image: Tensor | np.ndarray, keyframe: bool | None = None) -> list[FrameResult]:
+        """Feed one frame [3, H, W] RGB float in [0, 1] (H, W multiples of the patch size).
+
+        keyframe: None follows the interval policy; True/False forces the decision
+        (ignored for the scale frames, which are always stored).
+        """
+        image = self._check_image(image)
+        if self._pages is None or self._pages.in_phase1:
+            self._pending.append(image)
+            if len(self._pending) < self.cfg.num_scale_frames:
+                return []
+            frames = torch.stack(self._pending)
+            try:
+                results = self._run(frames, store=True)
+            finally:
+                self._pending.clear()
+            return results
+        store = self.is_keyframe_index(self._frames_pushed) if keyframe is None else bool(keyframe)
+        return self._run(image[None], store=store)
+
+    def _check_image(self, image: Tensor | np.ndarray) -> Tensor:
+        if isinstance(image, np.ndarray):
+            image = torch.from_numpy(np.ascontiguousarray(image))
+        if image.ndim != 3 or image.shape[0] != 3:
+            raise ValueError(f"expected an image [3, H, W], got shape {tuple(image.shape)}")
+        h, w = int(image.shape[1]), int(image.shape[2])
+        p = self.model.cfg.patch_size
+        if h % p or w % p or h == 0 or w == 0:
+            raise ValueError(f"image size {w}x{h} is not a positive multiple of the patch size {p}")
+        if (h // p) * (w // p) < SPECIAL_TOKENS:
+            raise ValueError(f"image {w}x{h} is too small: at least {SPECIAL_TOKENS} patches are needed")
+        if self._resolution is not None and (h, w) != self._resolution and not self._can_resize():
+            raise ValueError(f"image size {w}x{h} differs from the sequence's {self._resolution[1]}x"
+                             f"{self._resolution[0]}; reset the session to change resolution")
+        if not torch.is_floating_point(image):
+            raise ValueError(f"expected a float image in [0, 1], got dtype {image.dtype}")
+        return image.to(self.device, torch.float32, non_blocking=True)
+
+    def _can_resize(self) -> bool:
+        return self._pages is None or (self._pages.in_phase1 and not self._pending)
+
+    def _ensure_cache(self, h: int, w: int) -> None:
+        if self._resolution == (h, w) and self._pages is not None:
+            return
+        mcfg, cfg = self.model.cfg, self.cfg
+        page_size = (h // mcfg.patch_size) * (w // mcfg.patch_size)
+        self._pages = PageTable(page_size, cfg.num_scale_frames, cfg.sliding_window, mcfg.max_frame_num,
+                                cfg.max_pending_evictions)
+        self._pages.set_deferred(self._deferred)
+        self._pool = None  # free the old pool before allocating the new one
+        self._pool = KVPool(mcfg.depth, self._pages.num_pages, page_size, mcfg.num_heads, mcfg.head_dim,
+                            self.dtype, self.device)
+        if self._camera is None:
+            head_dim = mcfg.camera_dim // mcfg.camera_num_heads
+            self._camera = CameraKVCache(cfg.camera_iterations, mcfg.camera_trunk_depth, mcfg.max_frame_num,
+                                         mcfg.camera_num_heads, head_dim, torch.float32, self.device)
+        self._resolution = (h, w)
+        log.info("cache for %dx%d: %d pages of %d tokens, %.1f MiB of K/V", w, h, self._pages.num_pages,
+                 page_size, self._pool.nbytes / 2**20)
+
+    @torch.inference_mode()
+    def _run(self, frames: Tensor, store: bool) -> list[FrameResult]:
+        t0 = time.perf_counter()
+        s, _, h, w = frames.shape
+        self._ensure_cache(h, w)
+        pages, pool, camera = self._pages, self._pool, self._camera
+        plan: StepPlan = pages.plan_step(s, store)
+        tokens = SPECIAL_TOKENS + plan.page_size
+        dplan = make_device_plan(plan, tokens, self.device)
+        self.backend.begin_step(dplan)
+        positions = torch.arange(plan.first_position, plan.first_position + s, device=self.device) if store \
+            else torch.full((s,), plan.first_position, device=self.device, dtype=torch.long)
+        start = plan.first_position
+        backend = self.backend
+
+        def global_attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            pool.write(layer, dplan.write_slots, k, v)
+            return backend.attend(q, pool.k[layer], pool.v[layer])
+
+        def camera_attend(it: int, block: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return camera.attend(it, block, q, k, v, start)
+
+        out = self.model.step(frames, positions, global_attend, camera_attend, phase1=plan.phase1,
+                              sequence_start=plan.phase1, camera_iterations=self.cfg.camera_iterations,
+                              autocast_dtype=self._autocast, with_depth=self.with_depth)
+        pages.apply(plan)  # only now does the step become part of the cache
+        t_model = time.perf_counter()
+
+        first_frame = 0 if plan.phase1 else self._frames_pushed
+        self._frames_pushed = first_frame + s
+        if store:
+            self._last_stored_frame = first_frame + s - 1
+        results = self._results(frames, out, plan, first_frame)
+        t_end = time.perf_counter()
+        for r in results:
+            r.timings.update(model_ms=(t_model - t0) * 1e3 / s, postprocess_ms=(t_end - t_model) * 1e3 / s)
+        return results
+
+    def _results(self, frames: Tensor, out, plan: StepPlan, first_frame: int) -> list[FrameResult]:
+        h, w = frames.shape[-2:]
+        pose_enc = out.pose_enc.float().cpu().numpy()
+        depth = out.depth.float().cpu().numpy() if out.depth is not None else None
+        conf = out.depth_conf.float().cpu().numpy() if out.depth_conf is not None else None
+        images = frames.cpu().numpy()
+        c2w = pose_enc_to_c2w(pose_enc)
+        intrinsics = fov_to_intrinsics(pose_enc[:, 7], pose_enc[:, 8], h, w)
+        return [FrameResult(frame_index=first_frame + i, position=plan.positions[i], is_keyframe=plan.store,
+                            pose_enc=pose_enc[i], c2w=c2w[i], intrinsics=intrinsics[i],
+                            depth=None if depth is None else depth[i], confidence=None if conf is None else conf[i],
+                            image=images[i]) for i in range(frames.shape[0])]
+
+
+__all__ = ["StreamingSession", "FrameResult", "SessionError", "CacheError"]
