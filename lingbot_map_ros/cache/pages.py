@@ -182,9 +182,10 @@ class PageTable:
 
         evict = 0
         if store:
-            if not phase1 and self.deferred and self.pending_evictions >= self.max_pending_evictions:
-                raise CacheFullError(f"deferred eviction holds {self.pending_evictions} frames, the limit "
-                                     f"(max_pending_evictions); commit or roll back first")
+            if not phase1 and self.deferred and self.pending_evictions + 1 > self.max_pending_evictions:
+                raise CacheFullError(f"deferred eviction already holds {self.pending_evictions} frame(s), the "
+                                     f"limit (max_pending_evictions={self.max_pending_evictions}); commit or "
+                                     "roll back first")
             frame_pages = tuple(take() for _ in range(num_frames))
             if phase1:
                 patch_read = list(frame_pages)
