@@ -161,15 +161,21 @@ class StreamingSession:
             raise ValueError(f"image size {w}x{h} is not a positive multiple of the patch size {p}")
         if (h // p) * (w // p) < SPECIAL_TOKENS:
             raise ValueError(f"image {w}x{h} is too small: at least {SPECIAL_TOKENS} patches are needed")
-        if self._resolution is not None and (h, w) != self._resolution and not self._can_resize():
-            raise ValueError(f"image size {w}x{h} differs from the sequence's {self._resolution[1]}x"
-                             f"{self._resolution[0]}; reset the session to change resolution")
+        expected = self._sequence_resolution()
+        if expected is not None and (h, w) != expected:
+            raise ValueError(f"image size {w}x{h} differs from the sequence's {expected[1]}x{expected[0]}; "
+                             "reset the session to change resolution")
         if not torch.is_floating_point(image):
             raise ValueError(f"expected a float image in [0, 1], got dtype {image.dtype}")
         return image.to(self.device, torch.float32, non_blocking=True)
 
-    def _can_resize(self) -> bool:
-        return self._pages is None or (self._pages.in_phase1 and not self._pending)
+    def _sequence_resolution(self) -> tuple[int, int] | None:
+        """(H, W) that the next frame must have; None at the start of a sequence."""
+        if self._pending:
+            return tuple(self._pending[0].shape[-2:])
+        if self._pages is None or self._pages.in_phase1:
+            return None
+        return self._resolution
 
     def _ensure_cache(self, h: int, w: int) -> None:
         if self._resolution == (h, w) and self._pages is not None:

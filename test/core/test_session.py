@@ -1,0 +1,163 @@
+"""StreamingSession transitions: defer/commit/rollback/reset, failures, bad input."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lingbot_map_ros.cache.attention import SdpaBackend
+from lingbot_map_ros.config import StreamConfig
+from lingbot_map_ros.stream.session import SessionError, StreamingSession
+
+
+@pytest.fixture(scope="module")
+def images(fixtures):
+    return torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])
+
+
+def make(model, fixture_config, **kw):
+    cfg = StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa", **kw)
+    return StreamingSession(model, cfg)
+
+
+def push_all(session, frames):
+    out = []
+    for f in frames:
+        out += session.push(f)
+    return out
+
+
+def test_phase1_buffers_then_returns_all_scale_frames(tiny_model, fixture_config, images):
+    s = make(tiny_model, fixture_config)
+    assert s.push(images[0]) == []
+    results = s.push(images[1])
+    assert [r.frame_index for r in results] == [0, 1] and all(r.is_keyframe for r in results)
+    assert s.stats().temporal_index == 2
+
+
+def test_rollback_equals_replay_without_the_frame(tiny_model, fixture_config, images):
+    s = make(tiny_model, fixture_config)
+    push_all(s, images[:6])
+    s.set_deferred_eviction(True)
+    before = s._pages.state_signature()
+    (r6,) = s.push(images[6])
+    assert r6.is_keyframe and s.stats().pending_evictions == 1
+    assert s.rollback_last_frame(expected_frame_index=6) == 6
+    assert s._pages.state_signature() == before
+    s.set_deferred_eviction(False)
+    (after,) = s.push(images[7])
+
+    replay = make(tiny_model, fixture_config)
+    push_all(replay, images[:6])
+    (expected,) = replay.push(images[7])
+    assert after.frame_index == expected.frame_index == 6
+    np.testing.assert_array_equal(after.pose_enc, expected.pose_enc)
+    np.testing.assert_array_equal(after.depth, expected.depth)
+
+
+def test_rollback_guards(tiny_model, fixture_config, images):
+    s = make(tiny_model, fixture_config)
+    with pytest.raises(SessionError, match="nothing to roll back"):
+        s.rollback_last_frame()
+    push_all(s, images[:3])
+    before = s._pages.state_signature()
+    with pytest.raises(SessionError, match="last stored frame is 2"):
+        s.rollback_last_frame(expected_frame_index=1)
+    assert s._pages.state_signature() == before
+    s.rollback_last_frame()
+    with pytest.raises(SessionError, match="nothing to roll back"):
+        s.rollback_last_frame()
+
+
+def test_deferred_eviction_with_commit_after_each_frame(tiny_model, fixture_config, images):
+    """Deferring and committing after every frame lets each frame see one extra window frame:
+    exactly a plain session with sliding_window + 1."""
+    window = fixture_config["sliding_window"]
+    wider = make(tiny_model, fixture_config, sliding_window=window + 1)
+    expected = push_all(wider, images[:10])
+
+    s = make(tiny_model, fixture_config, deferred_eviction=True)
+    got = push_all(s, images[:2])
+    for image in images[2:10]:
+        got += s.push(image)
+        pending = s.stats().pending_evictions
+        assert s.stats().window_pages == min(window + pending, s.stats().temporal_index - 2)
+        assert s.commit_eviction() == pending
+        assert s.commit_eviction() == 0
+        assert s.stats().window_pages <= window
+    for a, b in zip(got, expected):
+        np.testing.assert_allclose(a.pose_enc, b.pose_enc, rtol=1e-6, atol=1e-6)
+
+
+def test_reset_starts_a_new_identical_sequence(tiny_model, fixture_config, images):
+    s = make(tiny_model, fixture_config)
+    first = push_all(s, images[:5])
+    s.reset()
+    assert s.stats().temporal_index == 0 and s.frames_pushed == 0
+    second = push_all(s, images[:5])
+    for a, b in zip(first, second):
+        np.testing.assert_array_equal(a.pose_enc, b.pose_enc)
+
+
+class FailingBackend(SdpaBackend):
+    def __init__(self):
+        super().__init__()
+        self.fail_at = None
+        self.calls = 0
+
+    def attend(self, q, k_pages, v_pages):
+        self.calls += 1
+        if self.fail_at is not None and self.calls == self.fail_at:
+            raise torch.cuda.OutOfMemoryError("simulated out of memory")
+        return super().attend(q, k_pages, v_pages)
+
+
+def test_failed_step_leaves_cache_unchanged(tiny_model, fixture_config, images):
+    backend = FailingBackend()
+    cfg = StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa")
+    s = StreamingSession(tiny_model, cfg, backend=backend)
+    push_all(s, images[:5])
+    before = s._pages.state_signature()
+    backend.calls, backend.fail_at = 0, 3
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        s.push(images[5])
+    assert s._pages.state_signature() == before and s.frames_pushed == 5
+    backend.fail_at = None
+    (got,) = s.push(images[5])
+    replay = make(tiny_model, fixture_config)
+    expected = push_all(replay, images[:6])[-1]
+    np.testing.assert_array_equal(got.pose_enc, expected.pose_enc)
+
+
+@pytest.mark.parametrize("bad,needle", [
+    (torch.zeros(3, 56, 97), "multiple of the patch size"),
+    (torch.zeros(1, 56, 98), r"\[3, H, W\]"),
+    (torch.zeros(3, 14, 28), "too small"),
+    (torch.zeros(3, 56, 98, dtype=torch.uint8), "float image"),
+])
+def test_bad_images_are_refused_without_state_change(tiny_model, fixture_config, images, bad, needle):
+    s = make(tiny_model, fixture_config)
+    push_all(s, images[:3])
+    before = s._pages.state_signature()
+    with pytest.raises(ValueError, match=needle):
+        s.push(bad)
+    assert s._pages.state_signature() == before
+
+
+def test_resolution_change_needs_reset(tiny_model, fixture_config, images):
+    s = make(tiny_model, fixture_config)
+    push_all(s, images[:3])
+    with pytest.raises(ValueError, match="reset the session"):
+        s.push(torch.rand(3, 56, 56))
+    s.reset()
+    assert s.push(torch.rand(3, 56, 56)) == []
+    assert len(s.push(torch.rand(3, 56, 56))) == 2
+
+
+def test_forced_keyframe_decision(tiny_model, fixture_config, images):
+    s = make(tiny_model, fixture_config, keyframe_interval=100)
+    push_all(s, images[:2])
+    (r,) = s.push(images[2], keyframe=False)
+    assert not r.is_keyframe and s.stats().temporal_index == 2
+    (r,) = s.push(images[3], keyframe=True)
+    assert r.is_keyframe and s.stats().temporal_index == 3
