@@ -1,0 +1,30 @@
+"""pip installation of the Python library and its console tools.
+
+On a robot the package is built by colcon through CMakeLists.txt (which also
+generates the ROS interfaces); this file serves `pip install -e .` on
+development machines and CI (see scripts/bootstrap.sh).
+"""
+from setuptools import find_packages, setup
+
+setup(
+    name="lingbot_map_ros",
+    version="0.1.0",
+    description="LingBot-Map streaming 3D reconstruction as a ROS 2 node",
+    license="Apache-2.0",
+    python_requires=">=3.10",
+    packages=find_packages(include=["lingbot_map_ros", "lingbot_map_ros.*"]),
+    install_requires=["torch>=2.4", "numpy", "safetensors", "Pillow"],
+    extras_require={
+        "gpu": ["flashinfer-python"],
+        "hub": ["huggingface_hub"],
+        "test": ["pytest"],
+    },
+    entry_points={
+        "console_scripts": [
+            "lingbot-map-replay = lingbot_map_ros.cli.replay:main",
+            "lingbot-map-demo = lingbot_map_ros.cli.demo:main",
+            "lingbot_map_node = lingbot_map_ros.ros.node:main",
+            "image_folder_publisher = lingbot_map_ros.ros.image_folder_publisher:main",
+        ],
+    },
+)
