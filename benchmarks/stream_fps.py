@@ -1,0 +1,266 @@
+"""Streaming throughput of the released configuration (random weights) on one GPU.
+
+    python benchmarks/stream_fps.py --backend flashinfer-fa3 --dtype bf16 --frames 300
+
+Streams ``--frames`` random frames (seeded) at the given resolution through a
+StreamingSession with the camera head (``--camera-iterations``) and the depth
+head, after a separate warm-up session that absorbs JIT compilation. Reports the
+median and p95 wall time per frame once the window is full (steady state), the
+phase-1 time, a per-stage GPU-time breakdown (CUDA events on module hooks, in a
+separate short pass), peak GPU memory, and the deviation of bf16 outputs from an
+fp32 run on the same frames. Writes JSON to ``benchmarks/results/<gpu>.json``
+(or ``--out``). A benchmark, not a test: nothing here asserts a speed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from lingbot_map_ros.config import ModelConfig, StreamConfig
+from lingbot_map_ros.io.checkpoint import load_model
+from lingbot_map_ros.stream.session import StreamingSession
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--frames", type=int, default=300, help="frames streamed in the timed run")
+    p.add_argument("--height", type=int, default=378)
+    p.add_argument("--width", type=int, default=518)
+    p.add_argument("--backend", default="auto")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
+    p.add_argument("--num-scale-frames", type=int, default=8)
+    p.add_argument("--sliding-window", type=int, default=64)
+    p.add_argument("--camera-iterations", type=int, default=4)
+    p.add_argument("--keyframe-interval", type=int, default=1)
+    p.add_argument("--no-depth", action="store_true")
+    p.add_argument("--compare-frames", type=int, default=12,
+                   help="frames of the bf16-vs-fp32 comparison (0 = skip)")
+    p.add_argument("--breakdown-frames", type=int, default=10, help="steady-state frames of the stage breakdown")
+    p.add_argument("--preset", default="lingbot-map")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tag", default="", help="suffix of the result file name")
+    p.add_argument("--out", type=Path)
+    return p.parse_args(argv)
+
+
+def frames_iter(n, h, w, seed, device):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    base = torch.rand(3, h, w, generator=gen)
+    for i in range(n):
+        # a smooth drift so frames differ but stay image-like
+        shift = torch.roll(base, shifts=(i % h, (3 * i) % w), dims=(1, 2))
+        yield (0.7 * shift + 0.3 * torch.rand(3, h, w, generator=gen)).to(device)
+
+
+def stream_config(args, dtype=None, backend=None):
+    return StreamConfig(num_scale_frames=args.num_scale_frames, sliding_window=args.sliding_window,
+                        keyframe_interval=args.keyframe_interval, camera_iterations=args.camera_iterations,
+                        backend=backend or args.backend, dtype=dtype or args.dtype, device="cuda")
+
+
+def timed_stream(session, args):
+    """Per-frame wall times (ms) of the frames after phase 1, and the phase-1 time (ms)."""
+    times, phase1_ms = [], None
+    full_from = args.num_scale_frames + args.sliding_window * args.keyframe_interval
+    for i, frame in enumerate(frames_iter(args.frames, args.height, args.width, args.seed, "cuda")):
+        t = time.perf_counter()
+        out = session.push(frame)
+        torch.cuda.synchronize()
+        ms = (time.perf_counter() - t) * 1e3
+        if len(out) > 1:
+            phase1_ms = ms
+        elif out and i >= full_from:
+            times.append(ms)
+    return times, phase1_ms
+
+
+class StageTimer:
+    """CUDA events around module forwards and backend.attend calls (benchmark only)."""
+
+    def __init__(self, model, session):
+        self.events = {}
+        self.handles = []
+        agg = model.aggregator
+        self._wrap_modules("dino", [agg.patch_embed])
+        self._wrap_modules("frame_blocks", list(agg.frame_blocks))
+        self._wrap_modules("global_blocks", list(agg.global_blocks))
+        self._wrap_modules("camera_head", [model.camera_head])
+        self._wrap_modules("depth_head", [model.depth_head])
+        backend = session.backend
+        original = backend.attend
+        self._restore = (backend, original)
+
+        def attend(*a, **k):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            out = original(*a, **k)
+            end.record()
+            self.events.setdefault("global_attention_kernel", []).append((start, end))
+            return out
+
+        backend.attend = attend
+
+    def _wrap_modules(self, name, modules):
+        for m in modules:
+            def pre(mod, inp, name=name):
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                mod._bench_start = ev
+
+            def post(mod, inp, out, name=name):
+                ev = torch.cuda.Event(enable_timing=True)
+                ev.record()
+                self.events.setdefault(name, []).append((mod._bench_start, ev))
+
+            self.handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
+
+    def reset(self):
+        self.events = {}
+
+    def summary(self, frames):
+        torch.cuda.synchronize()
+        return {k: sum(s.elapsed_time(e) for s, e in v) / frames for k, v in self.events.items()}
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+        backend, original = self._restore
+        backend.attend = original
+
+
+def breakdown(model, args):
+    session = StreamingSession(model, stream_config(args), with_depth=not args.no_depth)
+    full_from = args.num_scale_frames + args.sliding_window * args.keyframe_interval
+    n = full_from + args.breakdown_frames
+    timer = StageTimer(model, session)
+    walls = []
+    try:
+        for i, frame in enumerate(frames_iter(n, args.height, args.width, args.seed + 1, "cuda")):
+            if i == full_from:
+                torch.cuda.synchronize()
+                timer.reset()
+            t = time.perf_counter()
+            session.push(frame)
+            if i >= full_from:
+                torch.cuda.synchronize()
+                walls.append((time.perf_counter() - t) * 1e3)
+        stages = timer.summary(args.breakdown_frames)
+    finally:
+        timer.close()
+    gpu_total = sum(v for k, v in stages.items() if k != "global_attention_kernel")
+    stages["wall_per_frame"] = statistics.median(walls)
+    stages["host_overhead_estimate"] = max(0.0, stages["wall_per_frame"] - gpu_total)
+    return {k: round(v, 3) for k, v in stages.items()}
+
+
+def compare_dtypes(args, cfg):
+    """Max deviation of bf16 (chosen backend) from fp32 (sdpa) on the same frames and weights."""
+    n = args.compare_frames
+    outs = {}
+    for dtype, backend in (("fp32", "sdpa"), ("bf16", args.backend)):
+        model = load_model(cfg, None, "cuda", dtype, seed=args.seed)
+        session = StreamingSession(model, stream_config(args, dtype, backend), with_depth=not args.no_depth)
+        res = []
+        for frame in frames_iter(n, args.height, args.width, args.seed + 2, "cuda"):
+            res += session.push(frame)
+        outs[dtype] = res
+        del session, model
+        torch.cuda.empty_cache()
+
+    def rel(key):
+        a = np.stack([getattr(r, key) for r in outs["bf16"]])
+        b = np.stack([getattr(r, key) for r in outs["fp32"]])
+        return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-12))
+
+    result = {"frames": n, "pose_enc_rel": rel("pose_enc")}
+    if not args.no_depth:
+        result.update(depth_rel=rel("depth"), depth_conf_rel=rel("confidence"))
+    return result
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("stream_fps: a CUDA device is required", file=sys.stderr)
+        return 2
+    cfg = ModelConfig.preset(args.preset)
+    gpu = torch.cuda.get_device_name()
+    t0 = time.perf_counter()
+    model = load_model(cfg, None, "cuda", args.dtype, seed=args.seed)
+    load_s = time.perf_counter() - t0
+
+    # warm-up: JIT compilation of kernels, allocator growth
+    t0 = time.perf_counter()
+    warm = StreamingSession(model, stream_config(args), with_depth=not args.no_depth)
+    for frame in frames_iter(args.num_scale_frames + 4, args.height, args.width, args.seed + 3, "cuda"):
+        warm.push(frame)
+    torch.cuda.synchronize()
+    warmup_s = time.perf_counter() - t0
+    backend_name = warm.backend.name
+    del warm
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+    session = StreamingSession(model, stream_config(args), with_depth=not args.no_depth)
+    times, phase1_ms = timed_stream(session, args)
+    peak_gib = torch.cuda.max_memory_allocated() / 2**30
+    stats = session.stats()
+    del session
+    torch.cuda.empty_cache()
+
+    stages = breakdown(model, args) if args.breakdown_frames else {}
+    del model
+    torch.cuda.empty_cache()
+    deviation = compare_dtypes(args, cfg) if args.compare_frames and args.dtype == "bf16" else None
+
+    median = statistics.median(times)
+    result = {
+        "gpu": gpu,
+        "setting": {"resolution": [args.height, args.width], "frames": args.frames, "backend": backend_name,
+                    "dtype": args.dtype, "num_scale_frames": args.num_scale_frames,
+                    "sliding_window": args.sliding_window, "camera_iterations": args.camera_iterations,
+                    "keyframe_interval": args.keyframe_interval, "depth_head": not args.no_depth,
+                    "weights": f"random (seed {args.seed})", "preset": args.preset},
+        "steady_state": {"frames": len(times), "median_ms": round(median, 3),
+                         "p95_ms": round(float(np.percentile(times, 95)), 3), "fps": round(1e3 / median, 2)},
+        "phase1_ms": None if phase1_ms is None else round(phase1_ms, 1),
+        "warmup_s": round(warmup_s, 1), "model_load_s": round(load_s, 1),
+        "stage_ms_per_frame": stages,
+        "peak_gpu_memory_gib": round(peak_gib, 2),
+        "cache_at_end": None if stats is None else stats.__dict__,
+        "bf16_vs_fp32": deviation,
+        "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
+                     "flashinfer": _flashinfer_version()},
+        "command": "python benchmarks/stream_fps.py " + " ".join(sys.argv[1:] if argv is None else argv),
+    }
+    text = json.dumps(result, indent=2)
+    print(text)
+    out = args.out or RESULTS / f"{re.sub(r'[^A-Za-z0-9]+', '_', gpu).strip('_').lower()}{args.tag}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+def _flashinfer_version():
+    try:
+        import flashinfer
+
+        return getattr(flashinfer, "__version__", "unknown")
+    except ImportError:
+        return None
+
+
+if __name__ == "__main__":
+    sys.exit(main())
