@@ -71,3 +71,21 @@ def test_results_do_not_depend_on_the_fixture_images_array(tiny_model, fixtures,
     results = run_stream(tiny_model, fixture_config, images, 1)
     pose = np.stack([r.pose_enc for r in results])
     np.testing.assert_allclose(pose, ref["pose_enc"][:3], rtol=RTOL, atol=RTOL)
+
+
+def test_bf16_on_cpu_stays_within_bf16_tolerance(fixtures, fixture_config):
+    """The bf16 path (aggregator weights and autocast in bf16, heads fp32) on CPU."""
+    from lingbot_map_ros.config import ModelConfig
+    from lingbot_map_ros.io.checkpoint import load_model
+
+    model = load_model(ModelConfig.from_dict(fixture_config), fixtures / "weights.safetensors", dtype="bf16")
+    ref = np.load(fixtures / "reference_kf1.npz")
+    cfg = StreamConfig.from_dict(fixture_config).with_overrides(dtype="bf16", backend="sdpa")
+    session = StreamingSession(model, cfg)
+    results = []
+    for image in ref["images"][:8]:
+        results += session.push(torch.from_numpy(image))
+    for key, ref_key in (("pose_enc", "pose_enc"), ("depth", "depth"), ("confidence", "depth_conf")):
+        got = np.stack([getattr(r, key) for r in results])
+        expected = ref[ref_key][:8]
+        assert np.abs(got - expected).max() / np.abs(expected).max() < 3e-2, key
