@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .flashinfer_backend import KV_DTYPES  # the module imports flashinfer only when a backend is built
 from .pool import DevicePlan
 
 log = logging.getLogger(__name__)
@@ -57,10 +58,15 @@ class BackendUnavailable(RuntimeError):
     pass
 
 
-def make_backend(name: str, device: torch.device) -> AttentionBackend:
-    """Resolve a backend name (auto, sdpa, flashinfer, flashinfer-fa2, flashinfer-fa3) for a device."""
+def make_backend(name: str, device: torch.device, dtype: torch.dtype | None = None) -> AttentionBackend:
+    """Resolve a backend name (auto, sdpa, flashinfer, flashinfer-fa2, flashinfer-fa3) for a device.
+
+    dtype: the K/V pool's dtype when known; FlashInfer needs bf16/fp16, so ``auto`` picks
+    sdpa for float32 and an explicit flashinfer backend with float32 is refused here.
+    """
     if name == "auto":
-        name = "flashinfer" if device.type == "cuda" and flashinfer_available() else "sdpa"
+        fits = dtype is None or dtype in KV_DTYPES
+        name = "flashinfer" if device.type == "cuda" and fits and flashinfer_available() else "sdpa"
         log.info("attention backend auto -> %s", name)
     if name == "sdpa":
         return SdpaBackend()
@@ -70,10 +76,13 @@ def make_backend(name: str, device: torch.device) -> AttentionBackend:
         if not flashinfer_available():
             raise BackendUnavailable(f"backend {name!r} requested but the flashinfer package is not installed "
                                      "(pip install flashinfer-python), or use backend 'sdpa'")
+        if dtype is not None and dtype not in KV_DTYPES:
+            raise BackendUnavailable(f"backend {name!r} needs dtype bf16 (FlashInfer has no float32 kernels), "
+                                     f"got {dtype}; use dtype 'bf16' or backend 'sdpa'")
         from .flashinfer_backend import FlashInferBackend
 
         variant = name.split("-", 1)[1] if "-" in name else "fa3" if _is_hopper(device) else "fa2"
-        return FlashInferBackend(device, variant)
+        return FlashInferBackend(device, variant, dtype)
     raise BackendUnavailable(f"unknown attention backend {name!r}")
 
 

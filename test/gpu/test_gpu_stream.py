@@ -1,0 +1,137 @@
+"""Streaming the tiny fixture on CUDA: bf16 agreement with the fp32 reference for each
+attention backend, and no host synchronisation inside a steady-state step.
+
+bf16 follows the reference demo (SPEC 8b): aggregator weights bf16 under bf16
+autocast, bf16 K/V pages, heads float32 (``load_model(dtype="bf16")``).
+Agreement is measured per output as max |ours - reference| / max |reference| over all
+12 frames. Run on the GPU machine: ``pytest -m gpu test/gpu -s`` prints the figures.
+"""
+from __future__ import annotations
+
+import json
+import traceback
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lingbot_map_ros.cache.attention import flashinfer_available
+from lingbot_map_ros.config import ModelConfig, StreamConfig
+from lingbot_map_ros.io.checkpoint import load_model
+from lingbot_map_ros.stream.session import StreamingSession
+
+try:
+    from fixtures_path import fixture_dir
+except ImportError:  # test/ is on sys.path once test/conftest.py is loaded; this is the fallback
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from fixtures_path import fixture_dir
+
+FIXTURES = fixture_dir()
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(FIXTURES is None, reason="fixtures not found: set LINGBOT_FIXTURES, or copy "
+                       "shared/fixtures/upstream_tiny to <repo>/.fixtures/upstream_tiny"),
+]
+
+BF16_REL_TOL = 3e-2
+OUTPUTS = {"pose_enc": "pose_enc", "depth": "depth", "depth_conf": "confidence"}  # reference key -> FrameResult field
+RUNS = [("sdpa", "fp32"), ("sdpa", "bf16"), ("flashinfer-fa2", "bf16"), ("flashinfer-fa3", "bf16")]
+
+
+def require(backend: str) -> None:
+    if backend.startswith("flashinfer") and not flashinfer_available():
+        pytest.skip("flashinfer is not installed (carry its wheels to the GPU machine, see GPU.md)")
+
+
+def make_session(backend: str, dtype: str, keyframe_interval: int) -> StreamingSession:
+    config = json.loads((FIXTURES / "config.json").read_text())
+    model = load_model(ModelConfig.from_dict(config), FIXTURES / "weights.safetensors", device="cuda", dtype=dtype)
+    cfg = StreamConfig.from_dict(config).with_overrides(keyframe_interval=keyframe_interval, backend=backend,
+                                                        dtype=dtype, device="cuda")
+    return StreamingSession(model, cfg)
+
+
+def reference(keyframe_interval: int) -> dict[str, np.ndarray]:
+    return dict(np.load(FIXTURES / f"reference_kf{keyframe_interval}.npz"))
+
+
+@pytest.mark.parametrize("keyframe_interval", [1, 2], ids=["kf1", "kf2"])
+@pytest.mark.parametrize("backend,dtype", RUNS, ids=[f"{b}-{d}" for b, d in RUNS])
+def test_stream_matches_fp32_reference(backend, dtype, keyframe_interval):
+    require(backend)
+    ref = reference(keyframe_interval)
+    session = make_session(backend, dtype, keyframe_interval)
+    assert session.backend.name.startswith(backend)
+    results = []
+    for image in ref["images"]:
+        results += session.push(image)
+    assert [r.frame_index for r in results] == list(range(len(ref["images"])))
+    assert [r.is_keyframe for r in results] == [session.is_keyframe_index(i) for i in range(len(results))]
+    errors = {}
+    for key, field in OUTPUTS.items():
+        ours = np.stack([getattr(r, field) for r in results])
+        errors[key] = float(np.abs(ours - ref[key]).max() / np.abs(ref[key]).max())
+    print(f"STREAM {backend} {dtype} kf{keyframe_interval}: "
+          + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    assert all(v < BF16_REL_TOL for v in errors.values()), errors
+
+
+def sync_sites(fn) -> list[str]:
+    """Run fn under sync debug mode "warn"; return the call chain of every synchronising op."""
+    sites: list[str] = []
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "called a synchronizing CUDA operation" in str(message):  # not torch's "prototype" notice
+            frames = [f for f in traceback.extract_stack()[:-1] if not f.filename.endswith("warnings.py")]
+            sites.append(" <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-4:])))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    return sites
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flashinfer-fa2", "flashinfer-fa3"])
+def test_steady_state_step_does_not_sync(backend, monkeypatch):
+    """Everything of a phase-2 push up to the conversion of its results (plan, copies of the
+    plan to the device, the model step with both heads, the page-table update) runs without
+    a host synchronisation; only ``_results`` (the ``.cpu()`` of the outputs) may sync."""
+    require(backend)
+    images = reference(2)["images"]
+    session = make_session(backend, "bf16", keyframe_interval=2)
+    for image in images[:6]:  # phase 1, keyframes and non-keyframes: compiles, tables, caches warmed
+        session.push(image)
+
+    whole = sync_sites(lambda: session.push(images[6]))
+    print(f"SYNC {backend} whole push (informational): {len(whole)} sites")
+    for site in whole:
+        print(f"SYNC   {site}")
+
+    convert = session._results
+
+    def convert_unchecked(*args, **kwargs):
+        torch.cuda.set_sync_debug_mode(0)
+        return convert(*args, **kwargs)
+
+    monkeypatch.setattr(session, "_results", convert_unchecked)
+    for image in images[7:9]:  # a non-keyframe, then a keyframe that evicts
+        sites = sync_sites(lambda: session.push(image))
+        assert not sites, "host syncs in the step:\n" + "\n".join(sites)
+    for image in images[9:11]:  # the same under "error": any synchronising call raises
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            assert len(session.push(image)) == 1
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    print(f"SYNC {backend} step (push without result conversion): none")
