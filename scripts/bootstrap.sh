@@ -11,14 +11,16 @@
 #   4. editable install of the lingbot_map_ros Python package
 # Output goes to .venv/bootstrap.log; on failure its tail is printed.
 #
-# Layout of the venv (why: see CMakeLists.txt and the report in the commit log):
-#   .venv/lib/lingbot_map_ros_interfaces/lingbot_map_ros/{msg,srv,...}  generated
+# Layout of the venv:
+#   .venv/lib/lingbot_map_ros_interfaces/lingbot_map_ros/{msg,srv,*.so}  generated
 #   .venv/lib/python3.X/site-packages/lingbot_map_ros.pkg  -> that directory
 # The editable install provides `lingbot_map_ros` from this repository; its
 # __init__.py calls pkgutil.extend_path, which reads lingbot_map_ros.pkg and adds
-# the generated interfaces to the package path.  No `lingbot_map_ros` directory
-# is put on sys.path, so the repository's package always wins.
+# the generated interfaces to the package path.  No other `lingbot_map_ros`
+# directory is on sys.path: setuptools' editable finder comes after the normal
+# path search, so any such copy would shadow the repository's package.
 set -euo pipefail
+export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST  # no DDS traffic leaves this machine
 
 START=$SECONDS
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

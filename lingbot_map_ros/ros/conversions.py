@@ -39,6 +39,7 @@ from lingbot_map_ros.geometry import matrix_to_quaternion, quaternion_to_matrix
 
 __all__ = [
     "CLOUD_DTYPE",
+    "CLOUD_FIELDS",
     "DEFAULT_MAX_PIXELS",
     "ImageConversionError",
     "OPTICAL_TO_REP103",
