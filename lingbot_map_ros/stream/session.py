@@ -60,7 +60,11 @@ class StreamingSession:
         self.cfg = cfg
         self.device = next(model.parameters()).device
         self.dtype = _torch_dtype(cfg.dtype)
-        self.backend = backend or make_backend(cfg.backend, self.device)
+        agg_dtype = next(model.aggregator.parameters()).dtype
+        if agg_dtype != self.dtype:
+            raise SessionError(f"the model's aggregator is {agg_dtype} but the stream dtype is {cfg.dtype}; "
+                               "load the model with the same dtype (io.checkpoint.load_model(dtype=...))")
+        self.backend = backend or make_backend(cfg.backend, self.device, self.dtype)
         self.with_depth = with_depth
         self._autocast = self.dtype if self.dtype != torch.float32 else None
         self._pages: PageTable | None = None
@@ -136,21 +140,24 @@ class StreamingSession:
         keyframe: None follows the interval policy; True/False forces the decision
         (ignored for the scale frames, which are always stored).
         """
-        image = self._check_image(image)
+        host = self._check_image(image)
+        frame = host.to(self.device, torch.float32, non_blocking=True)
         if self._pages is None or self._pages.in_phase1:
-            self._pending.append(image)
+            self._pending.append((frame, host))
             if len(self._pending) < self.cfg.num_scale_frames:
                 return []
-            frames = torch.stack(self._pending)
+            frames = torch.stack([f for f, _ in self._pending])
+            hosts = [h for _, h in self._pending]
             try:
-                results = self._run(frames, store=True)
+                results = self._run(frames, hosts, store=True)
             finally:
                 self._pending.clear()
             return results
         store = self.is_keyframe_index(self._frames_pushed) if keyframe is None else bool(keyframe)
-        return self._run(image[None], store=store)
+        return self._run(frame[None], [host], store=store)
 
     def _check_image(self, image: Tensor | np.ndarray) -> Tensor:
+        """Validate one frame; returns it as a tensor where it came from (host or device)."""
         if isinstance(image, np.ndarray):
             image = torch.from_numpy(np.ascontiguousarray(image))
         if image.ndim != 3 or image.shape[0] != 3:
@@ -167,12 +174,12 @@ class StreamingSession:
                              "reset the session to change resolution")
         if not torch.is_floating_point(image):
             raise ValueError(f"expected a float image in [0, 1], got dtype {image.dtype}")
-        return image.to(self.device, torch.float32, non_blocking=True)
+        return image
 
     def _sequence_resolution(self) -> tuple[int, int] | None:
         """(H, W) that the next frame must have; None at the start of a sequence."""
         if self._pending:
-            return tuple(self._pending[0].shape[-2:])
+            return tuple(self._pending[0][0].shape[-2:])
         if self._pages is None or self._pages.in_phase1:
             return None
         return self._resolution
@@ -197,7 +204,7 @@ class StreamingSession:
                  page_size, self._pool.nbytes / 2**20)
 
     @torch.inference_mode()
-    def _run(self, frames: Tensor, store: bool) -> list[FrameResult]:
+    def _run(self, frames: Tensor, hosts: list[Tensor], store: bool) -> list[FrameResult]:
         t0 = time.perf_counter()
         s, _, h, w = frames.shape
         self._ensure_cache(h, w)
@@ -228,18 +235,19 @@ class StreamingSession:
         self._frames_pushed = first_frame + s
         if store:
             self._last_stored_frame = first_frame + s - 1
-        results = self._results(frames, out, plan, first_frame)
+        results = self._results(frames, hosts, out, plan, first_frame)
         t_end = time.perf_counter()
         for r in results:
             r.timings.update(model_ms=(t_model - t0) * 1e3 / s, postprocess_ms=(t_end - t_model) * 1e3 / s)
         return results
 
-    def _results(self, frames: Tensor, out, plan: StepPlan, first_frame: int) -> list[FrameResult]:
+    def _results(self, frames: Tensor, hosts: list[Tensor], out, plan: StepPlan,
+                 first_frame: int) -> list[FrameResult]:
         h, w = frames.shape[-2:]
         pose_enc = out.pose_enc.float().cpu().numpy()
         depth = out.depth.float().cpu().numpy() if out.depth is not None else None
         conf = out.depth_conf.float().cpu().numpy() if out.depth_conf is not None else None
-        images = frames.cpu().numpy()
+        images = [h.float().cpu().numpy() for h in hosts]  # a no-op copy for host inputs
         c2w = pose_enc_to_c2w(pose_enc)
         intrinsics = fov_to_intrinsics(pose_enc[:, 7], pose_enc[:, 8], h, w)
         return [FrameResult(frame_index=first_frame + i, position=plan.positions[i], is_keyframe=plan.store,
