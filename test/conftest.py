@@ -8,25 +8,16 @@ message naming the path they looked for.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+from fixtures_path import fixture_dir
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def shared_dir() -> Path:
     return (REPO / ".." / "shared").resolve()
-
-
-def fixture_root() -> Path | None:
-    candidates = [os.environ.get("LINGBOT_FIXTURES"), shared_dir() / "fixtures" / "upstream_tiny",
-                  REPO / ".fixtures" / "upstream_tiny"]
-    for c in candidates:
-        if c and Path(c).is_dir():
-            return Path(c)
-    return None
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -52,7 +43,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session")
 def fixtures() -> Path:
-    root = fixture_root()
+    root = fixture_dir()
     if root is None:
         pytest.skip(f"reference fixtures not found at {shared_dir() / 'fixtures' / 'upstream_tiny'} "
                     "(set LINGBOT_FIXTURES to their directory)")

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from fixtures_path import fixture_dir as find_fixtures
 
 from lingbot_map_ros.geometry import (
     apply_sim3,
@@ -21,14 +22,13 @@ from lingbot_map_ros.geometry import (
     voxel_downsample,
 )
 
-REPO = Path(__file__).resolve().parents[2]
 
 
 def fixture_dir() -> Path:
-    """``<repo>/../shared/fixtures/upstream_tiny``, or skip the test."""
-    path = (REPO / ".." / "shared" / "fixtures" / "upstream_tiny").resolve()
-    if not path.is_dir():
-        pytest.skip(f"reference fixtures not found: ../shared/fixtures/upstream_tiny ({path})")
+    """The reference fixture set, or skip the test (see test/fixtures_path.py)."""
+    path = find_fixtures()
+    if path is None:
+        pytest.skip("reference fixtures not found: ../shared/fixtures/upstream_tiny (or $LINGBOT_FIXTURES)")
     return path
 
 
