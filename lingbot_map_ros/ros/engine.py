@@ -1,0 +1,518 @@
+"""The node's inference loop, free of rclpy: frames and commands in, outputs to a sink.
+
+One thread (``start``) owns the ``StreamingSession``, the trajectory and the map; it
+takes work from a ``WorkQueue`` (latest frame + commands, in arrival order) and hands
+every result to a ``Sink`` (the ROS node builds and publishes the messages). ROS
+callbacks only call ``submit_frame`` / ``reject_frame`` / ``submit`` and never wait
+for inference; service callbacks wait on the returned ``Command`` with a timeout.
+
+Frames: the session's world is the first camera (OpenCV optical axes: x right, y
+down, z forward). Everything leaving this module is in the REP-103 map frame
+``M = OPTICAL_TO_REP103 · W`` (x forward, y left, z up, origin at the first camera;
+see ``conversions``): poses are ``T_map_cam`` of the camera's optical frame, points
+are map-frame coordinates. Units are the model's (metre-like, not guaranteed metric).
+
+Failure policy, per frame (the node keeps running and keeps its stored state):
+- input that cannot be converted or preprocessed, or whose size differs from the
+  sequence's: dropped, ``frames_dropped_invalid`` += 1, throttled warning;
+- a non-finite pose from the model: the frame is rolled back from the cache when it
+  was stored (so no poisoned K/V stays; for the scale frames this removes them all),
+  its outputs are dropped and counted as invalid;
+- a non-finite depth/confidence map with a finite pose: its outputs are dropped and
+  counted as invalid; the cache keeps the frame (the tokens behind the pose are sound);
+- an exception from the model (e.g. out of memory): logged, the frames it consumed
+  count as ``frames_dropped_error``, the session, path and map are reset (a new
+  sequence = a new world frame), state ERROR, then INITIALIZING.
+"""
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from ..config import SPECIAL_TOKENS
+from ..geometry import select_points, unproject_depth
+from ..io.export import write_ply, write_tum
+from ..io.preprocess import PATCH_SIZE, preprocess_array
+from ..stream.session import FrameResult, SessionError
+from .conversions import optical_pose_to_map, points_to_map
+from .mapping import MapAccumulator, PoseEntry, Trajectory
+from .params import NodeSettings
+from .worker import Command, Counters, RateMeter, Throttle, WorkQueue
+
+WARN_PERIOD = 5.0  # seconds between two warnings of one kind
+HEARTBEAT_PERIOD = 1.0  # longest silence of ~/status
+MAP_FILE, TRAJECTORY_FILE = "map.ply", "trajectory.tum"
+
+
+class State(enum.IntEnum):
+    """Mirrors the STATE_* constants of lingbot_map_ros/msg/Status."""
+
+    INITIALIZING = 0
+    TRACKING = 1
+    WAITING_FOR_IMAGES = 2
+    RESETTING = 3
+    ERROR = 4
+
+
+class Logger(Protocol):
+    def debug(self, message: str) -> Any: ...
+    def info(self, message: str) -> Any: ...
+    def warning(self, message: str) -> Any: ...
+    def error(self, message: str) -> Any: ...
+
+
+@dataclass
+class InputFrame:
+    """A converted image waiting for inference."""
+
+    rgb: np.ndarray  # [H, W, 3] uint8 RGB, as received
+    stamp: Any  # the image's builtin_interfaces/Time
+    stamp_s: float  # the same, in seconds
+    camera_frame: str  # optical frame id of the image
+    convert_ms: float = 0.0  # message -> array time
+    preprocess_ms: float = 0.0  # set by the engine
+
+
+@dataclass
+class FrameOutput:
+    """What the sink publishes for one processed frame (map frame, image stamp)."""
+
+    frame_index: int  # 1-based since start/reset
+    stamp: Any
+    stamp_s: float
+    camera_frame: str
+    is_keyframe: bool
+    T_map_cam: np.ndarray  # [4, 4] camera optical frame -> map
+    intrinsics: np.ndarray  # [3, 3] at the depth resolution, pixels
+    depth: np.ndarray | None  # [H, W] float32 z-depth, NaN where not > 0; None when nobody wants it
+    points: np.ndarray | None  # [N, 3] float32 in the map frame; None when not computed
+    colors: np.ndarray | None  # [N, 3] uint8 RGB
+    confidence: np.ndarray | None  # [N] float32
+
+
+@dataclass
+class StatusFields:
+    """Fields of lingbot_map_ros/msg/Status except the header (same names)."""
+
+    state: int = 0
+    state_text: str = ""
+    frame_index: int = 0
+    window_index: int = 0
+    is_keyframe: bool = False
+    deferred_eviction: bool = False
+    pending_evictions: int = 0
+    stored_frames: int = 0
+    temporal_index: int = 0
+    scale_pages: int = 0
+    window_pages: int = 0
+    free_pages: int = 0
+    special_tokens: int = 0
+    latency_preprocess_ms: float = 0.0
+    latency_model_ms: float = 0.0
+    latency_postprocess_ms: float = 0.0
+    latency_publish_ms: float = 0.0
+    latency_total_ms: float = 0.0
+    gpu_memory_allocated_mb: float = 0.0
+    gpu_memory_reserved_mb: float = 0.0
+    frames_received: int = 0
+    frames_processed: int = 0
+    frames_dropped_stale: int = 0
+    frames_dropped_invalid: int = 0
+    frames_dropped_error: int = 0
+
+
+class Sink(Protocol):
+    def wants(self, output: str) -> bool:
+        """Whether anyone consumes ``output`` ("points" or "depth") right now."""
+
+    def publish_frame(self, out: FrameOutput) -> None: ...
+    def publish_path(self, entries: list[PoseEntry]) -> None: ...
+    def publish_status(self, status: StatusFields, stamp: Any) -> None: ...
+
+
+class SaveError(RuntimeError):
+    """~/save_map cannot write what was asked."""
+
+
+@dataclass
+class _Latency:
+    preprocess: float = 0.0
+    model: float = 0.0
+    postprocess: float = 0.0
+    publish: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+class InferenceEngine:
+    """Owns the session and the node's per-sequence memory; runs on one thread."""
+
+    def __init__(self, session, settings: NodeSettings, sink: Sink, log: Logger,
+                 now: Callable[[], float], monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.session = session
+        self.settings = settings
+        self.sink = sink
+        self.log = log
+        self.now = now  # ROS time in seconds (image stamps live on this clock)
+        self.monotonic = monotonic
+        self.queue = WorkQueue()
+        self.counters = Counters()
+        self.input_rate = RateMeter(clock=monotonic)
+        self.output_rate = RateMeter(clock=monotonic)
+        self.throttle = Throttle(WARN_PERIOD, clock=monotonic)
+        self.trajectory = Trajectory(settings.path_max_length)
+        self.map = MapAccumulator(settings.map_voxel_size, settings.map_max_points) \
+            if settings.accumulate_map else None
+        self.state = State.WAITING_FOR_IMAGES
+        self.state_text = "ready, waiting for images"
+        self.last_stats = session.stats()
+        self.last_intrinsics: tuple[np.ndarray, int, int] | None = None  # K, width, height of the model input
+        self._collected: list[InputFrame] = []  # pushed, waiting for their (scale-frame) results
+        self._resolution: tuple[int, int] | None = None  # (H, W) of the current sequence
+        self._last_stamp: Any = None
+        self._last_index = 0  # 1-based index of the last processed frame
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._warned_thinning = False
+        self._last_status_time = -float("inf")
+
+    # ------------------------------------------------------------------ producer side (any thread)
+    def submit_frame(self, frame: InputFrame) -> None:
+        """Offer a converted frame; a frame still waiting is replaced and counted as stale."""
+        self.counters.add("frames_received")
+        self.input_rate.tick()
+        if self.queue.put_frame(frame) is not None:
+            self.counters.add("frames_dropped_stale")
+
+    def reject_frame(self, stamp: Any, reason: str) -> None:
+        """Count an image that could not be converted; warn (throttled) and report it in a status."""
+        self.counters.add("frames_received")
+        self.counters.add("frames_dropped_invalid")
+        self.input_rate.tick()
+        self.throttle.emit(self.log.warning, f"dropped invalid image: {reason}")
+        self.submit("status", lambda: self._publish_status(f"dropped invalid image: {reason}", stamp))
+
+    def submit(self, name: str, fn: Callable[[], Any]) -> Command:
+        """Queue ``fn`` to run on the inference thread between frames; wait on the result."""
+        return self.queue.put_command(Command(name, fn))
+
+    def heartbeat(self) -> Command:
+        """Queue a status publication (state WAITING_FOR_IMAGES when the input went quiet)."""
+        return self.submit("heartbeat", self._heartbeat)
+
+    def seconds_since_input(self) -> float | None:
+        last = self.input_rate.last()
+        return None if last is None else self.monotonic() - last
+
+    # ------------------------------------------------------------------ thread
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name="lingbot_map_inference", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stop.set()
+        self.queue.close()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.run_once(0.1)
+
+    def run_once(self, timeout: float = 0.0) -> bool:
+        """Process one queued item; False when nothing came within ``timeout`` seconds."""
+        item = self.queue.get(timeout)
+        if item is None:
+            return False
+        if isinstance(item, Command):
+            item.run()
+        else:
+            try:
+                self._process(item)
+            except Exception as exc:  # never let the inference thread die
+                self.log.error(f"unexpected error while handling a frame: {type(exc).__name__}: {exc}")
+        return True
+
+    # ------------------------------------------------------------------ frames
+    def _process(self, frame: InputFrame) -> None:
+        s = self.settings
+        if s.max_frame_age > 0 and self.now() - frame.stamp_s > s.max_frame_age:
+            self.counters.add("frames_dropped_stale")
+            self.throttle.emit(self.log.warning, f"dropped a frame older than max_frame_age={s.max_frame_age} s "
+                                                 f"(age {self.now() - frame.stamp_s:.2f} s)", kind="too old")
+            return
+        t0 = time.perf_counter()
+        try:
+            image = preprocess_array(frame.rgb, s.image_width)
+        except ValueError as exc:
+            return self._drop_invalid(frame.stamp, f"cannot preprocess the image: {exc}")
+        h, w = image.shape[1:]
+        if (h // PATCH_SIZE) * (w // PATCH_SIZE) < SPECIAL_TOKENS:
+            return self._drop_invalid(frame.stamp, f"image {frame.rgb.shape[1]}x{frame.rgb.shape[0]} gives a model "
+                                      f"input of {w}x{h}, fewer than {SPECIAL_TOKENS} patches")
+        if self._resolution is not None and (h, w) != self._resolution:
+            return self._drop_invalid(frame.stamp, f"image size changed: {frame.rgb.shape[1]}x{frame.rgb.shape[0]} "
+                                      f"gives model input {w}x{h}, the sequence uses {self._resolution[1]}x"
+                                      f"{self._resolution[0]}; call ~/reset to start a new sequence")
+        frame.preprocess_ms = frame.convert_ms + (time.perf_counter() - t0) * 1e3
+        self._last_stamp = frame.stamp
+        self._collected.append(frame)
+        try:
+            results = self.session.push(image)
+        except Exception as exc:
+            return self._on_inference_error(exc)
+        self._resolution = (h, w)
+        if not results:
+            n, total = len(self._collected), self.session.cfg.num_scale_frames
+            self._set_state(State.INITIALIZING, f"collecting scale frames {n}/{total}")
+            self._publish_status(self.state_text, frame.stamp, frame_index=self.session.frames_pushed + n)
+            return
+        frames, self._collected = self._collected[:len(results)], self._collected[len(results):]
+        self._handle_results(results, frames)
+
+    def _handle_results(self, results: list[FrameResult], frames: list[InputFrame]) -> None:
+        stored = results[0].is_keyframe
+        bad = [r.frame_index + 1 for r in results if not np.isfinite(r.c2w).all()]
+        if bad:
+            note = "kept out of the cache"
+            if stored:
+                try:
+                    self.session.rollback_last_frame(results[-1].frame_index)
+                    note = "rolled back from the cache"
+                except SessionError as exc:
+                    note = f"could not be rolled back ({exc})"
+            dropped = len(results) if stored else len(bad)
+            self.counters.add("frames_dropped_invalid", dropped)
+            self.throttle.emit(self.log.warning, f"non-finite pose from the model for frame(s) {bad}: "
+                               f"{dropped} frame(s) dropped and {note}", kind="non-finite pose")
+            if self.session.frames_pushed == 0:
+                self._resolution = None
+            self._publish_status(f"dropped frame(s) {bad}: non-finite pose", frames[-1].stamp)
+            return
+        if stored and self.map is not None:
+            self.map.protect_from(results[0].frame_index)
+        published = False
+        for r, frame in zip(results, frames):
+            published |= self._publish_result(r, frame)
+        if published and self.settings.publish_path:
+            self.sink.publish_path(self.trajectory.entries())
+        self.last_stats = self.session.stats()
+
+    def _publish_result(self, r: FrameResult, frame: InputFrame) -> bool:
+        s = self.settings
+        t0 = time.perf_counter()
+        if r.depth is not None and not (np.isfinite(r.depth).all() and np.isfinite(r.confidence).all()):
+            self.counters.add("frames_dropped_invalid")
+            self.throttle.emit(self.log.warning, f"non-finite depth from the model for frame {r.frame_index + 1}: "
+                               "outputs dropped (the frame stays in the cache)", kind="non-finite depth")
+            self._publish_status("dropped: non-finite depth", frame.stamp, frame_index=r.frame_index + 1)
+            return False
+        T_map_cam = optical_pose_to_map(r.c2w)
+        points = colors = conf = None
+        need_points = r.depth is not None and (self.map is not None or self.sink.wants("points"))
+        if need_points:
+            world = unproject_depth(r.depth, r.intrinsics, r.c2w)  # [H, W, 3] OpenCV world
+            rgb = np.clip(np.rint(r.image.transpose(1, 2, 0) * 255.0), 0, 255).astype(np.uint8)
+            pts, colors, conf = select_points(world, rgb, r.confidence, s.conf_threshold, s.point_stride)
+            points = points_to_map(pts.astype(np.float32))
+            conf = conf.astype(np.float32)
+            if self.map is not None:
+                self.map.add(r.frame_index, points, colors)
+                self._warn_if_thinned()
+        depth = None
+        if r.depth is not None and self.sink.wants("depth"):
+            depth = np.where(r.depth > 0, r.depth, np.nan).astype(np.float32)
+        h, w = r.image.shape[1:]
+        self.last_intrinsics = (r.intrinsics, w, h)
+        index = r.frame_index + 1
+        self.trajectory.append(PoseEntry(r.frame_index, frame.stamp, frame.stamp_s, T_map_cam))
+        t1 = time.perf_counter()
+        self.sink.publish_frame(FrameOutput(index, frame.stamp, frame.stamp_s, frame.camera_frame, r.is_keyframe,
+                                            T_map_cam, r.intrinsics, depth, points, colors, conf))
+        t2 = time.perf_counter()
+        self.counters.add("frames_processed")
+        self.output_rate.tick()
+        self._last_index = index
+        self._set_state(State.TRACKING, "tracking")
+        latency = _Latency(preprocess=frame.preprocess_ms, model=r.timings.get("model_ms", 0.0),
+                           postprocess=r.timings.get("postprocess_ms", 0.0) + (t1 - t0) * 1e3,
+                           publish=(t2 - t1) * 1e3)
+        self._publish_status(self.state_text, frame.stamp, frame_index=index, is_keyframe=r.is_keyframe,
+                             latency=latency, stamp_s=frame.stamp_s)
+        return True
+
+    def _warn_if_thinned(self) -> None:
+        if self.map is not None and self.map.thinned and not self._warned_thinning:
+            self._warned_thinning = True
+            self.log.warning(f"the map reached map_max_points={self.settings.map_max_points}: its older part is "
+                             "thinned uniformly; raise map_voxel_size or map_max_points for a denser map")
+
+    def _drop_invalid(self, stamp: Any, reason: str) -> None:
+        self.counters.add("frames_dropped_invalid")
+        self.throttle.emit(self.log.warning, f"dropped invalid image: {reason}")
+        self._publish_status(f"dropped invalid image: {reason}", stamp)
+
+    def _on_inference_error(self, exc: Exception) -> None:
+        lost = len(self._collected)
+        self.counters.add("frames_dropped_error", lost)
+        text = f"inference failed: {type(exc).__name__}: {exc}"
+        self.log.error(f"{text}; {lost} frame(s) lost, resetting the session (a new sequence starts)")
+        stamp = self._collected[-1].stamp if self._collected else self._last_stamp
+        self._set_state(State.ERROR, text)
+        self._publish_status(text, stamp)
+        try:
+            self._clear_sequence()
+            _release_device_memory(self.session)
+        except Exception as reset_exc:
+            self._set_state(State.ERROR, f"{text}; reset failed: {type(reset_exc).__name__}: {reset_exc}")
+            self.log.error(self.state_text)
+            self._publish_status(self.state_text, stamp)
+            return
+        self._set_state(State.INITIALIZING, f"recovered from: {text}; waiting for scale frames")
+        self._publish_status(self.state_text, stamp)
+
+    def _clear_sequence(self) -> None:
+        self.session.reset()
+        self._collected.clear()
+        self._resolution = None
+        self._last_index = 0
+        self.trajectory.clear()
+        if self.map is not None:
+            self.map.clear()
+        if self.settings.publish_path:
+            self.sink.publish_path([])
+        self.last_stats = self.session.stats()
+
+    # ------------------------------------------------------------------ commands (inference thread)
+    def reset(self) -> str:
+        """Empty the cache, path, map and counters; the next image starts a new sequence."""
+        self._set_state(State.RESETTING, "resetting")
+        self._publish_status(self.state_text, self._last_stamp)
+        self._clear_sequence()
+        self.counters.reset()
+        self.input_rate.clear()
+        self.output_rate.clear()
+        self._last_stamp = None
+        self._set_state(State.WAITING_FOR_IMAGES, "reset; waiting for images")
+        self._publish_status(self.state_text, None)
+        return "cache, path, map and counters cleared; the next image starts a new sequence"
+
+    def set_deferred_eviction(self, enabled: bool) -> str:
+        self.session.set_deferred_eviction(enabled)
+        self.last_stats = self.session.stats()
+        self._publish_status(self.state_text, self._last_stamp)
+        pending = self.last_stats.pending_evictions if self.last_stats else 0
+        return f"deferred eviction {'on' if enabled else 'off'} ({pending} eviction(s) pending)"
+
+    def commit_eviction(self) -> int:
+        freed = self.session.commit_eviction()
+        self.last_stats = self.session.stats()
+        self._publish_status(self.state_text, self._last_stamp)
+        return freed
+
+    def rollback(self, expected_frame_index: int) -> int:
+        """Undo the last stored frame (1-based ``expected_frame_index``; 0 = the latest).
+
+        Removes its tokens from the cache and, with it, the points and poses of every frame
+        the session forgot. Returns its 1-based index; raises SessionError (nothing changed).
+        """
+        expected = None if expected_frame_index == 0 else expected_frame_index - 1
+        index = self.session.rollback_last_frame(expected)
+        forgotten_from = self.session.frames_pushed
+        removed = self.trajectory.remove_from(forgotten_from)
+        if self.map is not None:
+            self.map.remove_from(forgotten_from)
+            self.map.protect_from(forgotten_from)
+        if forgotten_from == 0:
+            self._resolution = None
+        self._last_index = min(self._last_index, forgotten_from)
+        self.last_stats = self.session.stats()
+        if self.settings.publish_path and removed:
+            self.sink.publish_path(self.trajectory.entries())
+        self._publish_status(f"rolled back frame {index + 1}", self._last_stamp, frame_index=self._last_index)
+        return index + 1
+
+    def save_map(self, directory: str) -> tuple[Path, Path]:
+        """Write the map (PLY, map frame) and the trajectory (TUM: image stamp, camera optical frame
+        in the map frame) into ``directory`` (default: the output_directory parameter)."""
+        if self.map is None:
+            raise SaveError("the map is not accumulated (accumulate_map is false); nothing to save")
+        out = Path(directory or self.settings.output_directory).expanduser().resolve()
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            points, colors, _ = self.map.snapshot()
+            ply, tum = out / MAP_FILE, out / TRAJECTORY_FILE
+            write_ply(ply, points, colors)
+            write_tum(tum, self.trajectory.stamps(), self.trajectory.poses())
+        except OSError as exc:
+            raise SaveError(f"cannot write to {out}: {exc}") from None
+        return ply, tum
+
+    # ------------------------------------------------------------------ status
+    def _heartbeat(self) -> None:
+        """Publish a status when none went out for HEARTBEAT_PERIOD (or the input went quiet)."""
+        quiet = self.seconds_since_input()
+        changed = False
+        if self.state not in (State.ERROR, State.RESETTING) and not self.queue.pending_frame() and (
+                quiet is None or quiet > self.settings.input_timeout):
+            waited = "no image received yet" if quiet is None else f"no image for {quiet:.1f} s"
+            changed = self.state != State.WAITING_FOR_IMAGES
+            self._set_state(State.WAITING_FOR_IMAGES, waited)
+        if changed or self.monotonic() - self._last_status_time >= HEARTBEAT_PERIOD:
+            self._publish_status(self.state_text, self._last_stamp)
+
+    def _set_state(self, state: State, text: str) -> None:
+        self.state, self.state_text = state, text
+
+    def _publish_status(self, text: str, stamp: Any, frame_index: int | None = None, is_keyframe: bool = False,
+                        latency: _Latency | None = None, stamp_s: float | None = None) -> None:
+        stats = self.session.stats()
+        c = self.counters.snapshot()
+        st = StatusFields(state=int(self.state), state_text=text,
+                          frame_index=self._last_index if frame_index is None else frame_index,
+                          is_keyframe=is_keyframe, deferred_eviction=bool(self.session.deferred_eviction),
+                          frames_received=c.frames_received, frames_processed=c.frames_processed,
+                          frames_dropped_stale=c.frames_dropped_stale,
+                          frames_dropped_invalid=c.frames_dropped_invalid,
+                          frames_dropped_error=c.frames_dropped_error)
+        if stats is not None:
+            st.pending_evictions, st.stored_frames = stats.pending_evictions, stats.resident_frames
+            st.temporal_index, st.scale_pages = stats.temporal_index, stats.scale_pages
+            st.window_pages, st.free_pages = stats.window_pages, stats.free_pages
+            st.special_tokens = stats.special_tokens
+        if latency is not None:
+            st.latency_preprocess_ms, st.latency_model_ms = latency.preprocess, latency.model
+            st.latency_postprocess_ms, st.latency_publish_ms = latency.postprocess, latency.publish
+            if stamp_s is not None:
+                st.latency_total_ms = max(0.0, (self.now() - stamp_s) * 1e3)
+        st.gpu_memory_allocated_mb, st.gpu_memory_reserved_mb = _device_memory_mb(self.session)
+        self.sink.publish_status(st, stamp)
+        self._last_status_time = self.monotonic()
+
+
+def _device_memory_mb(session) -> tuple[float, float]:
+    device = getattr(session, "device", None)
+    if device is None or getattr(device, "type", "cpu") != "cuda":
+        return 0.0, 0.0
+    import torch
+
+    return torch.cuda.memory_allocated(device) / 2**20, torch.cuda.memory_reserved(device) / 2**20
+
+
+def _release_device_memory(session) -> None:
+    device = getattr(session, "device", None)
+    if device is not None and getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+__all__ = ["InferenceEngine", "InputFrame", "FrameOutput", "StatusFields", "State", "Sink", "SaveError",
+           "MAP_FILE", "TRAJECTORY_FILE"]

@@ -1,0 +1,453 @@
+"""``lingbot_map_node``: the ROS 2 shell around the streaming session.
+
+    python -m lingbot_map_ros.ros.node --ros-args --params-file config/lingbot_map.yaml
+    ros2 launch lingbot_map_ros lingbot_map.launch.py checkpoint:=/path/lingbot-map.pt
+
+Interface (node-private names resolve to ``/<namespace>/<node name>/...``):
+
+- Subscriptions: ``image`` (sensor_msgs/Image) or ``image/compressed``
+  (sensor_msgs/CompressedImage, JPEG/PNG) by ``input_transport``; ``camera_info``
+  (latest cached, never synchronised; only reported in /diagnostics next to the
+  model's own focal estimate). QoS: sensor data (best effort) unless
+  ``input_qos:=reliable``.
+- Publications, all stamped with the IMAGE's stamp: ``~/odometry``, ``~/pose``,
+  ``~/path`` (reliable, transient local, ``path_max_length`` poses), ``~/points``
+  (per-frame cloud: x, y, z, rgb, confidence), ``~/map_points`` (accumulated,
+  voxel-downsampled, transient local, at most ``map_publish_rate`` Hz and
+  ``map_max_points`` points), ``~/depth`` (32FC1, model units, NaN where not > 0)
+  and ``~/depth/camera_info`` (estimated intrinsics at the depth resolution),
+  ``~/status`` (lingbot_map_ros/msg/Status: one per input frame consumed, plus a
+  1 Hz heartbeat), ``/diagnostics`` (1 Hz) and TF (see ``tf_tools``).
+- Services (run on the inference thread between frames, in arrival order):
+  ``~/reset``, ``~/set_deferred_eviction``, ``~/commit_eviction``,
+  ``~/rollback_last_frame``, ``~/save_map``.
+
+Frames. The model's world ``W`` is the first camera of the sequence in OpenCV
+optical axes (x right, y down, z forward). It is published as the REP-103 map
+frame ``map_frame``: same origin, axes x = forward (optical z), y = left
+(-optical x), z = up (-optical y) of the first camera (``conversions.
+OPTICAL_TO_REP103``). So a level first camera gives a map with z up; a tilted one
+gives a map tilted the same way. Poses (~/pose, ~/odometry, ~/path, the saved TUM
+file) are ``T_map_cam`` of the camera's OPTICAL frame (child_frame_id = the image's
+frame_id or ``camera_frame``); points are map-frame coordinates; depth and its
+camera_info are in the optical frame. Units are the model's (metre-like, not
+guaranteed metric). A reset (service, or recovery from an error) starts a new map
+at the next first camera.
+
+Threads. Image callbacks only convert the message and put it in a depth-1
+latest-frame slot (a frame still waiting is replaced and counted as stale); one
+inference thread (``engine.InferenceEngine``) runs the model and publishes.
+Service callbacks (reentrant group) queue a command and wait for it with
+``service_timeout``. Skipped when nobody listens: per-frame clouds, depth; the
+map is still accumulated when ``accumulate_map`` (``~/save_map`` needs it).
+
+Start-up. Parameters map onto ModelConfig/StreamConfig in ``params.resolve_settings``
+(each value logged); the model is loaded in ``_load_session``. A bad parameter,
+checkpoint or backend ends the process with exit status 1 and one error line.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import asdict
+from typing import Any
+
+import rclpy
+from builtin_interfaces.msg import Time as TimeMsg
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
+from geometry_msgs.msg import PoseStamped
+from nav_msgs.msg import Odometry, Path
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.exceptions import ParameterException
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.node import Node
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from sensor_msgs.msg import CameraInfo, CompressedImage, Image, PointCloud2
+from std_msgs.msg import Header
+from std_srvs.srv import SetBool, Trigger
+
+from lingbot_map_ros.msg import Status
+from lingbot_map_ros.srv import CommitEviction, RollbackFrame, SaveMap
+
+from ..config import ConfigError
+from .conversions import (camera_info_msg, compressed_to_rgb, depth_to_image_msg, image_to_rgb, make_pointcloud2,
+                          odometry_msg, pose_to_msg)
+from .engine import FrameOutput, InferenceEngine, InputFrame, StatusFields
+from .mapping import PoseEntry
+from .params import DEFAULT_CAMERA_FRAME, PARAMETERS, NodeSettings, Param, resolve_settings
+from .tf_tools import TfOutput
+from .worker import Command
+
+NODE_NAME = "lingbot_map"
+EXECUTOR_THREADS = 4
+
+
+class StartupError(RuntimeError):
+    """The node cannot start; the message says why (logged as one line, exit status 1)."""
+
+
+def descriptor(p: Param) -> ParameterDescriptor:
+    """ParameterDescriptor with the description, range or choices of ``p`` (read-only)."""
+    d = ParameterDescriptor(description=p.description, read_only=True)
+    if p.choices is not None:
+        d.additional_constraints = "one of: " + ", ".join(p.choices)
+    if p.limits is not None:
+        lo, hi, step = p.limits
+        if isinstance(p.default, bool):
+            pass
+        elif isinstance(p.default, int):
+            d.integer_range = [IntegerRange(from_value=int(lo), to_value=int(hi), step=int(step))]
+        else:
+            d.floating_point_range = [FloatingPointRange(from_value=float(lo), to_value=float(hi), step=float(step))]
+    return d
+
+
+def stamp_seconds(stamp: TimeMsg) -> float:
+    return stamp.sec + stamp.nanosec * 1e-9
+
+
+def _qos(reliable: bool = True, latched: bool = False, depth: int = 10) -> QoSProfile:
+    return QoSProfile(depth=depth,
+                      reliability=ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT,
+                      durability=DurabilityPolicy.TRANSIENT_LOCAL if latched else DurabilityPolicy.VOLATILE)
+
+
+class _ForwardToRos(logging.Handler):
+    """Sends the library's Python log records (model loading, cache sizes) to the node's logger."""
+
+    def __init__(self, logger) -> None:
+        super().__init__()
+        self._logger = logger
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = f"[{record.name.rsplit('.', 1)[-1]}] {record.getMessage()}"
+        level = record.levelno
+        log = (self._logger.error if level >= logging.ERROR else self._logger.warning if level >= logging.WARNING
+               else self._logger.info if level >= logging.INFO else self._logger.debug)
+        log(text)
+
+
+class RosOutputs:
+    """The engine's sink: builds and publishes the messages (called from the inference thread)."""
+
+    def __init__(self, node: Node, settings: NodeSettings) -> None:
+        s = self.settings = settings
+        self.node = node
+        self.status = node.create_publisher(Status, "~/status", _qos(depth=20))
+        self.pose = node.create_publisher(PoseStamped, "~/pose", _qos()) if s.publish_pose else None
+        self.odometry = node.create_publisher(Odometry, "~/odometry", _qos()) if s.publish_odometry else None
+        self.path = node.create_publisher(Path, "~/path", _qos(latched=True, depth=1)) if s.publish_path else None
+        self.points = node.create_publisher(PointCloud2, "~/points", _qos(depth=2)) if s.publish_points else None
+        self.map_points = node.create_publisher(PointCloud2, "~/map_points", _qos(latched=True, depth=1)) \
+            if s.publish_map and s.accumulate_map else None
+        self.depth = self.depth_info = None
+        if s.publish_depth:
+            self.depth = node.create_publisher(Image, "~/depth", _qos(depth=2))
+            self.depth_info = node.create_publisher(CameraInfo, "~/depth/camera_info", _qos(depth=2))
+        self.tf = TfOutput(node, s, node.get_logger().warning) if s.publish_tf else None
+        self.latest_stamp = TimeMsg()
+
+    def wants(self, output: str) -> bool:
+        if output == "points":
+            return self.points is not None and self.points.get_subscription_count() > 0
+        if output == "depth":
+            return self.depth is not None and (self.depth.get_subscription_count() > 0
+                                               or self.depth_info.get_subscription_count() > 0)
+        raise ValueError(f"unknown output {output!r}")
+
+    def publish_frame(self, out: FrameOutput) -> None:
+        s = self.settings
+        self.latest_stamp = out.stamp
+        in_map = Header(stamp=out.stamp, frame_id=s.map_frame)
+        if self.pose is not None:
+            self.pose.publish(PoseStamped(header=in_map, pose=pose_to_msg(out.T_map_cam)))
+        if self.odometry is not None:
+            self.odometry.publish(odometry_msg(out.T_map_cam, in_map, out.camera_frame))
+        if self.tf is not None:
+            self.tf.publish(out.T_map_cam, out.stamp, out.camera_frame)
+        if out.points is not None and self.wants("points"):
+            self.points.publish(make_pointcloud2(out.points, out.colors, out.confidence, in_map))
+        if out.depth is not None and self.depth is not None:
+            in_camera = Header(stamp=out.stamp, frame_id=out.camera_frame)
+            height, width = out.depth.shape
+            self.depth.publish(depth_to_image_msg(out.depth, in_camera))
+            self.depth_info.publish(camera_info_msg(out.intrinsics, width, height, in_camera))
+
+    def publish_path(self, entries: list[PoseEntry]) -> None:
+        if self.path is None:
+            return
+        for e in entries:
+            if e.message is None:
+                e.message = PoseStamped(header=Header(stamp=e.stamp, frame_id=self.settings.map_frame),
+                                        pose=pose_to_msg(e.T_map_cam))
+        stamp = entries[-1].stamp if entries else self.latest_stamp
+        self.path.publish(Path(header=Header(stamp=stamp, frame_id=self.settings.map_frame),
+                               poses=[e.message for e in entries]))
+
+    def publish_status(self, status: StatusFields, stamp: Any) -> None:
+        msg = Status(header=Header(stamp=stamp if stamp is not None else TimeMsg(), frame_id=self.settings.map_frame),
+                     **asdict(status))
+        self.status.publish(msg)
+
+
+class LingBotMapNode(Node):
+    """See the module docstring. Raises StartupError when it cannot start."""
+
+    def __init__(self, node_name: str = NODE_NAME, **kwargs) -> None:
+        super().__init__(node_name, **kwargs)
+        log = self.get_logger()
+        self._log_handler = _ForwardToRos(log)
+        logging.getLogger("lingbot_map_ros").addHandler(self._log_handler)
+        logging.getLogger("lingbot_map_ros").setLevel(logging.INFO)
+        self.settings = self._read_parameters()
+        s = self.settings
+        self.outputs = RosOutputs(self, s)
+        self.outputs.publish_status(StatusFields(state=0, state_text="loading the model"), None)
+        session = self._load_session()
+        self.engine = InferenceEngine(session, s, self.outputs, log, now=self._now)
+
+        self._input_group = MutuallyExclusiveCallbackGroup()
+        self._timer_group = MutuallyExclusiveCallbackGroup()
+        self._service_group = ReentrantCallbackGroup()
+        self.camera_info: CameraInfo | None = None
+        qos = qos_profile_sensor_data if s.input_qos == "sensor_data" else _qos(depth=5)
+        if s.input_transport == "compressed":
+            self.image_sub = self.create_subscription(CompressedImage, "image/compressed", self._on_compressed, qos,
+                                                      callback_group=self._input_group)
+        else:
+            self.image_sub = self.create_subscription(Image, "image", self._on_image, qos,
+                                                      callback_group=self._input_group)
+        self.camera_info_sub = self.create_subscription(CameraInfo, "camera_info", self._on_camera_info,
+                                                        qos_profile_sensor_data, callback_group=self._input_group)
+        self.diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", _qos())
+        self._services = [
+            self.create_service(Trigger, "~/reset", self._srv_reset, callback_group=self._service_group),
+            self.create_service(SetBool, "~/set_deferred_eviction", self._srv_set_deferred,
+                                callback_group=self._service_group),
+            self.create_service(CommitEviction, "~/commit_eviction", self._srv_commit,
+                                callback_group=self._service_group),
+            self.create_service(RollbackFrame, "~/rollback_last_frame", self._srv_rollback,
+                                callback_group=self._service_group),
+            self.create_service(SaveMap, "~/save_map", self._srv_save_map, callback_group=self._service_group),
+        ]
+        self._heartbeat: Command | None = None
+        self._map_version = -1
+        self._timers = [self.create_timer(1.0, self._on_second, callback_group=self._timer_group)]
+        if self.outputs.map_points is not None and s.map_publish_rate > 0:
+            self._timers.append(self.create_timer(1.0 / s.map_publish_rate, self._on_map_timer,
+                                                  callback_group=self._timer_group))
+        self.engine.start()
+        log.info(f"ready: listening on {self.image_sub.topic_name} ({s.input_transport}, {s.input_qos} QoS), "
+                 f"device {s.stream.device}, backend {session.backend.name}, dtype {s.stream.dtype}")
+
+    # ------------------------------------------------------------------ start-up
+    def _read_parameters(self) -> NodeSettings:
+        try:
+            for p in PARAMETERS:
+                self.declare_parameter(p.name, p.default, descriptor(p))
+            values = {p.name: self.get_parameter(p.name).value for p in PARAMETERS}
+            return resolve_settings(values, log=self.get_logger().info)
+        except (ParameterException, ConfigError) as exc:
+            raise StartupError(f"invalid parameters: {exc}") from None
+
+    def _load_session(self):
+        """The one place the model is built: configs -> weights -> device -> session."""
+        from ..cache.attention import BackendUnavailable
+        from ..io.checkpoint import CheckpointError, load_model
+        from ..stream.session import StreamingSession
+
+        s = self.settings
+        if s.checkpoint is None:
+            self.get_logger().warning("checkpoint is empty: the model has RANDOM weights (seed "
+                                      f"{s.seed}); poses, depth and points are MEANINGLESS. Set the checkpoint "
+                                      "parameter to a .pt/.safetensors file or a Hugging Face id.")
+        t0 = time.perf_counter()
+        try:
+            model = load_model(s.model, s.checkpoint, s.stream.device, s.stream.dtype, seed=s.seed)
+            session = StreamingSession(model, s.stream)
+        except (CheckpointError, BackendUnavailable, ConfigError) as exc:
+            raise StartupError(str(exc)) from None
+        self.get_logger().info(f"model loaded in {time.perf_counter() - t0:.1f} s "
+                               f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)")
+        return session
+
+    def _now(self) -> float:
+        return self.get_clock().now().nanoseconds * 1e-9
+
+    # ------------------------------------------------------------------ input
+    def _camera_frame(self, header_frame: str) -> str:
+        s = self.settings
+        if s.camera_frame:
+            return s.camera_frame
+        if header_frame:
+            return header_frame
+        info = self.camera_info
+        return info.header.frame_id if info is not None and info.header.frame_id else DEFAULT_CAMERA_FRAME
+
+    def _on_image(self, msg: Image) -> None:
+        self._accept(msg, image_to_rgb)
+
+    def _on_compressed(self, msg: CompressedImage) -> None:
+        self._accept(msg, compressed_to_rgb)
+
+    def _accept(self, msg, convert) -> None:
+        t0 = time.perf_counter()
+        try:
+            rgb = convert(msg)
+        except Exception as exc:  # ImageConversionError, and anything odd a decoder raises
+            self.engine.reject_frame(msg.header.stamp, str(exc))
+            return
+        self.engine.submit_frame(InputFrame(rgb=rgb, stamp=msg.header.stamp, stamp_s=stamp_seconds(msg.header.stamp),
+                                            camera_frame=self._camera_frame(msg.header.frame_id),
+                                            convert_ms=(time.perf_counter() - t0) * 1e3))
+
+    def _on_camera_info(self, msg: CameraInfo) -> None:
+        self.camera_info = msg
+
+    # ------------------------------------------------------------------ services
+    def _run(self, name: str, fn) -> tuple[bool, Any, str]:
+        """Queue ``fn`` on the inference thread and wait for it: (ran successfully, result, error text)."""
+        timeout = self.settings.service_timeout
+        command = self.engine.submit(name, fn)
+        if not command.wait(timeout):
+            if command.cancel():
+                return False, None, f"timed out after {timeout:.1f} s waiting for the inference thread; not executed"
+            command.wait(timeout)
+        if command.state == Command.CANCELLED:
+            return False, None, "the node is shutting down; not executed"
+        if command.state != Command.DONE:
+            return False, None, f"still running after {2 * timeout:.1f} s"
+        if command.error is not None:
+            return False, None, str(command.error) or type(command.error).__name__
+        return True, command.result, ""
+
+    def _srv_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
+        ok, text, error = self._run("reset", self.engine.reset)
+        response.success, response.message = ok, text if ok else error
+        self.get_logger().info(f"~/reset: {response.message}")
+        return response
+
+    def _srv_set_deferred(self, request: SetBool.Request, response: SetBool.Response) -> SetBool.Response:
+        ok, text, error = self._run("set_deferred_eviction", lambda: self.engine.set_deferred_eviction(request.data))
+        response.success, response.message = ok, text if ok else error
+        return response
+
+    def _srv_commit(self, request, response):
+        ok, freed, error = self._run("commit_eviction", self.engine.commit_eviction)
+        response.success = ok
+        response.pages_freed = int(freed or 0)
+        response.message = (f"{freed} page(s) freed" if freed else "nothing was pending") if ok else error
+        return response
+
+    def _srv_rollback(self, request, response):
+        expected = int(request.expected_frame_index)
+        ok, index, error = self._run("rollback_last_frame", lambda: self.engine.rollback(expected))
+        response.success = ok
+        response.frame_index = int(index or 0)
+        response.message = f"rolled back frame {index}" if ok else f"nothing rolled back: {error}"
+        self.get_logger().info(f"~/rollback_last_frame({expected}): {response.message}")
+        return response
+
+    def _srv_save_map(self, request, response):
+        ok, paths, error = self._run("save_map", lambda: self.engine.save_map(request.directory))
+        response.success = ok
+        if ok:
+            ply, tum = paths
+            response.ply_path, response.trajectory_path = str(ply), str(tum)
+            response.message = f"wrote {ply} and {tum}"
+        else:
+            response.message = error
+        self.get_logger().info(f"~/save_map: {response.message}")
+        return response
+
+    # ------------------------------------------------------------------ timers
+    def _on_second(self) -> None:
+        if self._heartbeat is None or self._heartbeat.wait(0):
+            self._heartbeat = self.engine.heartbeat()
+        self.diagnostics.publish(self._diagnostics())
+
+    def _on_map_timer(self) -> None:
+        pub = self.outputs.map_points
+        if pub.get_subscription_count() == 0 or self.engine.map.version == self._map_version:
+            return
+        points, colors, version = self.engine.map.snapshot()
+        header = Header(stamp=self.outputs.latest_stamp, frame_id=self.settings.map_frame)
+        pub.publish(make_pointcloud2(points, colors, None, header))
+        self._map_version = version
+
+    def _diagnostics(self) -> DiagnosticArray:
+        s, e = self.settings, self.engine
+        c = e.counters.snapshot()
+        quiet = e.seconds_since_input()
+        topic = self.image_sub.topic_name
+        name = self.get_fully_qualified_name()
+        if quiet is None or quiet > s.input_timeout:
+            level = DiagnosticStatus.WARN
+            message = f"no image on {topic} " + ("yet" if quiet is None else f"for {quiet:.1f} s")
+        else:
+            level, message = DiagnosticStatus.OK, f"receiving images on {topic}"
+        values = {"topic": topic, "input rate (Hz)": f"{e.input_rate.rate():.2f}",
+                  "seconds since last image": "never" if quiet is None else f"{quiet:.1f}",
+                  "frames received": c.frames_received, "frames dropped (invalid)": c.frames_dropped_invalid}
+        info = self.camera_info
+        if info is not None and info.k[0] > 0 and e.last_intrinsics is not None:
+            K, width, _ = e.last_intrinsics
+            values["camera_info fx (input px)"] = f"{info.k[0]:.1f}"
+            values["estimated fx (input px)"] = f"{K[0, 0] * info.width / width:.1f}" if info.width else "n/a"
+        statuses = [_diag(f"{name}: input", level, message, values)]
+        out_level = DiagnosticStatus.ERROR if int(e.state) == Status.STATE_ERROR else DiagnosticStatus.OK
+        statuses.append(_diag(f"{name}: output", out_level, e.state_text, {
+            "state": e.state.name, "output rate (Hz)": f"{e.output_rate.rate():.2f}",
+            "frames processed": c.frames_processed, "frames dropped (stale)": c.frames_dropped_stale,
+            "frames dropped (error)": c.frames_dropped_error}))
+        stats = e.last_stats
+        if stats is None:
+            statuses.append(_diag(f"{name}: cache", DiagnosticStatus.OK, "not allocated yet (no frame)", {}))
+        else:
+            used = stats.scale_pages + stats.window_pages
+            total = used + stats.free_pages
+            cache_level = DiagnosticStatus.WARN if stats.free_pages == 0 and stats.deferred else DiagnosticStatus.OK
+            statuses.append(_diag(f"{name}: cache", cache_level, f"{used}/{total} pages in use", {
+                "occupancy (%)": f"{100.0 * used / max(total, 1):.1f}", "stored frames": stats.resident_frames,
+                "scale pages": stats.scale_pages, "window pages": stats.window_pages, "free pages": stats.free_pages,
+                "pending evictions": stats.pending_evictions, "deferred eviction": stats.deferred}))
+        return DiagnosticArray(header=Header(stamp=self.get_clock().now().to_msg()), status=statuses)
+
+    # ------------------------------------------------------------------ shutdown
+    def shutdown(self) -> None:
+        self.engine.stop()
+        logging.getLogger("lingbot_map_ros").removeHandler(self._log_handler)
+
+
+def _diag(name: str, level: bytes, message: str, values: dict) -> DiagnosticStatus:
+    return DiagnosticStatus(level=level, name=name, message=message, hardware_id=NODE_NAME,
+                            values=[KeyValue(key=k, value=str(v)) for k, v in values.items()])
+
+
+def main(args: list[str] | None = None) -> int:
+    """Console entry point ``lingbot_map_node``: exit status 0 on shutdown, 1 when it cannot start."""
+    rclpy.init(args=args if args is not None else sys.argv)
+    try:
+        node = LingBotMapNode()
+    except StartupError as exc:
+        rclpy.logging.get_logger(NODE_NAME).error(f"cannot start: {exc}")
+        rclpy.try_shutdown()
+        return 1
+    executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS)
+    executor.add_node(node)
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
+    finally:
+        node.shutdown()
+        executor.shutdown(timeout_sec=1.0)
+        node.destroy_node()
+        rclpy.try_shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

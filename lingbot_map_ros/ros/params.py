@@ -1,0 +1,240 @@
+"""The node's parameters: one table, one function mapping them onto the typed configs.
+
+Every parameter is declared from ``PARAMETERS`` (name, default, description, range
+or choices); ``resolve_settings`` turns the values into ``NodeSettings`` (holding
+``ModelConfig`` and ``StreamConfig``) and logs each resolved value once. Neither
+imports rclpy, so the mapping is tested without a graph. All parameters are read
+once at start (declared read-only): restart the node to change them.
+
+Streaming parameters (num_scale_frames, sliding_window, ...) are authoritative;
+``model_config`` only supplies the architecture. Streaming keys found in that JSON
+are reported when they differ from the parameters, never silently applied.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+from ..config import BACKENDS, DTYPES, ConfigError, ModelConfig, StreamConfig, load_json
+
+INPUT_TRANSPORTS = ("raw", "compressed")
+INPUT_QOS = ("sensor_data", "reliable")
+TF_MODES = ("map_to_camera", "map_to_odom")
+
+
+@dataclass(frozen=True)
+class Param:
+    """One declared parameter. ``limits`` = (from, to, step) for numbers (step 0 = any);
+    ``choices`` for strings."""
+
+    name: str
+    default: Any
+    description: str
+    limits: tuple[float, float, float] | None = None
+    choices: tuple[str, ...] | None = None
+
+
+PARAMETERS: tuple[Param, ...] = (
+    # -- model and device
+    Param("checkpoint", "", "Checkpoint .pt/.safetensors path or Hugging Face id (org/repo[/file]); "
+          "empty = RANDOM weights (outputs meaningless, loud warning)"),
+    Param("model_config", "", "Model architecture JSON (e.g. the tiny fixture's config.json); "
+          "empty = the released LingBot-Map architecture"),
+    Param("device", "cpu", "Torch device: cpu, cuda or cuda:N"),
+    Param("backend", "auto", "Attention backend", choices=BACKENDS),
+    Param("dtype", "fp32", "Aggregator dtype and K/V cache dtype (heads stay fp32)", choices=DTYPES),
+    Param("seed", 0, "Seed of the random weights used when checkpoint is empty", limits=(0, 2**31 - 1, 1)),
+    Param("image_width", 518, "Model input width in pixels (multiple of 14); height follows the aspect ratio",
+          limits=(14, 4088, 14)),
+    # -- streaming policy
+    Param("num_scale_frames", 8, "Frames processed together first and pinned in the cache (scale anchor)",
+          limits=(1, 64, 1)),
+    Param("sliding_window", 64, "Keyframes kept in the FIFO window of the cache", limits=(1, 1024, 1)),
+    Param("keyframe_interval", 1, "Every N-th frame after the scale frames is stored in the cache",
+          limits=(1, 1000, 1)),
+    Param("camera_iterations", 4, "Refinement iterations of the camera head", limits=(1, 16, 1)),
+    Param("deferred_eviction", False, "Start with deferred eviction on (see ~/set_deferred_eviction)"),
+    Param("max_pending_evictions", 8, "Most evictions that may be deferred before commit (sizes the page pool)",
+          limits=(0, 1024, 1)),
+    # -- input
+    Param("input_transport", "raw", "Subscribe to `image` (raw sensor_msgs/Image) or `image/compressed` "
+          "(sensor_msgs/CompressedImage, JPEG/PNG)", choices=INPUT_TRANSPORTS),
+    Param("input_qos", "sensor_data", "QoS of the image subscription: sensor_data (best effort, takes both "
+          "best-effort and reliable publishers) or reliable", choices=INPUT_QOS),
+    Param("max_frame_age", 0.0, "Drop frames whose stamp is older than this many seconds when inference "
+          "reaches them (counted as stale); 0 = never", limits=(0.0, 3600.0, 0.0)),
+    Param("input_timeout", 5.0, "Seconds without an image before /diagnostics warns and the state becomes "
+          "WAITING_FOR_IMAGES", limits=(0.1, 3600.0, 0.0)),
+    Param("service_timeout", 30.0, "Seconds a service call waits for the inference thread to run it",
+          limits=(0.1, 3600.0, 0.0)),
+    # -- outputs
+    Param("conf_threshold", 1.5, "Points (per-frame cloud and map) need depth confidence above this",
+          limits=(0.0, 1000.0, 0.0)),
+    Param("point_stride", 10, "Keep every N-th point after the confidence threshold", limits=(1, 10000, 1)),
+    Param("accumulate_map", True, "Accumulate the voxel-downsampled map (needed by ~/map_points and "
+          "~/save_map) even when nobody subscribes"),
+    Param("map_voxel_size", 0.01, "Voxel edge of the accumulated map, model units; 0 = no downsampling",
+          limits=(0.0, 100.0, 0.0)),
+    Param("map_max_points", 1_000_000, "Upper bound on the accumulated map's points (oldest part thinned "
+          "beyond it)", limits=(1000, 100_000_000, 1)),
+    Param("map_publish_rate", 1.0, "Rate (Hz) of ~/map_points while the map changes; 0 = never",
+          limits=(0.0, 100.0, 0.0)),
+    Param("path_max_length", 5000, "Poses kept in ~/path (and the saved trajectory)",
+          limits=(1, 1_000_000, 1)),
+    Param("publish_odometry", True, "Publish ~/odometry"),
+    Param("publish_pose", True, "Publish ~/pose"),
+    Param("publish_path", True, "Publish ~/path"),
+    Param("publish_points", True, "Publish ~/points (per-frame cloud)"),
+    Param("publish_map", True, "Publish ~/map_points (accumulated cloud)"),
+    Param("publish_depth", True, "Publish ~/depth and ~/depth/camera_info"),
+    Param("output_directory", "lingbot_map_output", "Directory ~/save_map writes to when its request "
+          "names none (relative to the node's working directory)"),
+    # -- frames and TF
+    Param("publish_tf", True, "Broadcast the pose on TF (see tf_mode)"),
+    Param("tf_mode", "map_to_camera", "map_to_camera: map -> base_frame (or the camera frame); map_to_odom: "
+          "map -> odom_frame, given an external odom -> base_frame (needs tf2_ros)", choices=TF_MODES),
+    Param("map_frame", "map", "Fixed frame of poses, path and clouds (REP 103 axes, origin = first camera)"),
+    Param("odom_frame", "odom", "Odometry frame (tf_mode map_to_odom)"),
+    Param("base_frame", "", "Robot frame the TF is published for; empty = the camera's optical frame"),
+    Param("camera_frame", "", "Optical frame of the camera; empty = the image header's frame_id "
+          "(camera_optical_frame when that is empty too)"),
+)
+
+PARAMETER_NAMES = tuple(p.name for p in PARAMETERS)
+DEFAULT_CAMERA_FRAME = "camera_optical_frame"
+_STREAM_KEYS = {"num_scale_frames": "num_scale_frames", "sliding_window": "sliding_window",
+                "keyframe_interval": "keyframe_interval", "camera_num_iterations": "camera_iterations",
+                "camera_iterations": "camera_iterations", "preprocess_width": "image_width"}
+
+
+@dataclass(frozen=True)
+class NodeSettings:
+    """Everything the node needs from its parameters, typed and validated."""
+
+    model: ModelConfig
+    stream: StreamConfig
+    checkpoint: str | None  # None = random weights
+    seed: int
+    image_width: int
+    input_transport: str
+    input_qos: str
+    max_frame_age: float
+    input_timeout: float
+    service_timeout: float
+    conf_threshold: float
+    point_stride: int
+    accumulate_map: bool
+    map_voxel_size: float
+    map_max_points: int
+    map_publish_rate: float
+    path_max_length: int
+    publish_odometry: bool
+    publish_pose: bool
+    publish_path: bool
+    publish_points: bool
+    publish_map: bool
+    publish_depth: bool
+    output_directory: str
+    publish_tf: bool
+    tf_mode: str
+    map_frame: str
+    odom_frame: str
+    base_frame: str
+    camera_frame: str
+
+
+def check_value(param: Param, value: Any) -> None:
+    """Raise ConfigError naming the parameter when ``value`` breaks its type, range or choices."""
+    expected = type(param.default)
+    ok_type = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        ok_type = True
+    if not ok_type:
+        raise ConfigError(f"parameter {param.name} must be a {expected.__name__}, got {value!r}")
+    if param.choices is not None and value not in param.choices:
+        raise ConfigError(f"parameter {param.name} must be one of {list(param.choices)}, got {value!r}")
+    if param.limits is not None:
+        lo, hi, step = param.limits
+        if not lo <= value <= hi or (step and (value - lo) % step):
+            rule = f"in [{lo}, {hi}]" + (f" in steps of {step} from {lo}" if step and step != 1 else "")
+            raise ConfigError(f"parameter {param.name} must be {rule}, got {value!r}")
+
+
+def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lambda _m: None) -> NodeSettings:
+    """Map parameter values (every name of ``PARAMETERS``; missing ones take their default)
+    onto ``NodeSettings``, logging one line per resolved value.
+
+    Raises:
+        ConfigError: a value is of the wrong type, out of range, or the configs reject it
+            (the message names the parameter or the config field).
+    """
+    unknown = sorted(set(values) - set(PARAMETER_NAMES))
+    if unknown:
+        raise ConfigError(f"unknown parameter(s): {', '.join(unknown)}")
+    v = {p.name: values.get(p.name, p.default) for p in PARAMETERS}
+    for p in PARAMETERS:
+        check_value(p, v[p.name])
+    for p in PARAMETERS:
+        if isinstance(p.default, float):
+            v[p.name] = float(v[p.name])
+
+    data = load_json(v["model_config"]) if v["model_config"] else {}
+    model = ModelConfig.from_dict(data) if data else ModelConfig.preset("lingbot-map")
+    if v["image_width"] % model.patch_size:
+        raise ConfigError(f"parameter image_width {v['image_width']} is not a multiple of the patch size "
+                          f"{model.patch_size}")
+    for key, name in _STREAM_KEYS.items():
+        if key in data and data[key] != v[name]:
+            log(f"note: model_config {v['model_config']} has {key}={data[key]}; the parameter "
+                f"{name}={v[name]} is used")
+    try:
+        stream = StreamConfig(num_scale_frames=v["num_scale_frames"], sliding_window=v["sliding_window"],
+                              keyframe_interval=v["keyframe_interval"], camera_iterations=v["camera_iterations"],
+                              deferred_eviction=v["deferred_eviction"],
+                              max_pending_evictions=v["max_pending_evictions"], backend=v["backend"],
+                              dtype=v["dtype"], device=v["device"])
+    except TypeError as exc:  # pragma: no cover - types are checked above
+        raise ConfigError(str(exc)) from None
+    if not v["map_frame"]:
+        raise ConfigError("parameter map_frame must not be empty")
+    if v["tf_mode"] == "map_to_odom" and not v["odom_frame"]:
+        raise ConfigError("tf_mode map_to_odom needs a non-empty odom_frame")
+
+    settings = NodeSettings(model=model, stream=stream, checkpoint=v["checkpoint"] or None,
+                            **{k: v[k] for k in _PLAIN_FIELDS})
+    for p in PARAMETERS:
+        log(f"parameter {p.name} = {v[p.name]!r}")
+    log(f"model: {'preset lingbot-map' if not data else v['model_config']} -> "
+        f"{json.dumps(model.to_dict(), default=list)}")
+    return settings
+
+
+_PLAIN_FIELDS = ("seed", "image_width", "input_transport", "input_qos", "max_frame_age", "input_timeout",
+                 "service_timeout", "conf_threshold", "point_stride", "accumulate_map", "map_voxel_size",
+                 "map_max_points", "map_publish_rate", "path_max_length", "publish_odometry", "publish_pose",
+                 "publish_path", "publish_points", "publish_map", "publish_depth", "output_directory",
+                 "publish_tf", "tf_mode", "map_frame", "odom_frame", "base_frame", "camera_frame")
+
+
+def params_file_text(values: Mapping[str, Any], node: str = "/**") -> str:
+    """A ROS 2 parameters YAML file (``node: ros__parameters: ...``) for ``values``.
+
+    Scalars are written as JSON, which is valid YAML, so no YAML library is needed.
+    """
+    lines = [f"{node}:", "  ros__parameters:"]
+    for name, value in values.items():
+        lines.append(f"    {name}: {json.dumps(value)}")
+    return "\n".join(lines) + "\n"
+
+
+def write_params_file(path: str | Path, values: Mapping[str, Any], node: str = "/**") -> Path:
+    path = Path(path)
+    path.write_text(params_file_text(values, node))
+    return path
+
+
+__all__ = ["PARAMETERS", "PARAMETER_NAMES", "Param", "NodeSettings", "resolve_settings", "check_value",
+           "params_file_text", "write_params_file", "INPUT_TRANSPORTS", "INPUT_QOS", "TF_MODES",
+           "DEFAULT_CAMERA_FRAME"]

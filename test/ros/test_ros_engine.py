@@ -1,0 +1,323 @@
+"""The node's inference loop without ROS: a real tiny session (random weights, CPU), a
+recording sink, and injected faults (non-finite outputs, exceptions)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lingbot_map_ros.config import ModelConfig
+from lingbot_map_ros.geometry import select_points, unproject_depth
+from lingbot_map_ros.io.checkpoint import load_model
+from lingbot_map_ros.io.export import read_ply, read_tum
+from lingbot_map_ros.io.preprocess import preprocess_array
+from lingbot_map_ros.ros.conversions import optical_pose_to_map, points_to_map
+from lingbot_map_ros.ros.engine import InferenceEngine, InputFrame, SaveError, State
+from lingbot_map_ros.ros.params import resolve_settings
+from lingbot_map_ros.stream.session import SessionError, StreamingSession
+
+pytestmark = pytest.mark.ros
+
+WIDTH = 98
+SETTINGS = dict(image_width=WIDTH, num_scale_frames=2, sliding_window=3, backend="sdpa", point_stride=1,
+                conf_threshold=0.0, map_voxel_size=0.0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(ModelConfig.preset("tiny"), None, seed=3)
+
+
+def frames(n: int, seed: int = 0) -> list[np.ndarray]:
+    """n RGB frames [294, 518, 3] uint8 of a sliding random texture."""
+    rng = np.random.default_rng(seed)
+    base = rng.integers(0, 256, (40, 120, 3)).astype(np.float32)
+    big = np.kron(base, np.ones((8, 8, 1)))  # blocky texture 320x960
+    return [big[10 + i: 10 + i + 294, 20 + 7 * i: 20 + 7 * i + 518].astype(np.uint8) for i in range(n)]
+
+
+class Sink:
+    def __init__(self, wants=("points", "depth")) -> None:
+        self.frames, self.statuses, self.paths = [], [], []
+        self._wants = set(wants)
+
+    def wants(self, output):
+        return output in self._wants
+
+    def publish_frame(self, out):
+        self.frames.append(out)
+
+    def publish_path(self, entries):
+        self.paths.append([e.frame_index for e in entries])
+
+    def publish_status(self, status, stamp):
+        self.statuses.append((status, stamp))
+
+
+class Log:
+    def __init__(self) -> None:
+        self.lines = []
+
+    def debug(self, m):
+        self.lines.append(("debug", m))
+
+    def info(self, m):
+        self.lines.append(("info", m))
+
+    def warning(self, m):
+        self.lines.append(("warning", m))
+
+    def error(self, m):
+        self.lines.append(("error", m))
+
+
+class Faulty:
+    """Wraps a session; ``corrupt`` = (frame_index, "pose"|"depth"|"raise") applies on that push."""
+
+    def __init__(self, session) -> None:
+        self._s = session
+        self.fault = None
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def push(self, image, keyframe=None):
+        fault, self.fault = self.fault, None
+        if fault == "raise":
+            raise RuntimeError("CUDA out of memory (simulated)")
+        results = self._s.push(image, keyframe)
+        for r in results:
+            if fault == "pose":
+                r.c2w = np.full((4, 4), np.nan)
+            elif fault == "depth":
+                r.depth = r.depth.copy()
+                r.depth[0, 0] = np.inf
+        return results
+
+
+def make_engine(model, wants=("points", "depth"), **overrides):
+    settings = resolve_settings({**SETTINGS, **overrides})
+    session = Faulty(StreamingSession(model, settings.stream))
+    sink, log = Sink(wants), Log()
+    clock = [1000.0]
+    engine = InferenceEngine(session, settings, sink, log, now=lambda: clock[0])
+    return engine, sink, log, session
+
+
+def feed(engine, rgb, stamp: float) -> None:
+    engine.submit_frame(InputFrame(rgb=rgb, stamp=stamp, stamp_s=stamp, camera_frame="cam"))
+    while engine.run_once(0):
+        pass
+
+
+def replay(model, images) -> list:
+    session = StreamingSession(model, resolve_settings(SETTINGS).stream)
+    out = []
+    for rgb in images:
+        out += session.push(preprocess_array(rgb, WIDTH))
+    return out
+
+
+def test_outputs_follow_the_session_in_the_map_frame(model):
+    engine, sink, _, _ = make_engine(model)
+    images = frames(4)
+    for i, rgb in enumerate(images):
+        feed(engine, rgb, 10.0 + i)
+    expected = replay(model, images)
+    assert [o.frame_index for o in sink.frames] == [1, 2, 3, 4]
+    assert [o.stamp for o in sink.frames] == [10.0, 11.0, 12.0, 13.0]
+    first = sink.statuses[0][0]
+    assert (first.state, first.frame_index) == (State.INITIALIZING, 1)  # collecting the scale frames
+    for out, r in zip(sink.frames, expected):
+        np.testing.assert_allclose(out.T_map_cam, optical_pose_to_map(r.c2w), atol=1e-6)
+        world = unproject_depth(r.depth, r.intrinsics, r.c2w)
+        pts, _, conf = select_points(world, None, r.confidence, 0.0, 1)
+        np.testing.assert_allclose(out.points, points_to_map(pts), atol=1e-4)
+        assert out.points.dtype == np.float32 and out.colors.dtype == np.uint8
+        assert out.depth.shape == r.depth.shape and out.camera_frame == "cam"
+    assert sink.paths[-1] == [0, 1, 2, 3]
+    last = sink.statuses[-1][0]
+    assert (last.state, last.frames_processed, last.frames_received, last.frame_index) == (State.TRACKING, 4, 4, 4)
+    assert last.stored_frames > 0 and last.latency_model_ms > 0
+
+
+def test_unwanted_outputs_are_not_computed(model):
+    engine, sink, _, _ = make_engine(model, wants=(), accumulate_map=False)
+    for i, rgb in enumerate(frames(3)):
+        feed(engine, rgb, float(i))
+    assert len(sink.frames) == 3
+    assert all(o.points is None and o.depth is None for o in sink.frames)
+
+
+def test_stale_frames_are_replaced_and_counted(model):
+    engine, sink, _, _ = make_engine(model)
+    imgs = frames(3)
+    for i, rgb in enumerate(imgs):  # no inference in between: only the last survives
+        engine.submit_frame(InputFrame(rgb=rgb, stamp=float(i), stamp_s=float(i), camera_frame="cam"))
+    assert engine.run_once(0) and not engine.run_once(0)
+    c = engine.counters.snapshot()
+    assert (c.frames_received, c.frames_dropped_stale) == (3, 2)
+
+
+def test_old_frames_are_dropped_by_max_frame_age(model):
+    engine, sink, _, _ = make_engine(model, max_frame_age=0.5)
+    feed(engine, frames(1)[0], 999.0)  # engine clock is 1000.0
+    assert engine.counters.snapshot().frames_dropped_stale == 1 and engine.session.frames_pushed == 0
+
+
+def test_invalid_and_resized_input_is_dropped_and_state_kept(model):
+    engine, sink, log, session = make_engine(model)
+    imgs = frames(3)
+    feed(engine, imgs[0], 0.0)
+    feed(engine, imgs[1], 1.0)
+    engine.reject_frame(2.0, "unsupported image encoding 'bayer_rggb16'")
+    engine.run_once(0)
+    feed(engine, imgs[2][:200], 3.0)  # another aspect ratio -> other model size
+    pushed = session.frames_pushed
+    feed(engine, np.zeros((1, 1, 3), np.uint8), 4.0)  # too small for the model
+    c = engine.counters.snapshot()
+    assert c.frames_dropped_invalid == 3 and session.frames_pushed == pushed == 2
+    assert sum("dropped invalid image" in m for lvl, m in log.lines if lvl == "warning") >= 2
+    feed(engine, imgs[2], 5.0)
+    assert [o.frame_index for o in sink.frames] == [1, 2, 3]
+
+
+def test_non_finite_pose_is_rolled_back_so_the_next_frame_matches_a_replay_without_it(model):
+    engine, sink, log, session = make_engine(model)
+    imgs = frames(6)
+    for i in range(4):
+        feed(engine, imgs[i], float(i))
+    def occupancy():
+        st = session.stats()
+        return st.temporal_index, st.resident_frames, st.scale_pages, st.window_pages, st.free_pages
+
+    before = occupancy()
+    session.fault = "pose"
+    feed(engine, imgs[4], 4.0)
+    assert occupancy() == before  # rolled back: the cache is as before
+    assert engine.counters.snapshot().frames_dropped_invalid == 1
+    assert [o.frame_index for o in sink.frames] == [1, 2, 3, 4]
+    assert any("non-finite pose" in m for _, m in log.lines)
+    feed(engine, imgs[5], 5.0)
+    expected = replay(model, imgs[:4] + imgs[5:6])[-1]
+    np.testing.assert_array_equal(sink.frames[-1].T_map_cam, optical_pose_to_map(expected.c2w))
+    assert sink.frames[-1].frame_index == 5
+
+
+def test_non_finite_scale_frames_roll_back_all_of_them(model):
+    engine, sink, _, session = make_engine(model)
+    imgs = frames(2)
+    feed(engine, imgs[0], 0.0)
+    session.fault = "pose"
+    feed(engine, imgs[1], 1.0)
+    assert engine.counters.snapshot().frames_dropped_invalid == 2 and session.frames_pushed == 0
+    assert sink.frames == []
+
+
+def test_non_finite_depth_drops_outputs_but_keeps_the_cache(model):
+    engine, sink, _, session = make_engine(model)
+    imgs = frames(4)
+    for i in range(3):
+        feed(engine, imgs[i], float(i))
+    before = session.stats().temporal_index
+    session.fault = "depth"
+    feed(engine, imgs[3], 3.0)
+    assert session.stats().temporal_index == before + 1  # stored
+    assert engine.counters.snapshot().frames_dropped_invalid == 1 and len(sink.frames) == 3
+
+
+def test_inference_exception_resets_cleanly_and_recovers(model):
+    engine, sink, log, session = make_engine(model)
+    imgs = frames(5)
+    for i in range(3):
+        feed(engine, imgs[i], float(i))
+    session.fault = "raise"
+    feed(engine, imgs[3], 3.0)
+    states = [s.state for s, _ in sink.statuses[-2:]]
+    assert states == [State.ERROR, State.INITIALIZING]
+    assert "out of memory" in sink.statuses[-2][0].state_text
+    assert engine.counters.snapshot().frames_dropped_error == 1
+    assert session.frames_pushed == 0 and len(engine.trajectory) == 0 and sink.paths[-1] == []
+    assert any(lvl == "error" and "resetting the session" in m for lvl, m in log.lines)
+    feed(engine, imgs[3], 4.0)
+    feed(engine, imgs[4], 5.0)  # a new sequence: two scale frames again
+    assert [o.frame_index for o in sink.frames[-2:]] == [1, 2]
+
+
+def test_rollback_command_removes_points_and_pose_and_guards_the_index(model):
+    engine, sink, _, session = make_engine(model)
+    imgs = frames(5)
+    for i in range(4):
+        feed(engine, imgs[i], float(i))
+    n_map = len(engine.map)
+    last_points = sink.frames[-1].points.shape[0]
+    with pytest.raises(SessionError, match="not 2"):
+        engine.rollback(3)  # 1-based: the latest is 4
+    assert len(engine.trajectory) == 4 and len(engine.map) == n_map
+    assert engine.rollback(0) == 4
+    assert len(engine.trajectory) == 3 and len(engine.map) == n_map - last_points
+    assert sink.paths[-1] == [0, 1, 2]
+    with pytest.raises(SessionError, match="nothing to roll back"):
+        engine.rollback(0)
+    feed(engine, imgs[4], 4.0)
+    assert sink.frames[-1].frame_index == 4
+    expected = replay(model, imgs[:3] + imgs[4:5])[-1]
+    np.testing.assert_array_equal(sink.frames[-1].T_map_cam, optical_pose_to_map(expected.c2w))
+
+
+def test_commands_run_between_frames_in_arrival_order(model):
+    engine, sink, _, session = make_engine(model)
+    imgs = frames(3)
+    order = []
+
+    def seen():
+        return session.frames_pushed + len(engine._collected)
+
+    engine.submit("a", lambda: order.append(("a", seen())))
+    engine.submit_frame(InputFrame(rgb=imgs[0], stamp=0.0, stamp_s=0.0, camera_frame="c"))
+    engine.submit("b", lambda: order.append(("b", seen())))
+    while engine.run_once(0):
+        pass
+    assert order == [("a", 0), ("b", 1)]
+    # a newer frame replaces a waiting one even across a command (latest-frame slot)
+    engine.submit_frame(InputFrame(rgb=imgs[1], stamp=1.0, stamp_s=1.0, camera_frame="c"))
+    engine.submit("c", lambda: order.append(("c", seen())))
+    engine.submit_frame(InputFrame(rgb=imgs[2], stamp=2.0, stamp_s=2.0, camera_frame="c"))
+    while engine.run_once(0):
+        pass
+    assert order[-1] == ("c", 1) and seen() == 2 and engine.counters.snapshot().frames_dropped_stale == 1
+
+
+def test_reset_and_save_map(model, tmp_path):
+    engine, sink, _, session = make_engine(model)
+    imgs = frames(4)
+    for i in range(4):
+        feed(engine, imgs[i], 100.0 + i)
+    ply, tum = engine.save_map(str(tmp_path / "out"))
+    points, colors = read_ply(ply)
+    assert points.shape[0] == len(engine.map) > 0 and colors is not None
+    stamps, poses = read_tum(tum)
+    np.testing.assert_allclose(stamps, [100.0, 101.0, 102.0, 103.0])
+    np.testing.assert_allclose(poses, engine.trajectory.poses(), atol=1e-6)
+    engine.reset()
+    c = engine.counters.snapshot()
+    assert (c.frames_received, c.frames_processed) == (0, 0)
+    assert len(engine.map) == 0 and len(engine.trajectory) == 0 and session.frames_pushed == 0
+    assert sink.statuses[-1][0].state == State.WAITING_FOR_IMAGES
+    off, _, _, _ = make_engine(model, accumulate_map=False)
+    with pytest.raises(SaveError, match="accumulate_map"):
+        off.save_map(str(tmp_path))
+
+
+def test_thread_processes_frames_and_commands(model):
+    engine, sink, _, _ = make_engine(model)
+    engine.start()
+    try:
+        for i, rgb in enumerate(frames(3)):
+            engine.submit_frame(InputFrame(rgb=rgb, stamp=float(i), stamp_s=float(i), camera_frame="c"))
+            cmd = engine.submit("sync", lambda: None)
+            assert cmd.wait(30)
+        assert engine.counters.snapshot().frames_processed == 3
+    finally:
+        engine.stop()
+    assert torch.get_num_threads() >= 1
