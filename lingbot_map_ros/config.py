@@ -128,7 +128,8 @@ class StreamConfig:
     FIFO window of ``sliding_window`` frames. Frame ``i`` (0-based, since reset) is
     a keyframe when ``(i - num_scale_frames) % keyframe_interval == 0``.
     ``max_pending_evictions`` bounds how far the window may grow while eviction is
-    deferred (it sizes the page pool).
+    deferred (it sizes the page pool). ``cuda_graphs`` replays the one-frame phase-2
+    step from a CUDA graph (CUDA with a FlashInfer backend only; elsewhere ignored).
     """
 
     num_scale_frames: int = 8
@@ -140,6 +141,7 @@ class StreamConfig:
     backend: str = "auto"
     dtype: str = "fp32"
     device: str = "cpu"
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         _require(self.num_scale_frames >= 1, f"num_scale_frames must be >= 1, got {self.num_scale_frames}")

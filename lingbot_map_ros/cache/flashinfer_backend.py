@@ -7,9 +7,14 @@ their size (999, 777, 28 tokens: no padding to a power of two).
 
 Interface (the ``AttentionBackend`` protocol, nothing more):
 
-* ``FlashInferBackend(device, variant="fa3" | "fa2", dtype=None)``: allocates the
-  workspace once. ``dtype``, when given, is the pool's dtype and is checked here, so
-  an unsupported one (float32) fails at construction rather than mid-step.
+* ``FlashInferBackend(device, variant="fa3" | "fa2", dtype=None, graph_pages=None)``:
+  allocates the workspace once. ``dtype``, when given, is the pool's dtype and is
+  checked here, so an unsupported one (float32) fails at construction rather than
+  mid-step. ``graph_pages`` (the pool's page count) puts the wrapper in FlashInfer's
+  CUDA-graph mode: its indptr/indices/last-page buffers are preallocated and stay
+  at fixed addresses, every step must have the same query length (the first
+  plan's) and batch size 1, and ``prepare`` must run ``plan()`` before a capture or
+  replay (a captured ``attend`` only launches the kernel).
 * ``begin_step(plan)``: remembers the step's plan (no device work).
 * ``attend(q, k_pages, v_pages)``: the step's first call runs FlashInfer's
   ``plan()`` (it needs the head count, head width and dtype, which are read from the
@@ -43,7 +48,8 @@ def check_kv_dtype(dtype: torch.dtype) -> None:
 class FlashInferBackend:
     """``BatchPrefillWithPagedKVCacheWrapper`` (NHD layout) with one plan per step."""
 
-    def __init__(self, device: torch.device | str, variant: str = "fa3", dtype: torch.dtype | None = None) -> None:
+    def __init__(self, device: torch.device | str, variant: str = "fa3", dtype: torch.dtype | None = None,
+                 graph_pages: int | None = None) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"flashinfer variant must be one of {VARIANTS}, got {variant!r}")
         if dtype is not None:
@@ -57,8 +63,18 @@ class FlashInferBackend:
         self.variant = variant
         self.device = device
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
-                                                                       backend=variant)
+        if graph_pages is None:
+            self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
+                                                                           backend=variant)
+        else:  # CUDA-graph mode: plan() copies into these buffers, a captured run() reads them
+            def i32(n: int) -> Tensor:
+                return torch.zeros(n, dtype=torch.int32, device=device)
+
+            self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=i32(2),
+                paged_kv_indptr_buf=i32(2), paged_kv_indices_buf=i32(graph_pages),
+                paged_kv_last_page_len_buf=i32(1), backend=variant)
+        self.graph_mode = graph_pages is not None
         # plan() fills a pinned host buffer and copies it to the device asynchronously; the
         # next plan() must not overwrite that buffer before the copy ran. The event is
         # already complete when the host waited for the previous step's results (the
@@ -70,6 +86,10 @@ class FlashInferBackend:
     def begin_step(self, plan: DevicePlan) -> None:
         self._step = plan
         self._planned = False
+
+    def prepare(self, k_pages: Tensor) -> None:
+        """Run the step's ``plan()`` now (host work), e.g. before a CUDA-graph capture or replay."""
+        self._plan(k_pages)
 
     def attend(self, q: Tensor, k_pages: Tensor, v_pages: Tensor) -> Tensor:
         """q [qo_len, H, D] (any float dtype; cast to the pages'); pages [num_pages, page_size, H, D]

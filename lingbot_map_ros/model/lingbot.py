@@ -46,7 +46,9 @@ class LingBotMap(nn.Module):
                 always run in float32.
         """
         device_type = images.device.type
-        with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None):
+        # cache_enabled=False: no weight-cast cache, which CUDA-graph capture cannot keep (weights are bf16 anyway)
+        with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None,
+                            cache_enabled=False):
             levels = self.aggregator(images, positions, global_attend, phase1=phase1, sequence_start=sequence_start)
         with torch.autocast(device_type, enabled=False):
             levels = [lv.float() for lv in levels]  # the heads run in float32

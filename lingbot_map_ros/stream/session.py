@@ -24,6 +24,7 @@ from ..cache.pool import CameraKVCache, KVPool, make_device_plan
 from ..config import SPECIAL_TOKENS, StreamConfig
 from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
 from ..model.lingbot import LingBotMap
+from .graphs import GraphedStep, make_graphed_step
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,7 @@ class StreamingSession:
         self._frames_pushed = 0
         self._deferred = cfg.deferred_eviction
         self._last_stored_frame: int | None = None
+        self._graphed: GraphedStep | None = None  # the one-frame step as a CUDA graph (see graphs.py)
 
     # ------------------------------------------------------------------ state
     @property
@@ -192,6 +194,7 @@ class StreamingSession:
         self._pages = PageTable(page_size, cfg.num_scale_frames, cfg.sliding_window, mcfg.max_frame_num,
                                 cfg.max_pending_evictions)
         self._pages.set_deferred(self._deferred)
+        self._graphed = None  # bound to the old pool
         self._pool = None  # free the old pool before allocating the new one
         self._pool = KVPool(mcfg.depth, self._pages.num_pages, page_size, mcfg.num_heads, mcfg.head_dim,
                             self.dtype, self.device)
@@ -225,9 +228,13 @@ class StreamingSession:
         def camera_attend(it: int, block: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return camera.attend(it, block, q, k, v, start)
 
-        out = self.model.step(frames, positions, global_attend, camera_attend, phase1=plan.phase1,
-                              sequence_start=plan.phase1, camera_iterations=self.cfg.camera_iterations,
-                              autocast_dtype=self._autocast, with_depth=self.with_depth)
+        graphed = self._graphed_step() if s == 1 and not plan.phase1 else None
+        if graphed is not None:
+            out = graphed(frames, dplan)
+        else:
+            out = self.model.step(frames, positions, global_attend, camera_attend, phase1=plan.phase1,
+                                  sequence_start=plan.phase1, camera_iterations=self.cfg.camera_iterations,
+                                  autocast_dtype=self._autocast, with_depth=self.with_depth)
         pages.apply(plan)  # only now does the step become part of the cache
         t_model = time.perf_counter()
 
@@ -240,6 +247,17 @@ class StreamingSession:
         for r in results:
             r.timings.update(model_ms=(t_model - t0) * 1e3 / s, postprocess_ms=(t_end - t_model) * 1e3 / s)
         return results
+
+    def _graphed_step(self) -> GraphedStep | None:
+        """The CUDA-graph step for the current pool, made on first use; None where graphs do not apply."""
+        if not self.cfg.cuda_graphs or self.device.type != "cuda" or not self.backend.name.startswith("flashinfer"):
+            return None
+        if self._graphed is None:
+            self._graphed = make_graphed_step(self.model, self._pool, self._camera, self._pages.num_pages,
+                                              self._resolution, self.backend.variant, self.dtype,
+                                              camera_iterations=self.cfg.camera_iterations,
+                                              autocast_dtype=self._autocast, with_depth=self.with_depth)
+        return self._graphed
 
     def _results(self, frames: Tensor, hosts: list[Tensor], out, plan: StepPlan,
                  first_frame: int) -> list[FrameResult]:

@@ -1,0 +1,128 @@
+"""The steady-state one-frame step as one CUDA graph (phase 2, S = 1, one resolution).
+
+A phase-2 step launches thousands of small kernels (24 DINO blocks, 24 frame and 24
+global blocks, 4 x 4 camera-trunk blocks, the DPT head); launched from Python they
+leave the GPU idle between kernels. ``GraphedStep`` captures the whole step (the
+aggregator with its K/V pool writes and FlashInfer attention, the camera head and the
+depth head) once and replays it for every later frame.
+
+What changes from frame to frame lives in static device buffers that the graph reads:
+
+* ``image`` [1, 3, H, W] float32, ``positions`` [1] long (the frame's temporal index),
+  ``write_slots`` [P] long (the pool slots of its tokens), copied in before a replay;
+* FlashInfer's plan: the wrapper runs in CUDA-graph mode (indptr, page indices and
+  last-page length in preallocated buffers, see ``FlashInferBackend(graph_pages=...)``)
+  and ``plan()`` runs on the host before every replay;
+* the camera head attends over the whole camera cache with an additive mask built on
+  the device from ``positions`` (``CameraKVCache.attend_at``), so no Python int sets a
+  shape or an offset inside the graph.
+
+Everything else (phase 1, attend steps of other shapes, the SDPA backend, CPU) stays
+eager. Replaying writes the same slots an eager step would, so the cache bookkeeping
+(``PageTable``) is unaware of graphs; the graph stays valid across ``reset``,
+rollback and eviction because no buffer moves. It is bound to one K/V pool: a new
+resolution (a new pool) needs a new ``GraphedStep``.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import Tensor
+
+from ..cache.flashinfer_backend import FlashInferBackend
+from ..cache.pool import CameraKVCache, DevicePlan, KVPool
+from ..model.lingbot import LingBotMap, StepOutput
+
+log = logging.getLogger(__name__)
+
+
+class GraphedStep:
+    """One phase-2 frame at one resolution: eager warm-up, capture on first use, then replay.
+
+    ``capture=False`` runs the same static-shape computation eagerly on every call (used
+    where graphs are unavailable, and to test the static path itself).
+    """
+
+    def __init__(self, model: LingBotMap, pool: KVPool, camera: CameraKVCache, backend, resolution: tuple[int, int],
+                 *, camera_iterations: int, autocast_dtype: torch.dtype | None, with_depth: bool,
+                 capture: bool = True) -> None:
+        self.model, self.pool, self.camera, self.backend = model, pool, camera, backend
+        self.resolution = resolution
+        self.camera_iterations = camera_iterations
+        self.autocast_dtype = autocast_dtype
+        self.with_depth = with_depth
+        self.capture = capture
+        device = pool.k.device
+        h, w = resolution
+        self.image = torch.zeros(1, 3, h, w, dtype=torch.float32, device=device)
+        self.positions = torch.zeros(1, dtype=torch.long, device=device)
+        self.write_slots = torch.zeros(model.cfg.tokens_per_frame(h, w), dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._out: StepOutput | None = None
+        self.replays = 0
+
+    def __call__(self, frame: Tensor, dplan: DevicePlan) -> StepOutput:
+        """frame [1, 3, H, W] float32 on the device; dplan of a one-frame phase-2 step.
+        Returns the step's outputs in static tensors (overwritten by the next call)."""
+        plan = dplan.plan
+        if plan.phase1 or plan.num_frames != 1 or tuple(frame.shape[-2:]) != self.resolution:
+            raise ValueError("GraphedStep takes one phase-2 frame at its own resolution")
+        self.image.copy_(frame, non_blocking=True)
+        self.positions.fill_(plan.first_position)  # == plan.positions[0] for stored and attend-only frames
+        self.write_slots.copy_(dplan.write_slots, non_blocking=True)
+        self.backend.begin_step(dplan)
+        if hasattr(self.backend, "prepare"):
+            self.backend.prepare(self.pool.k[0])  # FlashInfer plan(), host side, before the replay
+        if not self.capture:
+            return self._forward()
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        self.replays += 1
+        return self._out
+
+    def _forward(self) -> StepOutput:
+        pool, camera, backend = self.pool, self.camera, self.backend
+        slots, positions = self.write_slots, self.positions
+
+        def global_attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            pool.write(layer, slots, k, v)
+            return backend.attend(q, pool.k[layer], pool.v[layer])
+
+        bias = camera.visible_bias(positions)
+
+        def camera_attend(it: int, block: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return camera.attend_at(it, block, q, k, v, positions, bias)
+
+        return self.model.step(self.image, positions, global_attend, camera_attend, phase1=False,
+                               sequence_start=False, camera_iterations=self.camera_iterations,
+                               autocast_dtype=self.autocast_dtype, with_depth=self.with_depth)
+
+    def _capture(self) -> None:
+        # Warm-up on a side stream (as torch.cuda.graph wants), then capture. Both run the
+        # step for the current frame: they write the same K/V into the same slots as the
+        # replay that follows, so the extra runs change nothing.
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            self._forward()
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may use CUDA
+            out = self._forward()
+        self.graph, self._out = graph, out
+        log.info("captured the one-frame step at %dx%d in a CUDA graph", self.resolution[1], self.resolution[0])
+
+
+def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, num_pages: int,
+                      resolution: tuple[int, int], variant: str, dtype: torch.dtype, *, camera_iterations: int,
+                      autocast_dtype: torch.dtype | None, with_depth: bool) -> GraphedStep:
+    """A GraphedStep with its own FlashInfer wrapper in CUDA-graph mode (sized for ``num_pages``)."""
+    backend = FlashInferBackend(pool.k.device, variant, dtype, graph_pages=num_pages)
+    return GraphedStep(model, pool, camera, backend, resolution, camera_iterations=camera_iterations,
+                       autocast_dtype=autocast_dtype, with_depth=with_depth)
+
+
+__all__ = ["GraphedStep", "make_graphed_step"]

@@ -1,0 +1,119 @@
+"""The CUDA-graph step (stream/graphs.py) against the eager step on the tiny fixture.
+
+Two bf16 FlashInfer sessions, one with ``cuda_graphs`` and one without, see the same
+frames and the same transitions: keyframe interval 2 (attend-only frames), deferred
+eviction and its commit, a rollback, a reset and a second sequence. Their outputs must
+agree to bf16 noise, the graphed one must really replay its graph, and a replayed step
+(everything of a push but the conversion of its results) must not synchronise.
+Run on the GPU machine: ``pytest -m gpu test/gpu/test_graphs.py -s`` prints the figures.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from lingbot_map_ros.cache.attention import flashinfer_available
+from lingbot_map_ros.config import ModelConfig, StreamConfig
+from lingbot_map_ros.io.checkpoint import load_model
+from lingbot_map_ros.stream.session import StreamingSession
+
+try:
+    from fixtures_path import fixture_dir
+except ImportError:  # test/ is on sys.path once test/conftest.py is loaded; this is the fallback
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from fixtures_path import fixture_dir
+
+FIXTURES = fixture_dir()
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.skipif(FIXTURES is None, reason="fixtures not found: set LINGBOT_FIXTURES, or copy "
+                       "shared/fixtures/upstream_tiny to <repo>/.fixtures/upstream_tiny"),
+    pytest.mark.skipif(not flashinfer_available(), reason="flashinfer is not installed (see GPU.md)"),
+]
+
+REL_TOL = 1e-2
+FIELDS = ("pose_enc", "depth", "confidence")
+
+
+def make_session(backend: str, graphs: bool) -> StreamingSession:
+    config = json.loads((FIXTURES / "config.json").read_text())
+    model = load_model(ModelConfig.from_dict(config), FIXTURES / "weights.safetensors", device="cuda", dtype="bf16")
+    cfg = StreamConfig.from_dict(config).with_overrides(keyframe_interval=2, backend=backend, dtype="bf16",
+                                                        device="cuda", cuda_graphs=graphs)
+    return StreamingSession(model, cfg)
+
+
+class NoSync:
+    """Sync debug mode "error" for a push, switched off only while its results are converted."""
+
+    def __init__(self, session: StreamingSession) -> None:
+        self.convert = session._results
+        session._results = self._convert_unchecked
+
+    def _convert_unchecked(self, *args, **kwargs):
+        torch.cuda.set_sync_debug_mode(0)
+        return self.convert(*args, **kwargs)
+
+    def push(self, session: StreamingSession, image):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return session.push(image)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+
+def script(session: StreamingSession, images: np.ndarray, checked: NoSync | None) -> list:
+    """Frames and transitions; ``checked`` pushes the frames after the first graphed one without syncs."""
+    results = []
+
+    def push(i):
+        step = checked.push if checked is not None and i >= 4 else (lambda s, im: s.push(im))
+        results.extend(step(session, images[i]))
+
+    session.set_deferred_eviction(True)
+    for i in range(10):  # phase 1 (2 frames), then keyframes and attend-only frames; the window (3) overflows
+        push(i)
+    assert session.stats().pending_evictions > 0
+    assert session.commit_eviction() > 0
+    session.set_deferred_eviction(False)
+    for i in range(10, 12):
+        push(i)
+    last = results[-1].frame_index if results[-1].is_keyframe else results[-2].frame_index
+    assert session.rollback_last_frame(last) == last
+    push(11)  # takes the rolled-back frame's place
+    session.reset()
+    for i in range(8):  # a second sequence: the same graph, the same buffers
+        push(i)
+    return results
+
+
+@pytest.mark.parametrize("backend", ["flashinfer-fa3", "flashinfer-fa2"])
+def test_graphed_step_matches_eager(backend):
+    if backend.endswith("fa3") and torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("FA3 needs a Hopper GPU")
+    images = np.load(FIXTURES / "reference_kf2.npz")["images"]
+    eager = script(make_session(backend, graphs=False), images, None)
+    graphed_session = make_session(backend, graphs=True)
+    graphed = script(graphed_session, images, NoSync(graphed_session))
+    assert graphed_session._graphed is not None and graphed_session._graphed.graph is not None
+    phase2 = sum(1 for r in graphed if r.frame_index >= graphed_session.cfg.num_scale_frames)
+    assert graphed_session._graphed.replays == phase2 > 12
+
+    assert [(r.frame_index, r.position, r.is_keyframe) for r in graphed] == \
+        [(r.frame_index, r.position, r.is_keyframe) for r in eager]
+    errors = {}
+    for field in FIELDS:
+        a = np.stack([getattr(r, field) for r in graphed])
+        b = np.stack([getattr(r, field) for r in eager])
+        errors[field] = float(np.abs(a - b).max() / np.abs(b).max())
+    print(f"GRAPHS {backend} {len(graphed)} frames, {graphed_session._graphed.replays} replays, "
+          + ", ".join(f"{k} rel {v:.2e}" for k, v in errors.items()))
+    assert all(v <= REL_TOL for v in errors.values()), errors
