@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from ..config import SPECIAL_TOKENS, ModelConfig
 from .dino import DinoEncoder
 from .layers import Block, sdpa_nhd
-from .rope import Rope3DTables, apply_rope2d, apply_rope3d, rope2d_tables
+from .rope import Rope3DTables, apply_rope2d, apply_rope3d_complex, rope2d_tables, rope3d_rotation
 
 # global_attend(layer, q, k, v) -> out, each [S*P, H, D]; q/k rotated (float32), v as computed
 GlobalAttend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
@@ -87,7 +87,7 @@ class Aggregator(nn.Module):
         s, _, h, w = images.shape
         grid_h, grid_w = h // self.cfg.patch_size, w // self.cfg.patch_size
         ropes = self.rope_set(grid_h, grid_w, images.device)
-        cos3, sin3 = ropes.rope3d.lookup(positions)  # [S, P, 32]
+        rotation3 = rope3d_rotation(*ropes.rope3d.lookup(positions))  # [S, P, 1, 32] complex
 
         x = (images - self._mean) / self._std
         patches = self.patch_embed(x.to(self._mean.dtype))  # [S, gh*gw, C]
@@ -97,7 +97,8 @@ class Aggregator(nn.Module):
         def frame_attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q = apply_rope2d(q, ropes.cos2d, ropes.sin2d)
             k = apply_rope2d(k, ropes.cos2d, ropes.sin2d)
-            return sdpa_nhd(q, k.to(q.dtype), v.to(q.dtype))
+            # attention in v's dtype (bf16 under autocast, which would cast q/k/v to it anyway)
+            return sdpa_nhd(q.to(v.dtype), k.to(v.dtype), v)
 
         outputs = []
         selected = set(self.cfg.intermediate_layer_idx)
@@ -106,8 +107,8 @@ class Aggregator(nn.Module):
             frame_out = x
 
             def attend(q: Tensor, k: Tensor, v: Tensor, layer: int = layer) -> Tensor:
-                q = apply_rope3d(q.view(s, tokens, *q.shape[-2:]), cos3, sin3)
-                k = apply_rope3d(k.view(s, tokens, *k.shape[-2:]), cos3, sin3)
+                q = apply_rope3d_complex(q.view(s, tokens, *q.shape[-2:]), rotation3)
+                k = apply_rope3d_complex(k.view(s, tokens, *k.shape[-2:]), rotation3)
                 out = global_attend(layer, q.flatten(0, 1), k.flatten(0, 1), v.reshape(s * tokens, *v.shape[-2:]))
                 return out.unsqueeze(0)  # [1, S*P, H, D]
 

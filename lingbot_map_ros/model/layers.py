@@ -79,5 +79,6 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim)
 
     def forward(self, x: Tensor, attend: AttendFn = sdpa_nhd) -> Tensor:
-        x = x + self.ls1(self.attn(self.norm1(x), attend))
-        return x + self.ls2(self.mlp(self.norm2(x)))
+        # x + gamma * branch in one kernel (addcmul) instead of a multiply and an add
+        x = torch.addcmul(x, self.attn(self.norm1(x), attend), self.ls1.gamma)
+        return torch.addcmul(x, self.mlp(self.norm2(x)), self.ls2.gamma)

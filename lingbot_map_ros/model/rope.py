@@ -109,3 +109,16 @@ def apply_rope3d(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     even, odd = x[..., 0], x[..., 1]
     c, s = cos[:, :, None, :], sin[:, :, None, :]
     return torch.stack([even * c - odd * s, even * s + odd * c], dim=-1).flatten(-2)
+
+
+def rope3d_rotation(cos: Tensor, sin: Tensor) -> Tensor:
+    """The tables of ``lookup`` as unit complex numbers [S, P, 1, D/2] (complex64), for
+    ``apply_rope3d_complex``; built once per step and shared by all layers."""
+    return torch.complex(cos, sin)[:, :, None, :]
+
+
+def apply_rope3d_complex(x: Tensor, rotation: Tensor) -> Tensor:
+    """``apply_rope3d`` as one complex multiplication: pair (2k, 2k+1) is the complex number
+    x_2k + i x_2k+1, rotated by ``rotation`` [S, P, 1, D/2]; returns float32 [S, P, H, D]."""
+    pairs = torch.view_as_complex(x.float().contiguous().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2)
