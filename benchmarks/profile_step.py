@@ -1,0 +1,55 @@
+"""Kernel-time table of steady-state one-frame steps (torch.profiler, eager step).
+
+    python benchmarks/profile_step.py --backend flashinfer-fa3 --frames 5
+
+Streams until the window is full, then profiles ``--frames`` eager steps (graphs off,
+so every kernel is attributed) and prints the CUDA kernels by total time per frame,
+plus the sum of kernel time per frame (gap-free GPU work). A benchmark aid, not a test.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
+from stream_fps import frames_iter, stream_config  # noqa: E402
+
+from lingbot_map_ros.config import ModelConfig  # noqa: E402
+from lingbot_map_ros.io.checkpoint import load_model  # noqa: E402
+from lingbot_map_ros.stream.session import StreamingSession  # noqa: E402
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--backend", default="flashinfer-fa3")
+    p.add_argument("--frames", type=int, default=5)
+    p.add_argument("--height", type=int, default=378)
+    p.add_argument("--width", type=int, default=518)
+    p.add_argument("--top", type=int, default=30)
+    a = p.parse_args(argv)
+    args = argparse.Namespace(num_scale_frames=8, sliding_window=64, keyframe_interval=1, camera_iterations=4,
+                              backend=a.backend, dtype="bf16", no_cuda_graphs=True)
+    model = load_model(ModelConfig.preset("lingbot-map"), None, "cuda", "bf16", seed=0)
+    session = StreamingSession(model, stream_config(args))
+    full = 8 + 64
+    frames = list(frames_iter(full + a.frames, a.height, a.width, 0, "cuda"))
+    for f in frames[:full]:
+        session.push(f)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for f in frames[full:]:
+            session.push(f)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in events) / 1e3 / a.frames
+    print(f"kernel time per frame: {total:.2f} ms ({sum(e.count for e in events) / a.frames:.0f} kernels)")
+    for e in sorted(events, key=lambda e: -e.self_device_time_total)[:a.top]:
+        print(f"{e.self_device_time_total / 1e3 / a.frames:8.3f} ms {e.count / a.frames:6.0f}x  {e.key[:110]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
