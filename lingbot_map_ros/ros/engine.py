@@ -20,7 +20,11 @@ Failure policy, per frame (the node keeps running and keeps its stored state):
   its outputs are dropped and counted as invalid;
 - a non-finite depth/confidence map with a finite pose: its outputs are dropped and
   counted as invalid; the cache keeps the frame (the tokens behind the pose are sound);
-- an exception from the model (e.g. out of memory): logged, the frames it consumed
+- the cache refusing a frame while eviction is deferred (max_pending_evictions reached):
+  the frame is dropped (``frames_dropped_error``), the state kept, a warning asks for
+  ~/commit_eviction or ~/rollback_last_frame;
+- any other exception from the model (e.g. out of memory, or the model's horizon of
+  max_frame_num stored frames since reset): logged, the frames it consumed
   count as ``frames_dropped_error``, the session, path and map are reset (a new
   sequence = a new world frame), state ERROR, then INITIALIZING.
 """
@@ -29,7 +33,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -39,6 +43,7 @@ from ..config import SPECIAL_TOKENS
 from ..geometry import select_points, unproject_depth
 from ..io.export import write_ply, write_tum
 from ..io.preprocess import PATCH_SIZE, preprocess_array
+from ..cache.pages import CacheFullError
 from ..stream.session import FrameResult, SessionError
 from .conversions import optical_pose_to_map, points_to_map
 from .mapping import MapAccumulator, PoseEntry, Trajectory
@@ -146,7 +151,6 @@ class _Latency:
     model: float = 0.0
     postprocess: float = 0.0
     publish: float = 0.0
-    extra: dict = field(default_factory=dict)
 
 
 class InferenceEngine:
@@ -266,6 +270,11 @@ class InferenceEngine:
         self._collected.append(frame)
         try:
             results = self.session.push(image)
+        except CacheFullError as exc:
+            stats = self.session.stats()
+            if self.session.deferred_eviction and stats is not None and stats.pending_evictions > 0:
+                return self._drop_while_deferred(frame, exc)  # the caller's deferral filled the cache
+            return self._on_inference_error(exc)  # e.g. the model's horizon: a new sequence starts
         except Exception as exc:
             return self._on_inference_error(exc)
         self._resolution = (h, w)
@@ -346,6 +355,9 @@ class InferenceEngine:
                            publish=(t2 - t1) * 1e3)
         self._publish_status(self.state_text, frame.stamp, frame_index=index, is_keyframe=r.is_keyframe,
                              latency=latency, stamp_s=frame.stamp_s)
+        self.log.debug(f"frame {index}{' (keyframe)' if r.is_keyframe else ''}: preprocess {latency.preprocess:.1f} "
+                       f"ms, model {latency.model:.1f} ms, postprocess {latency.postprocess:.1f} ms, publish "
+                       f"{latency.publish:.1f} ms, {0 if points is None else len(points)} points")
         return True
 
     def _warn_if_thinned(self) -> None:
@@ -358,6 +370,15 @@ class InferenceEngine:
         self.counters.add("frames_dropped_invalid")
         self.throttle.emit(self.log.warning, f"dropped invalid image: {reason}")
         self._publish_status(f"dropped invalid image: {reason}", stamp)
+
+    def _drop_while_deferred(self, frame: InputFrame, exc: Exception) -> None:
+        """The cache refused to store a frame because eviction is deferred: drop it, keep the state."""
+        self._collected.remove(frame)
+        self.counters.add("frames_dropped_error")
+        text = f"frame dropped, cache full while eviction is deferred: {exc}"
+        self.throttle.emit(self.log.warning, text + "; call ~/commit_eviction or ~/rollback_last_frame",
+                           kind="deferred full")
+        self._publish_status(text, frame.stamp)
 
     def _on_inference_error(self, exc: Exception) -> None:
         lost = len(self._collected)

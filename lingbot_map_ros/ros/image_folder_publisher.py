@@ -9,8 +9,9 @@ re-encoded JPEG otherwise), stamped with the current time and ``frame_id``, at
 ``rate`` Hz, plus ``camera_info`` when ``publish_camera_info`` (pinhole from fx, fy,
 cx, cy; 0 = a 60° horizontal field of view centred on the image). Images are the
 folder's files sorted by name; a video file (any format OpenCV reads) needs OpenCV.
-By default it waits for a subscriber before the first frame, then exits after the
-last one unless ``loop``. Exit status 0, or 1 with one error line when the input
+By default it waits for a subscriber (plus ``start_delay``, so that discovery has
+completed on both sides) before the first frame, then exits after the last one
+unless ``loop``. Exit status 0, or 1 with one error line when the input
 cannot be read.
 """
 from __future__ import annotations
@@ -67,7 +68,10 @@ PARAMS = {
     "cx": (0.0, _desc("Principal point x (0 = image centre)", 0.0, 1e6)),
     "cy": (0.0, _desc("Principal point y (0 = image centre)", 0.0, 1e6)),
     "wait_for_subscriber": (True, _desc("Hold the first frame until something subscribes")),
-    "wait_timeout": (60.0, _desc("Seconds to wait for a subscriber before publishing anyway", 0.0, 1e6)),
+    "wait_timeout": (60.0, _desc("Seconds to wait for a subscriber before publishing anyway (0 = forever)",
+                                 0.0, 1e6)),
+    "start_delay": (0.5, _desc("Seconds between the first subscriber matching and the first frame",
+                               0.0, 60.0)),
 }
 
 
@@ -165,6 +169,7 @@ class ImageFolderPublisher(Node):
         self.done = False
         self._frames = self._open()
         self._wait_started = time.monotonic()
+        self._matched_at: float | None = None
         self._timer = self.create_timer(1.0 / p["rate"], self._tick)
         self.get_logger().info(f"publishing {source} on {self.pub.topic_name} at {p['rate']} Hz"
                                + (f" ({self.total} frames)" if self.total else ""))
@@ -178,11 +183,8 @@ class ImageFolderPublisher(Node):
         if self.done:
             return
         p = self.p
-        if self.sent == 0 and p["wait_for_subscriber"] and self.pub.get_subscription_count() == 0:
-            if p["wait_timeout"] == 0 or time.monotonic() - self._wait_started < p["wait_timeout"]:
-                return
-            self.get_logger().warning(f"no subscriber on {self.pub.topic_name} after {p['wait_timeout']} s; "
-                                      "publishing anyway")
+        if self.sent == 0 and p["wait_for_subscriber"] and not self._ready():
+            return
         if p["max_frames"] and self.sent >= p["max_frames"]:
             return self._finish()
         item = next(self._frames, None)
@@ -207,6 +209,20 @@ class ImageFolderPublisher(Node):
             self.info_pub.publish(camera_info_msg(K, width, height, header))
         self.sent += 1
         self.get_logger().debug(f"published frame {self.sent}")
+
+    def _ready(self) -> bool:
+        """A subscriber matched at least ``start_delay`` s ago (so that it has matched us too: a
+        best-effort reader drops what arrives before that), or ``wait_timeout`` ran out."""
+        p, now = self.p, time.monotonic()
+        if self.pub.get_subscription_count() > 0:
+            if self._matched_at is None:
+                self._matched_at = now
+            return now - self._matched_at >= p["start_delay"]
+        if p["wait_timeout"] and now - self._wait_started >= p["wait_timeout"]:
+            self.get_logger().warning(f"no subscriber on {self.pub.topic_name} after {p['wait_timeout']} s; "
+                                      "publishing anyway")
+            return True
+        return False
 
     def _finish(self) -> None:
         self.done = True

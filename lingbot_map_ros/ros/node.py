@@ -11,7 +11,8 @@ Interface (node-private names resolve to ``/<namespace>/<node name>/...``):
   model's own focal estimate). QoS: sensor data (best effort) unless
   ``input_qos:=reliable``.
 - Publications, all stamped with the IMAGE's stamp: ``~/odometry``, ``~/pose``,
-  ``~/path`` (reliable, transient local, ``path_max_length`` poses), ``~/points``
+  ``~/path`` (reliable, transient local, ``path_max_length`` poses, at most
+  ``path_publish_rate`` Hz), ``~/points``
   (per-frame cloud: x, y, z, rgb, confidence), ``~/map_points`` (accumulated,
   voxel-downsampled, transient local, at most ``map_publish_rate`` Hz and
   ``map_max_points`` points), ``~/depth`` (32FC1, model units, NaN where not > 0)
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import threading
 import time
 from dataclasses import asdict
 from typing import Any
@@ -148,6 +150,9 @@ class RosOutputs:
             self.depth_info = node.create_publisher(CameraInfo, "~/depth/camera_info", _qos(depth=2))
         self.tf = TfOutput(node, s, node.get_logger().warning) if s.publish_tf else None
         self.latest_stamp = TimeMsg()
+        self._path_lock = threading.Lock()
+        self._path_entries: list[PoseEntry] = []
+        self._path_dirty = False
 
     def wants(self, output: str) -> bool:
         if output == "points":
@@ -176,8 +181,15 @@ class RosOutputs:
             self.depth_info.publish(camera_info_msg(out.intrinsics, width, height, in_camera))
 
     def publish_path(self, entries: list[PoseEntry]) -> None:
-        if self.path is None:
-            return
+        """Hand over the current path; ``flush_path`` (a timer) publishes it at path_publish_rate."""
+        with self._path_lock:
+            self._path_entries, self._path_dirty = entries, True
+
+    def flush_path(self) -> None:
+        with self._path_lock:
+            if self.path is None or not self._path_dirty:
+                return
+            entries, self._path_dirty = self._path_entries, False
         for e in entries:
             if e.message is None:
                 e.message = PoseStamped(header=Header(stamp=e.stamp, frame_id=self.settings.map_frame),
@@ -235,6 +247,9 @@ class LingBotMapNode(Node):
         self._heartbeat: Command | None = None
         self._map_version = -1
         self._timers = [self.create_timer(1.0, self._on_second, callback_group=self._timer_group)]
+        if self.outputs.path is not None and s.path_publish_rate > 0:
+            self._timers.append(self.create_timer(1.0 / s.path_publish_rate, self.outputs.flush_path,
+                                                  callback_group=self._timer_group))
         if self.outputs.map_points is not None and s.map_publish_rate > 0:
             self._timers.append(self.create_timer(1.0 / s.map_publish_rate, self._on_map_timer,
                                                   callback_group=self._timer_group))

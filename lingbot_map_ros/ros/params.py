@@ -83,6 +83,8 @@ PARAMETERS: tuple[Param, ...] = (
           limits=(0.0, 100.0, 0.0)),
     Param("path_max_length", 5000, "Poses kept in ~/path (and the saved trajectory)",
           limits=(1, 1_000_000, 1)),
+    Param("path_publish_rate", 2.0, "Rate (Hz) of ~/path while it changes (a long path is costly to "
+          "serialise); 0 = never", limits=(0.0, 100.0, 0.0)),
     Param("publish_odometry", True, "Publish ~/odometry"),
     Param("publish_pose", True, "Publish ~/pose"),
     Param("publish_path", True, "Publish ~/path"),
@@ -130,6 +132,7 @@ class NodeSettings:
     map_max_points: int
     map_publish_rate: float
     path_max_length: int
+    path_publish_rate: float
     publish_odometry: bool
     publish_pose: bool
     publish_path: bool
@@ -213,9 +216,10 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
 
 _PLAIN_FIELDS = ("seed", "image_width", "input_transport", "input_qos", "max_frame_age", "input_timeout",
                  "service_timeout", "conf_threshold", "point_stride", "accumulate_map", "map_voxel_size",
-                 "map_max_points", "map_publish_rate", "path_max_length", "publish_odometry", "publish_pose",
-                 "publish_path", "publish_points", "publish_map", "publish_depth", "output_directory",
-                 "publish_tf", "tf_mode", "map_frame", "odom_frame", "base_frame", "camera_frame")
+                 "map_max_points", "map_publish_rate", "path_max_length", "path_publish_rate",
+                 "publish_odometry", "publish_pose", "publish_path", "publish_points", "publish_map",
+                 "publish_depth", "output_directory", "publish_tf", "tf_mode", "map_frame", "odom_frame",
+                 "base_frame", "camera_frame")
 
 
 def params_file_text(values: Mapping[str, Any], node: str = "/**") -> str:

@@ -321,3 +321,19 @@ def test_thread_processes_frames_and_commands(model):
     finally:
         engine.stop()
     assert torch.get_num_threads() >= 1
+
+
+def test_full_cache_while_deferred_drops_the_frame_and_keeps_the_state(model):
+    engine, sink, log, session = make_engine(model, deferred_eviction=True, max_pending_evictions=1)
+    imgs = frames(8)
+    for i in range(6):  # 2 scale frames + a window of 3 + 1 pending eviction
+        feed(engine, imgs[i], float(i))
+    assert session.stats().pending_evictions == 1
+    before = (session.stats(), len(engine.trajectory))
+    feed(engine, imgs[6], 6.0)
+    assert (session.stats(), len(engine.trajectory)) == before
+    assert engine.counters.snapshot().frames_dropped_error == 1
+    assert any("commit_eviction" in m for lvl, m in log.lines if lvl == "warning")
+    assert engine.commit_eviction() > 0
+    feed(engine, imgs[7], 7.0)
+    assert sink.frames[-1].frame_index == 7 and engine.state == State.TRACKING
