@@ -45,6 +45,8 @@ PARAMETERS: tuple[Param, ...] = (
     Param("device", "cpu", "Torch device: cpu, cuda or cuda:N"),
     Param("backend", "auto", "Attention backend", choices=BACKENDS),
     Param("dtype", "fp32", "Aggregator dtype and K/V cache dtype (heads stay fp32)", choices=DTYPES),
+    Param("cuda_graphs", True, "Replay the one-frame step from a CUDA graph (CUDA with a FlashInfer backend "
+          "only; ignored elsewhere)"),
     Param("seed", 0, "Seed of the random weights used when checkpoint is empty", limits=(0, 2**31 - 1, 1)),
     Param("image_width", 518, "Model input width in pixels (multiple of 14); height follows the aspect ratio",
           limits=(14, 4088, 14)),
@@ -197,7 +199,7 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
                               keyframe_interval=v["keyframe_interval"], camera_iterations=v["camera_iterations"],
                               deferred_eviction=v["deferred_eviction"],
                               max_pending_evictions=v["max_pending_evictions"], backend=v["backend"],
-                              dtype=v["dtype"], device=v["device"])
+                              dtype=v["dtype"], device=v["device"], cuda_graphs=v["cuda_graphs"])
     except TypeError as exc:  # pragma: no cover - types are checked above
         raise ConfigError(str(exc)) from None
     if not v["map_frame"]:

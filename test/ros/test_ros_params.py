@@ -48,10 +48,12 @@ def test_values_reach_the_configs(tmp_path):
     s = resolve_settings({"checkpoint": "/w.pt", "model_config": str(cfg), "device": "cuda:1", "backend": "sdpa",
                           "dtype": "bf16", "image_width": 224, "num_scale_frames": 4, "sliding_window": 16,
                           "keyframe_interval": 3, "camera_iterations": 2, "deferred_eviction": True,
-                          "conf_threshold": 2.5, "point_stride": 4, "tf_mode": "map_to_odom"}, log=logged.append)
+                          "conf_threshold": 2.5, "point_stride": 4, "tf_mode": "map_to_odom", "cuda_graphs": False},
+                         log=logged.append)
     assert s.model == ModelConfig.preset("tiny")
     assert s.stream == StreamConfig(num_scale_frames=4, sliding_window=16, keyframe_interval=3, camera_iterations=2,
-                                    deferred_eviction=True, backend="sdpa", dtype="bf16", device="cuda:1")
+                                    deferred_eviction=True, backend="sdpa", dtype="bf16", device="cuda:1",
+                                    cuda_graphs=False)
     assert (s.checkpoint, s.image_width, s.conf_threshold, s.point_stride) == ("/w.pt", 224, 2.5, 4)
     # streaming keys of the JSON are reported, not applied
     assert any("num_scale_frames=2" in line and "num_scale_frames=4" in line for line in logged)
