@@ -498,6 +498,7 @@ class InferenceEngine:
         c = self.counters.snapshot()
         st = StatusFields(state=int(self.state), state_text=text,
                           frame_index=self._last_index if frame_index is None else frame_index,
+                          window_index=int(getattr(self.session, "window_index", 0)),
                           is_keyframe=is_keyframe, deferred_eviction=bool(self.session.deferred_eviction),
                           frames_received=c.frames_received, frames_processed=c.frames_processed,
                           frames_dropped_stale=c.frames_dropped_stale,

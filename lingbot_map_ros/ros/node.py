@@ -271,6 +271,7 @@ class LingBotMapNode(Node):
         """The one place the model is built: configs -> weights -> device -> session."""
         from ..cache.attention import BackendUnavailable
         from ..io.checkpoint import CheckpointError, load_model
+        from ..stream.long_stream import LongStreamSession
         from ..stream.session import StreamingSession
 
         s = self.settings
@@ -281,7 +282,7 @@ class LingBotMapNode(Node):
         t0 = time.perf_counter()
         try:
             model = load_model(s.model, s.checkpoint, s.stream.device, s.stream.dtype, seed=s.seed)
-            session = StreamingSession(model, s.stream)
+            session = LongStreamSession(StreamingSession(model, s.stream), s.long_stream)
         except (CheckpointError, BackendUnavailable, ConfigError) as exc:
             raise StartupError(str(exc)) from None
         self.get_logger().info(f"model loaded in {time.perf_counter() - t0:.1f} s "

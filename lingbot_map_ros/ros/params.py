@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..config import BACKENDS, DTYPES, ConfigError, ModelConfig, StreamConfig, load_json
+from ..stream.long_stream import KEYFRAME_POLICIES, LongStreamConfig
 
 INPUT_TRANSPORTS = ("raw", "compressed")
 INPUT_QOS = ("sensor_data", "reliable")
@@ -60,6 +61,20 @@ PARAMETERS: tuple[Param, ...] = (
     Param("deferred_eviction", False, "Start with deferred eviction on (see ~/set_deferred_eviction)"),
     Param("max_pending_evictions", 8, "Most evictions that may be deferred before commit (sizes the page pool)",
           limits=(0, 1024, 1)),
+    # -- long streams (windowed restarts, keyframe selection)
+    Param("window_frames", 320, "Stored frames per cache window; storing one more restarts the cache and "
+          "aligns the new window to the map with a Sim(3) (must be < the model's max_frame_num)",
+          limits=(2, 100_000, 1)),
+    Param("overlap_frames", 0, "Keyframes carried into the next window and used for the alignment; "
+          "0 = num_scale_frames", limits=(0, 2048, 1)),
+    Param("keyframe_policy", "interval", "interval: every keyframe_interval-th frame is stored; motion: a frame "
+          "is stored when the camera moved enough since the last keyframe", choices=KEYFRAME_POLICIES),
+    Param("motion_min_translation", 0.05, "motion policy: camera-centre distance (model units) that makes a "
+          "keyframe; 0 = off", limits=(0.0, 1000.0, 0.0)),
+    Param("motion_min_rotation_deg", 5.0, "motion policy: rotation (degrees) that makes a keyframe; 0 = off",
+          limits=(0.0, 180.0, 0.0)),
+    Param("auto_restart", True, "Restart the cache window automatically when it is full (otherwise a full "
+          "window only attends until ~/reset)"),
     # -- input
     Param("input_transport", "raw", "Subscribe to `image` (raw sensor_msgs/Image) or `image/compressed` "
           "(sensor_msgs/CompressedImage, JPEG/PNG)", choices=INPUT_TRANSPORTS),
@@ -119,6 +134,7 @@ class NodeSettings:
 
     model: ModelConfig
     stream: StreamConfig
+    long_stream: LongStreamConfig
     checkpoint: str | None  # None = random weights
     seed: int
     image_width: int
@@ -200,6 +216,11 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
                               deferred_eviction=v["deferred_eviction"],
                               max_pending_evictions=v["max_pending_evictions"], backend=v["backend"],
                               dtype=v["dtype"], device=v["device"], cuda_graphs=v["cuda_graphs"])
+        long_stream = LongStreamConfig(
+            window_frames=v["window_frames"], overlap_frames=v["overlap_frames"] or None,
+            keyframe_policy=v["keyframe_policy"], motion_min_translation=v["motion_min_translation"],
+            motion_min_rotation_deg=v["motion_min_rotation_deg"], auto_restart=v["auto_restart"])
+        long_stream.check(stream, model.max_frame_num)
     except TypeError as exc:  # pragma: no cover - types are checked above
         raise ConfigError(str(exc)) from None
     if not v["map_frame"]:
@@ -207,7 +228,7 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
     if v["tf_mode"] == "map_to_odom" and not v["odom_frame"]:
         raise ConfigError("tf_mode map_to_odom needs a non-empty odom_frame")
 
-    settings = NodeSettings(model=model, stream=stream, checkpoint=v["checkpoint"] or None,
+    settings = NodeSettings(model=model, stream=stream, long_stream=long_stream, checkpoint=v["checkpoint"] or None,
                             **{k: v[k] for k in _PLAIN_FIELDS})
     for p in PARAMETERS:
         log(f"parameter {p.name} = {v[p.name]!r}")

@@ -337,3 +337,34 @@ def test_full_cache_while_deferred_drops_the_frame_and_keeps_the_state(model):
     assert engine.commit_eviction() > 0
     feed(engine, imgs[7], 7.0)
     assert sink.frames[-1].frame_index == 7 and engine.state == State.TRACKING
+
+
+def test_windowed_restarts_keep_one_continuous_trajectory(model):
+    """The node's session (LongStreamSession) restarts its cache window and keeps going:
+    frame indices and the path continue, status reports the window index."""
+    from lingbot_map_ros.stream.long_stream import LongStreamSession
+
+    settings = resolve_settings({**SETTINGS, "window_frames": 4})
+    session = LongStreamSession(StreamingSession(model, settings.stream), settings.long_stream)
+    sink, log = Sink(), Log()
+    engine = InferenceEngine(session, settings, sink, log, now=lambda: 1000.0)
+    images = frames(14)
+    for i, rgb in enumerate(images):
+        feed(engine, rgb, 10.0 + i)
+    assert [o.frame_index for o in sink.frames] == list(range(1, 15))
+    windows = [s.window_index for s, _ in sink.statuses]
+    assert windows == sorted(windows) and windows[-1] >= 3
+    assert sink.paths[-1] == list(range(14))
+    assert all(np.isfinite(o.T_map_cam).all() for o in sink.frames)
+    last = sink.statuses[-1][0]
+    assert last.frames_dropped_error == 0 and last.frames_dropped_invalid == 0
+    assert not [m for level, m in log.lines if level == "error"]
+
+
+def test_window_must_fit_the_model_horizon():
+    from lingbot_map_ros.config import ConfigError
+
+    with pytest.raises(ConfigError, match="window_frames 2000 must be below the model's max_frame_num 1024"):
+        resolve_settings({**SETTINGS, "window_frames": 2000})
+    with pytest.raises(ConfigError, match="overlap_frames"):
+        resolve_settings({**SETTINGS, "overlap_frames": 50})
