@@ -264,6 +264,8 @@ def compressed_to_rgb(msg: CompressedImage, max_pixels: int = DEFAULT_MAX_PIXELS
         img = PILImage.open(io.BytesIO(data), formats=["JPEG", "PNG"])
     except PILImage.DecompressionBombError as exc:
         raise ImageConversionError(f"compressed image too large: {exc}") from exc
+    except PILImage.UnidentifiedImageError as exc:  # its text names a BytesIO object: no use in a log
+        raise ImageConversionError(f"not a JPEG or PNG image (format {fmt!r}): unrecognised data") from exc
     except Exception as exc:  # Pillow raises several types for unrecognised data
         raise ImageConversionError(f"not a JPEG or PNG image (format {fmt!r}): {exc}") from exc
     with img:

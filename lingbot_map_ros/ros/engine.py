@@ -42,7 +42,7 @@ import numpy as np
 from ..config import SPECIAL_TOKENS
 from ..geometry import select_points, unproject_depth
 from ..io.export import write_ply, write_tum
-from ..io.preprocess import PATCH_SIZE, preprocess_array
+from ..io.preprocess import PATCH_SIZE, preprocess_array, target_size
 from ..cache.pages import CacheFullError
 from ..stream.session import FrameResult, SessionError
 from .conversions import optical_pose_to_map, points_to_map
@@ -51,6 +51,7 @@ from .params import NodeSettings
 from .worker import Command, Counters, RateMeter, Throttle, WorkQueue
 
 WARN_PERIOD = 5.0  # seconds between two warnings of one kind
+MAX_RESIZE_ASPECT = 8  # an image is resized to image_width x (at most this many times image_width) before cropping
 HEARTBEAT_PERIOD = 1.0  # longest silence of ~/status
 MAP_FILE, TRAJECTORY_FILE = "map.ply", "trajectory.tum"
 
@@ -254,6 +255,7 @@ class InferenceEngine:
             return
         t0 = time.perf_counter()
         try:
+            _check_resize(frame.rgb.shape, s.image_width)
             image = preprocess_array(frame.rgb, s.image_width)
         except ValueError as exc:
             return self._drop_invalid(frame.stamp, f"cannot preprocess the image: {exc}")
@@ -517,6 +519,17 @@ class InferenceEngine:
         st.gpu_memory_allocated_mb, st.gpu_memory_reserved_mb = _device_memory_mb(self.session)
         self.sink.publish_status(st, stamp)
         self._last_status_time = self.monotonic()
+
+
+def _check_resize(shape: tuple[int, ...], width: int) -> None:
+    """Refuse (ValueError) an image so tall that its resize before the centre crop would be huge:
+    preprocessing resizes the whole image to ``width`` x ``H'`` (float32) and keeps a centred square,
+    so a 1 x 60000 image would cost gigabytes."""
+    height_in, width_in = shape[:2]
+    w_out, h_out = target_size(width_in, height_in, width)
+    if h_out > MAX_RESIZE_ASPECT * w_out:
+        raise ValueError(f"image {width_in}x{height_in} (WxH) is too tall: resized to width {w_out} it would be "
+                         f"{h_out} px high, more than {MAX_RESIZE_ASPECT} times its width")
 
 
 def _device_memory_mb(session) -> tuple[float, float]:

@@ -49,6 +49,7 @@ checkpoint or backend ends the process with exit status 1 and one error line.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 import threading
 import time
@@ -320,6 +321,15 @@ class LingBotMapNode(Node):
                                             convert_ms=(time.perf_counter() - t0) * 1e3))
 
     def _on_camera_info(self, msg: CameraInfo) -> None:
+        """Keep the latest usable CameraInfo (for /diagnostics); warn (throttled) about unusable ones."""
+        fx, fy = msg.k[0], msg.k[4]
+        problem = ("an empty image size" if msg.width == 0 or msg.height == 0 else
+                   "non-finite K" if not all(math.isfinite(v) for v in msg.k) else
+                   "a focal length that is not positive" if not (fx > 0 and fy > 0) else None)
+        if problem is not None:
+            self.engine.throttle.emit(self.get_logger().warning,
+                                      f"ignoring camera_info with {problem} (image size {msg.width}x{msg.height})")
+            return
         self.camera_info = msg
 
     # ------------------------------------------------------------------ services

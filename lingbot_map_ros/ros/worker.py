@@ -133,8 +133,10 @@ class WorkQueue:
 
 def message_kind(message: str) -> str:
     """A throttling key for a message: its text with numbers and quoted values blanked,
-    so 'image of 640x0' and 'image of 320x0' are one kind."""
+    so 'image of 640x0' and 'image of 320x0' are one kind (long hexadecimal numbers such as
+    object addresses too)."""
     text = re.sub(r"'[^']*'|\"[^\"]*\"", "'?'", message)
+    text = re.sub(r"\b0x[0-9a-fA-F]{6,}", "#", text)
     return re.sub(r"\d+(\.\d+)?", "#", text)[:120]
 
 
