@@ -44,7 +44,7 @@ from ..geometry import select_points, unproject_depth
 from ..io.export import write_ply, write_tum
 from ..io.preprocess import PATCH_SIZE, preprocess_array, target_size
 from ..cache.pages import CacheFullError
-from ..stream.session import FrameResult, SessionError
+from ..stream.session import FrameMismatchError, FrameResult, SessionError
 from .conversions import optical_pose_to_map, points_to_map
 from .mapping import MapAccumulator, PoseEntry, Trajectory
 from .params import NodeSettings
@@ -447,7 +447,10 @@ class InferenceEngine:
         the session forgot. Returns its 1-based index; raises SessionError (nothing changed).
         """
         expected = None if expected_frame_index == 0 else expected_frame_index - 1
-        index = self.session.rollback_last_frame(expected)
+        try:
+            index = self.session.rollback_last_frame(expected)
+        except FrameMismatchError as exc:  # the session counts from 0, the node's interface from 1
+            raise SessionError(f"the last stored frame is {exc.last_stored + 1}, not {exc.expected + 1}") from None
         forgotten_from = self.session.frames_pushed
         removed = self.trajectory.remove_from(forgotten_from)
         if self.map is not None:

@@ -70,7 +70,7 @@ from ..cache.pages import CacheStats
 from ..config import ConfigError, StreamConfig
 from ..geometry import matrix_to_quaternion
 from .alignment import AlignmentFit, Sim3, estimate_window_sim3, rotation_angle_deg
-from .session import FrameResult, SessionError, StreamingSession
+from .session import FrameMismatchError, FrameResult, SessionError, StreamingSession
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +273,7 @@ class LongStreamSession:
         if self._last_stored is None:
             raise SessionError("nothing to roll back" + (" since the window restart" if self._window_index else ""))
         if expected_frame_index is not None and expected_frame_index != self._last_stored:
-            raise SessionError(f"the last stored frame is {self._last_stored}, not {expected_frame_index}")
+            raise FrameMismatchError(self._last_stored, expected_frame_index)
         frame = self._last_stored
         self.inner.rollback_last_frame(self._inner_index(frame))
         undo = self._undo

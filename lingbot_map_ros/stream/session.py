@@ -50,6 +50,14 @@ class SessionError(RuntimeError):
     """A request the session cannot honour; its state is unchanged."""
 
 
+class FrameMismatchError(SessionError):
+    """rollback_last_frame was asked for another frame than the last stored one (0-based indices)."""
+
+    def __init__(self, last_stored: int, expected: int) -> None:
+        super().__init__(f"the last stored frame is {last_stored}, not {expected}")
+        self.last_stored, self.expected = last_stored, expected
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
@@ -127,7 +135,7 @@ class StreamingSession:
         if self._pages is None or self._last_stored_frame is None or not self._pages.stats().can_rollback:
             raise SessionError("nothing to roll back")
         if expected_frame_index is not None and expected_frame_index != self._last_stored_frame:
-            raise SessionError(f"the last stored frame is {self._last_stored_frame}, not {expected_frame_index}")
+            raise FrameMismatchError(self._last_stored_frame, expected_frame_index)
         frame = self._last_stored_frame
         self._pages.rollback_last()
         was_phase1 = self._pages.in_phase1
@@ -274,4 +282,4 @@ class StreamingSession:
                             image=images[i]) for i in range(frames.shape[0])]
 
 
-__all__ = ["StreamingSession", "FrameResult", "SessionError", "CacheError"]
+__all__ = ["StreamingSession", "FrameResult", "SessionError", "FrameMismatchError", "CacheError"]

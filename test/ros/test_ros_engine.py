@@ -251,7 +251,7 @@ def test_rollback_command_removes_points_and_pose_and_guards_the_index(model):
         feed(engine, imgs[i], float(i))
     n_map = len(engine.map)
     last_points = sink.frames[-1].points.shape[0]
-    with pytest.raises(SessionError, match="not 2"):
+    with pytest.raises(SessionError, match="the last stored frame is 4, not 3"):
         engine.rollback(3)  # 1-based: the latest is 4
     assert len(engine.trajectory) == 4 and len(engine.map) == n_map
     assert engine.rollback(0) == 4
