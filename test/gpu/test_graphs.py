@@ -10,7 +10,6 @@ Run on the GPU machine: ``pytest -m gpu test/gpu/test_graphs.py -s`` prints the 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -21,13 +20,7 @@ from lingbot_map_ros.config import ModelConfig, StreamConfig
 from lingbot_map_ros.io.checkpoint import load_model
 from lingbot_map_ros.stream.session import StreamingSession
 
-try:
-    from fixtures_path import fixture_dir
-except ImportError:  # test/ is on sys.path once test/conftest.py is loaded; this is the fallback
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from fixtures_path import fixture_dir
+from fixtures_path import fixture_dir  # test/ is on sys.path (test/conftest.py)
 
 FIXTURES = fixture_dir()
 

@@ -42,13 +42,12 @@ rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/b
 
 from builtin_interfaces.msg import Time  # noqa: E402
 from geometry_msgs.msg import PoseStamped  # noqa: E402
-from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 from rclpy.qos import QoSProfile  # noqa: E402
 from sensor_msgs.msg import CameraInfo, CompressedImage, Image  # noqa: E402
 from std_msgs.msg import Header  # noqa: E402
 from std_srvs.srv import SetBool, Trigger  # noqa: E402
 from test_node_graph import (CAMERA_FRAME, DOMAIN_ID, NODE_PARAMS, START_TIMEOUT, WIDTH,  # noqa: E402
-                             generated_frames, image_msg, jpeg_bytes, pose_matrix, start_node, stop_process)
+                             GraphClient, generated_frames, image_msg, jpeg_bytes, pose_matrix, start_node, stop_process)
 
 from lingbot_map_ros.msg import Status  # noqa: E402
 from lingbot_map_ros.srv import CommitEviction, RollbackFrame  # noqa: E402
@@ -359,16 +358,11 @@ def key(stamp) -> tuple[int, int]:
     return stamp.sec, stamp.nanosec
 
 
-class FaultClient:
+class FaultClient(GraphClient):
     """In-process test node: publishers of (hostile) input, recorders of statuses and poses."""
 
     def __init__(self, name: str = "lingbot_map_fault_client") -> None:
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context)
-        self.node = rclpy.create_node(name, context=self.context)
-        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
-        self.executor.add_node(self.node)
-        self._cond = threading.Condition()
+        super().__init__(name)
         self.statuses: dict[str, dict[tuple[int, int], list[Status]]] = {RAW: {}, COMP: {}}
         self.latest: dict[str, Status | None] = {RAW: None, COMP: None}
         self.poses: dict[str, dict[tuple[int, int], PoseStamped]] = {RAW: {}, COMP: {}}
@@ -379,10 +373,9 @@ class FaultClient:
         self.pub_raw = self.node.create_publisher(Image, RAW_TOPIC, QoSProfile(depth=50))
         self.pub_compressed = self.node.create_publisher(CompressedImage, COMP_TOPIC, QoSProfile(depth=50))
         self.pub_info = self.node.create_publisher(CameraInfo, INFO_TOPIC, QoSProfile(depth=10))
-        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
-        self._thread.start()
         self._stamp = 5000
         self._stamp_lock = threading.Lock()
+        self.start()
 
     def _on_status(self, node: str):
         def store(msg: Status) -> None:
@@ -399,27 +392,10 @@ class FaultClient:
                 self._cond.notify_all()
         return store
 
-    def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
-
     def next_stamp(self) -> Time:
         with self._stamp_lock:
             self._stamp += 1
             return Time(sec=self._stamp, nanosec=987_654)
-
-    def wait(self, predicate, timeout: float = STEP_TIMEOUT, what: str = "condition"):
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                value = predicate()
-                if value:
-                    return value
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-                self._cond.wait(min(remaining, 0.1))
 
     def status_for(self, node: str, stamp, timeout: float = STEP_TIMEOUT) -> Status:
         """The status the node published for the input stamped ``stamp`` (not a heartbeat)."""
@@ -782,21 +758,16 @@ def test_fuzz_raw_and_compressed_input(nodes):
 
 
 # ------------------------------------------------------------------ 3. service storm
-class ServiceClient:
+class ServiceClient(GraphClient):
     """One client node (its own context) with persistent clients of the four services."""
 
     SERVICES = {"reset": (Trigger, "reset"), "deferred": (SetBool, "set_deferred_eviction"),
                 "commit": (CommitEviction, "commit_eviction"), "rollback": (RollbackFrame, "rollback_last_frame")}
 
     def __init__(self, index: int, node: str = RAW) -> None:
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context)
-        self.node = rclpy.create_node(f"lingbot_map_storm_{index}", context=self.context)
-        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
-        self.executor.add_node(self.node)
+        super().__init__(f"lingbot_map_storm_{index}")
         self.clients = {op: self.node.create_client(t, f"{node}/{name}") for op, (t, name) in self.SERVICES.items()}
-        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
-        self._thread.start()
+        self.start()
         for op, c in self.clients.items():
             assert c.wait_for_service(timeout_sec=STEP_TIMEOUT), f"service {op} not available"
         self.log: list[tuple[str, object, object, float]] = []
@@ -817,11 +788,6 @@ class ServiceClient:
         response = future.result()
         self.log.append((op, value, response, time.monotonic() - t0))
         return response
-
-    def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
 
 
 WRONG_INDICES = (10**6, 2**64 - 1, 99_999)

@@ -102,16 +102,46 @@ def stop_process(proc: subprocess.Popen) -> None:
             proc.wait(10)
 
 
-class Client:
-    """In-process test node: publishers of images, recorders of every output, service calls."""
+class GraphClient:
+    """An in-process rclpy node in its own context, spun by a background executor; ``wait``
+    blocks on a condition that subscription callbacks notify. Subclasses create their
+    subscriptions and publishers, then call ``start``."""
 
-    def __init__(self) -> None:
+    def __init__(self, name: str) -> None:
         self.context = rclpy.Context()
         rclpy.init(context=self.context)
-        self.node = rclpy.create_node("lingbot_map_test_client", context=self.context)
+        self.node = rclpy.create_node(name, context=self.context)
         self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
         self.executor.add_node(self.node)
         self._cond = threading.Condition()
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=2.0)
+        self.node.destroy_node()
+        rclpy.try_shutdown(context=self.context)
+
+    def wait(self, predicate, timeout: float = STEP_TIMEOUT, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                value = predicate()
+                if value:
+                    return value
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+                self._cond.wait(min(remaining, 0.1))
+
+
+class Client(GraphClient):
+    """In-process test node: publishers of images, recorders of every output, service calls."""
+
+    def __init__(self) -> None:
+        super().__init__("lingbot_map_test_client")
         self.msgs: dict[str, list] = {}
         reliable = QoSProfile(depth=200)
         latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
@@ -129,9 +159,8 @@ class Client:
         self.pub_best_effort = self.node.create_publisher(Image, "/cam_a/image", qos_profile_sensor_data)
         self.pub_compressed = self.node.create_publisher(CompressedImage, "/cam_c/image/compressed",
                                                          QoSProfile(depth=10))
-        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
-        self._thread.start()
         self._stamp = 1000
+        self.start()
 
     def _recorder(self, topic: str):
         def store(msg) -> None:
@@ -139,24 +168,6 @@ class Client:
                 self.msgs[topic].append(msg)
                 self._cond.notify_all()
         return store
-
-    def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
-
-    # -- waiting
-    def wait(self, predicate, timeout: float = STEP_TIMEOUT, what: str = "condition"):
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                value = predicate()
-                if value:
-                    return value
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-                self._cond.wait(min(remaining, 0.1))
 
     def latest(self, topic: str):
         with self._cond:
