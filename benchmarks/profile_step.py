@@ -29,9 +29,12 @@ def main(argv=None) -> int:
     p.add_argument("--height", type=int, default=378)
     p.add_argument("--width", type=int, default=518)
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--kv-splits", type=int, default=0)
+    p.add_argument("--no-fused-kernels", action="store_true")
     a = p.parse_args(argv)
     args = argparse.Namespace(num_scale_frames=8, sliding_window=64, keyframe_interval=1, camera_iterations=4,
-                              backend=a.backend, dtype="bf16", no_cuda_graphs=True)
+                              backend=a.backend, dtype="bf16", no_cuda_graphs=True, kv_splits=a.kv_splits,
+                              no_fused_kernels=a.no_fused_kernels)
     model = load_model(ModelConfig.preset("lingbot-map"), None, "cuda", "bf16", seed=0)
     session = StreamingSession(model, stream_config(args))
     full = 8 + 64

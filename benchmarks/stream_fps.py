@@ -47,6 +47,10 @@ def parse_args(argv=None):
     p.add_argument("--no-depth", action="store_true")
     p.add_argument("--no-cuda-graphs", action="store_true",
                    help="run the one-frame step eagerly (default: replay it from a CUDA graph)")
+    p.add_argument("--kv-splits", type=int, default=0,
+                   help="split each global-attention call over this many runs of pages (0 = automatic)")
+    p.add_argument("--no-fused-kernels", action="store_true",
+                   help="PyTorch ops instead of the Triton kernels (LayerNorm, q/k norm + RoPE)")
     p.add_argument("--compare-frames", type=int, default=12,
                    help="frames of the bf16-vs-fp32 comparison (0 = skip)")
     p.add_argument("--breakdown-frames", type=int, default=10, help="steady-state frames of the stage breakdown")
@@ -71,10 +75,39 @@ def stream_config(args, dtype=None, backend=None, cuda_graphs=None):
     return StreamConfig(num_scale_frames=args.num_scale_frames, sliding_window=args.sliding_window,
                         keyframe_interval=args.keyframe_interval, camera_iterations=args.camera_iterations,
                         backend=backend or args.backend, dtype=dtype or args.dtype, device="cuda",
-                        cuda_graphs=graphs)
+                        cuda_graphs=graphs, kv_splits=args.kv_splits, fused_kernels=not args.no_fused_kernels)
 
 
-def timed_stream(session, args):
+class ReplayTimer:
+    """CUDA events around every CUDA-graph replay of a session: the GPU time of the step
+    itself, without the host work of a push (planning, result conversion)."""
+
+    def __init__(self):
+        self.pairs = []
+
+    def attach(self, session):
+        graphed = session._graphed
+        if graphed is None or getattr(graphed, "_bench_timed", False) or graphed.graph is None:
+            return
+        replay = graphed.graph.replay
+
+        def timed_replay():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            replay()
+            end.record()
+            self.pairs.append((start, end))
+
+        graphed.graph.replay = timed_replay
+        graphed._bench_timed = True
+
+    def median_ms(self, skip):
+        torch.cuda.synchronize()
+        times = [s.elapsed_time(e) for s, e in self.pairs[skip:]]
+        return statistics.median(times) if times else None
+
+
+def timed_stream(session, args, replay_timer=None):
     """Per-frame wall times (ms) once the window is full, the phase-1 time and the first
     phase-2 step's time (ms; it includes the CUDA-graph capture when graphs are on)."""
     times, phase1_ms, first_ms = [], None, None
@@ -84,6 +117,8 @@ def timed_stream(session, args):
         out = session.push(frame)
         torch.cuda.synchronize()
         ms = (time.perf_counter() - t) * 1e3
+        if replay_timer is not None:
+            replay_timer.attach(session)
         if len(out) > 1:
             phase1_ms = ms
         elif out and first_ms is None:
@@ -221,11 +256,16 @@ def main(argv=None):
     torch.cuda.reset_peak_memory_stats()
 
     session = StreamingSession(model, stream_config(args), with_depth=not args.no_depth)
-    times, phase1_ms, first_step_ms = timed_stream(session, args)
+    replay_timer = ReplayTimer()
+    times, phase1_ms, first_step_ms = timed_stream(session, args, replay_timer)
+    full_from = args.num_scale_frames + args.sliding_window * args.keyframe_interval
+    graph_gpu_ms = replay_timer.median_ms(skip=max(0, full_from - args.num_scale_frames - 1))
+    kv_splits_used = getattr(session._graphed.backend if session._graphed else session.backend, "splits", None)
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     stats = session.stats()
     graphed = session._graphed
     graph_replays = 0 if graphed is None else graphed.replays
+    session_fused = session.fused
     del session
     torch.cuda.empty_cache()
 
@@ -242,10 +282,12 @@ def main(argv=None):
                     "sliding_window": args.sliding_window, "camera_iterations": args.camera_iterations,
                     "keyframe_interval": args.keyframe_interval, "depth_head": not args.no_depth,
                     "weights": f"random (seed {args.seed})", "preset": args.preset,
-                    "cuda_graphs": not args.no_cuda_graphs},
+                    "cuda_graphs": not args.no_cuda_graphs, "kv_splits": kv_splits_used,
+                    "fused_kernels": session_fused},
         "cuda_graph_replays": graph_replays,
         "steady_state": {"frames": len(times), "median_ms": round(median, 3),
-                         "p95_ms": round(float(np.percentile(times, 95)), 3), "fps": round(1e3 / median, 2)},
+                         "p95_ms": round(float(np.percentile(times, 95)), 3), "fps": round(1e3 / median, 2),
+                         "graph_gpu_median_ms": None if graph_gpu_ms is None else round(graph_gpu_ms, 3)},
         "phase1_ms": None if phase1_ms is None else round(phase1_ms, 1),
         "first_phase2_step_ms": None if first_step_ms is None else round(first_step_ms, 1),
         "stage_breakdown_note": "eager step (module-hook CUDA events cannot time inside a graph)",

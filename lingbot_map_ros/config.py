@@ -130,6 +130,9 @@ class StreamConfig:
     ``max_pending_evictions`` bounds how far the window may grow while eviction is
     deferred (it sizes the page pool). ``cuda_graphs`` replays the one-frame phase-2
     step from a CUDA graph (CUDA with a FlashInfer backend only; elsewhere ignored).
+    ``kv_splits`` splits each global-attention call over that many runs of pages
+    (FlashInfer FA3; 0 = chosen from the GPU's SM count). ``fused_kernels`` runs the
+    Triton kernels of ``lingbot_map_ros.kernels`` where they apply (CUDA, bf16).
     """
 
     num_scale_frames: int = 8
@@ -142,6 +145,8 @@ class StreamConfig:
     dtype: str = "fp32"
     device: str = "cpu"
     cuda_graphs: bool = True
+    kv_splits: int = 0
+    fused_kernels: bool = True
 
     def __post_init__(self) -> None:
         _require(self.num_scale_frames >= 1, f"num_scale_frames must be >= 1, got {self.num_scale_frames}")
@@ -150,6 +155,8 @@ class StreamConfig:
         _require(self.camera_iterations >= 1, f"camera_iterations must be >= 1, got {self.camera_iterations}")
         _require(self.max_pending_evictions >= 0,
                  f"max_pending_evictions must be >= 0, got {self.max_pending_evictions}")
+        _require(isinstance(self.kv_splits, int) and 0 <= self.kv_splits <= 64,
+                 f"kv_splits must be an integer in 0..64 (0 = automatic), got {self.kv_splits!r}")
         _require(self.backend in BACKENDS, f"backend must be one of {BACKENDS}, got {self.backend!r}")
         _require(self.dtype in DTYPES, f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         _require(isinstance(self.device, str) and self.device.split(":")[0] in ("cpu", "cuda"),

@@ -58,9 +58,11 @@ class BackendUnavailable(RuntimeError):
     pass
 
 
-def make_backend(name: str, device: torch.device, dtype: torch.dtype | None = None) -> AttentionBackend:
+def make_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
+                 kv_splits: int | None = None) -> AttentionBackend:
     """Resolve a backend name (auto, sdpa, flashinfer, flashinfer-fa2, flashinfer-fa3) for a device.
 
+    kv_splits: FlashInfer's split-KV count (None or 0 = automatic); ignored by sdpa.
     dtype: the K/V pool's dtype when known; FlashInfer needs bf16/fp16, so ``auto`` picks
     sdpa for float32 and an explicit flashinfer backend with float32 is refused here.
     """
@@ -82,7 +84,7 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype | None = No
         from .flashinfer_backend import FlashInferBackend
 
         variant = name.split("-", 1)[1] if "-" in name else "fa3" if _is_hopper(device) else "fa2"
-        return FlashInferBackend(device, variant, dtype)
+        return FlashInferBackend(device, variant, dtype, kv_splits=kv_splits or None)
     raise BackendUnavailable(f"unknown attention backend {name!r}")
 
 

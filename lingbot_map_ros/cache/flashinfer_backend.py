@@ -1,36 +1,48 @@
 """FlashInfer paged attention over the K/V pool (CUDA only; bf16 or fp16 pages).
 
-A step is one request in a batch of one: all ``qo_len`` queries of the step attend,
-unmasked, to the ``kv_len`` tokens of the plan's visible pages (all full but the
-last, which holds ``last_page_len`` tokens). The pages are used in place, whatever
-their size (999, 777, 28 tokens: no padding to a power of two).
+All ``qo_len`` queries of a step attend, unmasked, to the ``kv_len`` tokens of the
+plan's visible pages (all full but the last, which holds ``last_page_len`` tokens).
+The pages are used in place, whatever their size (999, 777, 28 tokens: no padding
+to a power of two).
 
-Interface (the ``AttentionBackend`` protocol, nothing more):
+Split-KV. FlashInfer's FA3 kernel gives each (query tile, head) pair to one SM and
+walks all its keys; a one-frame step at 518x378 has ceil(1005/192) x 16 = 96 such
+pairs for the H200's 132 SMs, so a quarter of the GPU idles for the whole call. The
+backend therefore issues the step as a batch of ``S`` requests that share the same
+queries (copied S times) and each read a contiguous run of the visible pages, and
+merges the S partial results with their log-sum-exps (``kernels.merge``). ``S`` is
+chosen per step from the SM count (``auto_kv_splits``) unless fixed.
 
-* ``FlashInferBackend(device, variant="fa3" | "fa2", dtype=None, graph_pages=None)``:
-  allocates the workspace once. ``dtype``, when given, is the pool's dtype and is
-  checked here, so an unsupported one (float32) fails at construction rather than
+Interface (the ``AttentionBackend`` protocol plus two optional methods):
+
+* ``FlashInferBackend(device, variant="fa3" | "fa2", dtype=None, graph_pages=None,
+  kv_splits=None, min_graph_pages=1)``: ``dtype``, when given, is the pool's dtype and
+  is checked here, so an unsupported one (float32) fails at construction rather than
   mid-step. ``graph_pages`` (the pool's page count) puts the wrapper in FlashInfer's
-  CUDA-graph mode: its indptr/indices/last-page buffers are preallocated and stay
-  at fixed addresses, every step must have the same query length (the first
-  plan's) and batch size 1, and ``prepare`` must run ``plan()`` before a capture or
-  replay (a captured ``attend`` only launches the kernel).
+  CUDA-graph mode: its indptr/indices/last-page buffers are preallocated and stay at
+  fixed addresses, every step must have the same query length (the first plan's)
+  and the same split count (chosen at the first plan, at most ``min_graph_pages``,
+  the fewest pages a graphed step can see), and ``prepare`` must run ``plan()``
+  before a capture or replay (a captured ``attend`` only launches kernels).
 * ``begin_step(plan)``: remembers the step's plan (no device work).
-* ``attend(q, k_pages, v_pages)``: the step's first call runs FlashInfer's
-  ``plan()`` (it needs the head count, head width and dtype, which are read from the
-  pages, so no separate configuration call exists); every call then runs the kernel.
-  ``plan()`` therefore runs exactly once per step, for all layers.
+* ``query_buffer(k_pages)``: the [S, qo_len, H, D] tensor that ``attend`` reads its
+  queries from when handed it, so a producer can write the S copies directly.
+* ``attend(q, k_pages, v_pages)``: the step's first call runs FlashInfer's ``plan()``
+  (it needs the head count, head width and dtype, which are read from the pages);
+  every call then runs the kernel (and the merge). ``plan()`` runs once per step.
 
 Host/device traffic per step: the page ids are already on the device
-(``DevicePlan.read_pages``, int32); the three indptr/length arrays are tiny host
-tensors, which is where ``plan()`` wants them (device ones would cost a ``.cpu()``
-sync). ``plan()`` copies them and its own schedule to the device asynchronously.
+(``DevicePlan.read_pages``, int32); the indptr/length arrays are tiny host tensors,
+which is where ``plan()`` wants them (device ones would cost a ``.cpu()`` sync).
+``plan()`` copies them and its own schedule to the device asynchronously.
 """
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from .. import kernels
+from ..kernels.merge import merge_reference, merge_states
 from .pool import DevicePlan
 
 VARIANTS = ("fa2", "fa3")
@@ -45,36 +57,66 @@ def check_kv_dtype(dtype: torch.dtype) -> None:
                          "run with dtype 'bf16', or use backend 'sdpa' for float32")
 
 
+
+
+def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_sms: int, variant: str,
+                   max_splits: int = 8) -> int:
+    """Split count that best fills ``num_sms`` SMs with FA3's (query tile, head, split) work items.
+
+    Each item walks 1/S of the keys, so the step takes about ceil(items * S / SMs) / S
+    full-key passes, against items / SMs for a perfectly filled GPU; each split beyond
+    the first is charged 2% of the call for the extra query copies and the merge.
+    FA2 plans its own key splits: 1.
+    """
+    if variant != "fa3":
+        return 1
+    tile_q = 192 if head_dim == 64 else 128  # FlashInfer's paged FA3 query tile
+    items = -(-qo_len // tile_q) * heads
+    ideal = items / num_sms
+    best, best_cost = 1, float("inf")
+    for s in range(1, max(1, min(max_splits, num_pages)) + 1):
+        cost = -(-items * s // num_sms) / s / ideal + 0.02 * (s - 1)
+        if cost < best_cost - 1e-9:
+            best, best_cost = s, cost
+    return best
+
+
+def split_pages(num_pages: int, splits: int) -> list[int]:
+    """Pages per request when ``num_pages`` visible pages go to ``splits`` contiguous runs."""
+    base, extra = divmod(num_pages, splits)
+    return [base + (1 if i < extra else 0) for i in range(splits)]
+
+
 class FlashInferBackend:
-    """``BatchPrefillWithPagedKVCacheWrapper`` (NHD layout) with one plan per step."""
+    """``BatchPrefillWithPagedKVCacheWrapper`` (NHD layout), one plan per step, split-KV."""
 
     def __init__(self, device: torch.device | str, variant: str = "fa3", dtype: torch.dtype | None = None,
-                 graph_pages: int | None = None) -> None:
+                 graph_pages: int | None = None, kv_splits: int | None = None, min_graph_pages: int = 1) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"flashinfer variant must be one of {VARIANTS}, got {variant!r}")
         if dtype is not None:
             check_kv_dtype(dtype)
+        if kv_splits is not None and kv_splits < 1:
+            raise ValueError(f"kv_splits must be >= 1 (or None for automatic), got {kv_splits}")
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"the flashinfer backend needs a CUDA device, got {device}")
         import flashinfer  # deferred: importing it is slow and needs CUDA
 
+        self._flashinfer = flashinfer
         self.name = f"flashinfer-{variant}"
         self.variant = variant
         self.device = device
+        self.kv_splits = kv_splits
+        self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
         self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        if graph_pages is None:
-            self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
-                                                                           backend=variant)
-        else:  # CUDA-graph mode: plan() copies into these buffers, a captured run() reads them
-            def i32(n: int) -> Tensor:
-                return torch.zeros(n, dtype=torch.int32, device=device)
-
-            self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=i32(2),
-                paged_kv_indptr_buf=i32(2), paged_kv_indices_buf=i32(graph_pages),
-                paged_kv_last_page_len_buf=i32(1), backend=variant)
         self.graph_mode = graph_pages is not None
+        self._graph_pages = graph_pages
+        self._min_graph_pages = max(1, min_graph_pages)
+        self._wrapper = None if self.graph_mode else flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, kv_layout="NHD", backend=variant)
+        self._merge = merge_states if kernels.available(device) else merge_reference
+        self._buffers: dict[tuple, Tensor] = {}
         # plan() fills a pinned host buffer and copies it to the device asynchronously; the
         # next plan() must not overwrite that buffer before the copy ran. The event is
         # already complete when the host waited for the previous step's results (the
@@ -82,6 +124,7 @@ class FlashInferBackend:
         self._plan_copied = torch.cuda.Event()
         self._step: DevicePlan | None = None
         self._planned = False
+        self.splits = 1  # of the current step
 
     def begin_step(self, plan: DevicePlan) -> None:
         self._step = plan
@@ -91,12 +134,60 @@ class FlashInferBackend:
         """Run the step's ``plan()`` now (host work), e.g. before a CUDA-graph capture or replay."""
         self._plan(k_pages)
 
-    def attend(self, q: Tensor, k_pages: Tensor, v_pages: Tensor) -> Tensor:
-        """q [qo_len, H, D] (any float dtype; cast to the pages'); pages [num_pages, page_size, H, D]
-        -> [qo_len, H, D] in the pages' dtype."""
+    def query_buffer(self, k_pages: Tensor) -> Tensor:
+        """[S, qo_len, H, D] in the pages' dtype: queries written here need no copy in ``attend``."""
         if not self._planned:
             self._plan(k_pages)
-        return self._wrapper.run(q.to(k_pages.dtype).contiguous(), (k_pages, v_pages))
+        heads, dim = k_pages.shape[-2:]
+        return self._buffer("q", (self.splits, self._step.qo_len, heads, dim), k_pages.dtype)
+
+    def attend(self, q: Tensor, k_pages: Tensor, v_pages: Tensor) -> Tensor:
+        """q [qo_len, H, D] (any float dtype; cast to the pages'), or ``query_buffer``'s tensor;
+        pages [num_pages, page_size, H, D] -> [qo_len, H, D] in the pages' dtype."""
+        if not self._planned:
+            self._plan(k_pages)
+        s, dtype = self.splits, k_pages.dtype
+        if s == 1:
+            q = q[0] if q.dim() == 4 else q
+            return self._wrapper.run(q.to(dtype).contiguous(), (k_pages, v_pages))
+        qo, heads, dim = self._step.qo_len, k_pages.shape[-2], k_pages.shape[-1]
+        q_rep = self._buffer("q", (s, qo, heads, dim), dtype)
+        if q.data_ptr() != q_rep.data_ptr():
+            q_rep.copy_(q.unsqueeze(0).expand(s, -1, -1, -1))
+        o = self._buffer("o", (s, qo, heads, dim), dtype)
+        lse = self._buffer("lse", (s, qo, heads), torch.float32)
+        self._wrapper.run(q_rep.view(s * qo, heads, dim), (k_pages, v_pages), out=o.view(s * qo, heads, dim),
+                          lse=lse.view(s * qo, heads), return_lse=True)
+        return self._merge(o, lse, self._buffer("out", (qo, heads, dim), dtype))
+
+    def _buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> Tensor:
+        """A persistent tensor per (name, shape, dtype): no allocation in the steady state, and
+        fixed addresses for CUDA graphs."""
+        key = (name, shape, dtype)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(shape, dtype=dtype, device=self.device)
+        return buf
+
+    def _choose_splits(self, qo_len: int, heads: int, head_dim: int, num_pages: int) -> int:
+        if self.graph_mode and self._wrapper is not None:
+            if num_pages < self.splits:
+                raise ValueError(f"this CUDA-graph step was captured with {self.splits} KV splits but the "
+                                 f"step sees only {num_pages} pages")
+            return self.splits
+        limit = min(num_pages, self._min_graph_pages) if self.graph_mode else num_pages
+        s = self.kv_splits or auto_kv_splits(qo_len, heads, head_dim, limit, self._num_sms, self.variant)
+        return max(1, min(s, limit))
+
+    def _make_graph_wrapper(self, splits: int):
+        def i32(n: int) -> Tensor:
+            return torch.zeros(n, dtype=torch.int32, device=self.device)
+
+        # CUDA-graph mode: plan() copies into these buffers, a captured run() reads them
+        return self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self._workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=i32(splits + 1),
+            paged_kv_indptr_buf=i32(splits + 1), paged_kv_indices_buf=i32(self._graph_pages),
+            paged_kv_last_page_len_buf=i32(splits), backend=self.variant)
 
     def _plan(self, k_pages: Tensor) -> None:
         step = self._step
@@ -107,9 +198,15 @@ class FlashInferBackend:
         if page_size != step.plan.page_size:
             raise ValueError(f"pages hold {page_size} tokens but the step was planned for {step.plan.page_size}")
         num_pages = len(step.plan.read_pages)
-        qo_indptr = torch.tensor([0, step.qo_len], dtype=torch.int32)
-        kv_indptr = torch.tensor([0, num_pages], dtype=torch.int32)
-        last_page_len = torch.tensor([step.plan.last_page_len], dtype=torch.int32)
+        splits = self._choose_splits(step.qo_len, heads, head_dim, num_pages)
+        if self.graph_mode and self._wrapper is None:
+            self._wrapper = self._make_graph_wrapper(splits)
+        self.splits = splits
+        counts = split_pages(num_pages, splits)
+        qo_indptr = torch.arange(splits + 1, dtype=torch.int32) * step.qo_len
+        kv_indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        last_page_len = torch.full((splits,), page_size, dtype=torch.int32)
+        last_page_len[-1] = step.plan.last_page_len
         if not self._plan_copied.query():
             self._plan_copied.synchronize()
         self._wrapper.plan(qo_indptr, kv_indptr, step.read_pages, last_page_len, heads, heads, head_dim, page_size,

@@ -114,3 +114,31 @@ class CameraKVCache:
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], kc.transpose(0, 1)[None],
                                              vc.transpose(0, 1)[None], attn_mask=bias)
         return out[0].transpose(0, 1)
+
+
+class PoolAttention:
+    """Global attention of one step over the K/V pool (the aggregator's ``GlobalAttend``).
+
+    Called with q, k, v it stores k/v at the step's slots and attends; the fused path
+    instead asks for ``destinations`` (where a kernel writes rotated q and the K/V rows
+    itself) and then calls ``attend_written``.
+    """
+
+    def __init__(self, pool: KVPool, backend, write_slots: Tensor) -> None:
+        self.pool, self.backend, self.write_slots = pool, backend, write_slots
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        self.pool.write(layer, self.write_slots, k, v)
+        return self.backend.attend(q, self.pool.k[layer], self.pool.v[layer])
+
+    def destinations(self, layer: int, n: int, heads: int, dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+        """(q_out, k_rows, v_rows, slots): q_out is [n, H, D] or the backend's [S, n, H, D]
+        query buffer; k/v rows are the layer's pool viewed as [slots, H, D]."""
+        k_pages, v_pages = self.pool.k[layer], self.pool.v[layer]
+        query_buffer = getattr(self.backend, "query_buffer", None)
+        q = query_buffer(k_pages) if query_buffer is not None else \
+            torch.empty(n, heads, dim, dtype=k_pages.dtype, device=k_pages.device)
+        return q, k_pages.view(-1, heads, dim), v_pages.view(-1, heads, dim), self.write_slots
+
+    def attend_written(self, layer: int, q: Tensor) -> Tensor:
+        return self.backend.attend(q, self.pool.k[layer], self.pool.v[layer])

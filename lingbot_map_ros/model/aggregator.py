@@ -15,11 +15,27 @@ from torch import Tensor, nn
 
 from ..config import SPECIAL_TOKENS, ModelConfig
 from .dino import DinoEncoder
-from .layers import Block, sdpa_nhd
+from .layers import Block, _apply_norm, sdpa_nhd
 from .rope import Rope3DTables, apply_rope2d, apply_rope3d_complex, rope2d_tables, rope3d_rotation
 
-# global_attend(layer, q, k, v) -> out, each [S*P, H, D]; q/k rotated (float32), v as computed
+# global_attend(layer, q, k, v) -> out, each [S*P, H, D]; q/k rotated (float32), v as computed.
+# With the fused kernels the aggregator also uses, where the object has them,
+# ``destinations(layer, n, heads, dim) -> (q_out, k_rows, v_rows, slots)`` (where the
+# kernel writes rotated q and the K/V rows) and ``attend_written(layer, q_out) -> out``.
 GlobalAttend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+
+
+class _Attend:
+    """An attend callable for ``Attention``; with ``fused`` it also offers ``from_qkv``."""
+
+    def __init__(self, plain: Callable[[Tensor, Tensor, Tensor], Tensor],
+                 fused: Callable[[Tensor, nn.Module], Tensor] | None = None) -> None:
+        self._plain = plain
+        if fused is not None:
+            self.from_qkv = fused
+
+    def __call__(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        return self._plain(q, k, v)
 
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -32,6 +48,15 @@ class _RopeSet:
         cos2, sin2 = rope2d_tables(grid_h, grid_w)
         self.cos2d, self.sin2d = cos2.to(device), sin2.to(device)
         self.rope3d = Rope3DTables(grid_h, grid_w, max_frames, device)
+        self._halves: tuple[Tensor, Tensor] | None = None
+
+    def halves(self) -> tuple[Tensor, Tensor]:
+        """The 2D tables in the fused kernel's form (``kernels.qk_rope.tables_halves``)."""
+        if self._halves is None:
+            from ..kernels.qk_rope import tables_halves
+
+            self._halves = tables_halves(self.cos2d, self.sin2d)
+        return self._halves
 
 
 class Aggregator(nn.Module):
@@ -71,7 +96,7 @@ class Aggregator(nn.Module):
         return torch.cat([camera, registers, scale], dim=1)
 
     def forward(self, images: Tensor, positions: Tensor, global_attend: GlobalAttend, *,
-                phase1: bool, sequence_start: bool) -> list[Tensor]:
+                phase1: bool, sequence_start: bool, fused: bool = False) -> list[Tensor]:
         """Run one streaming step.
 
         Args:
@@ -80,6 +105,9 @@ class Aggregator(nn.Module):
             global_attend: cross-frame attention over the cache for one layer.
             phase1: the step is the first ``num_scale_frames`` frames of a sequence.
             sequence_start: the first frame of the step is the first of a sequence.
+            fused: use the Triton kernels of ``lingbot_map_ros.kernels`` (CUDA, bf16
+                weights): LayerNorms written in bf16, q/k norm + RoPE (+ K/V store) in one
+                kernel. Same maths as the PyTorch path.
         Returns:
             4 tensors [S, P, 2*embed_dim] (frame output | global output of the
             selected block pairs), P = 6 + (H/14)(W/14).
@@ -87,32 +115,67 @@ class Aggregator(nn.Module):
         s, _, h, w = images.shape
         grid_h, grid_w = h // self.cfg.patch_size, w // self.cfg.patch_size
         ropes = self.rope_set(grid_h, grid_w, images.device)
-        rotation3 = rope3d_rotation(*ropes.rope3d.lookup(positions))  # [S, P, 1, 32] complex
+        cos3, sin3 = ropes.rope3d.lookup(positions)  # [S, P, 32]
+        heads, head_dim = self.cfg.num_heads, self.cfg.embed_dim // self.cfg.num_heads
+        norm = _apply_norm
+        if fused:
+            from ..kernels.layer_norm import layer_norm
+            from ..kernels.qk_rope import XOR_HALVES, XOR_INTERLEAVED, qk_norm_rope, tables_interleaved
+
+            act_dtype = self.camera_token.dtype
+
+            def norm(module: nn.Module, x: Tensor) -> Tensor:
+                return layer_norm(x, module, act_dtype)
+
+            cos2h, sin2h = ropes.halves()
+        global_fusable = fused and hasattr(global_attend, "destinations")
+        if global_fusable:
+            cos3i, sin3i = (t.reshape(-1, t.shape[-1]) for t in tables_interleaved(cos3, sin3))
+        else:
+            rotation3 = rope3d_rotation(cos3, sin3)  # [S, P, 1, 32] complex
 
         x = (images - self._mean) / self._std
-        patches = self.patch_embed(x.to(self._mean.dtype))  # [S, gh*gw, C]
+        patches = self.patch_embed(x.to(self._mean.dtype), norm=norm)  # [S, gh*gw, C]
         x = torch.cat([self.special_tokens(s, phase1, sequence_start).to(patches.dtype), patches], dim=1)
         tokens = x.shape[1]
 
-        def frame_attend(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        def frame_plain(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             q = apply_rope2d(q, ropes.cos2d, ropes.sin2d)
             k = apply_rope2d(k, ropes.cos2d, ropes.sin2d)
             # attention in v's dtype (bf16 under autocast, which would cast q/k/v to it anyway)
             return sdpa_nhd(q.to(v.dtype), k.to(v.dtype), v)
 
+        def frame_fused(qkv: Tensor, attn: nn.Module) -> Tensor:
+            n = s * tokens
+            q = torch.empty(n, heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+            k = torch.empty_like(q)
+            qk_norm_rope(qkv.reshape(n, -1), heads, attn.q_norm, attn.k_norm, cos2h, sin2h, XOR_HALVES, q, k)
+            v = qkv.view(s, tokens, 3, heads, head_dim)[:, :, 2]
+            return sdpa_nhd(q.view(s, tokens, heads, head_dim), k.view(s, tokens, heads, head_dim), v)
+
+        frame_attend = _Attend(frame_plain, frame_fused if fused else None)
+
         outputs = []
         selected = set(self.cfg.intermediate_layer_idx)
         for layer, (frame_block, global_block) in enumerate(zip(self.frame_blocks, self.global_blocks)):
-            x = frame_block(x, frame_attend)
+            x = frame_block(x, frame_attend, norm)
             frame_out = x
 
-            def attend(q: Tensor, k: Tensor, v: Tensor, layer: int = layer) -> Tensor:
+            def global_plain(q: Tensor, k: Tensor, v: Tensor, layer: int = layer) -> Tensor:
                 q = apply_rope3d_complex(q.view(s, tokens, *q.shape[-2:]), rotation3)
                 k = apply_rope3d_complex(k.view(s, tokens, *k.shape[-2:]), rotation3)
                 out = global_attend(layer, q.flatten(0, 1), k.flatten(0, 1), v.reshape(s * tokens, *v.shape[-2:]))
                 return out.unsqueeze(0)  # [1, S*P, H, D]
 
-            x = global_block(x.reshape(1, s * tokens, -1), attend).view(s, tokens, -1)
+            def global_fused(qkv: Tensor, attn: nn.Module, layer: int = layer) -> Tensor:
+                n = s * tokens
+                q, k_rows, v_rows, slots = global_attend.destinations(layer, n, heads, head_dim)
+                qk_norm_rope(qkv.reshape(n, -1), heads, attn.q_norm, attn.k_norm, cos3i, sin3i, XOR_INTERLEAVED,
+                             q, k_rows, v_rows, slots)
+                return global_attend.attend_written(layer, q).unsqueeze(0)
+
+            attend = _Attend(global_plain, global_fused if global_fusable else None)
+            x = global_block(x.reshape(1, s * tokens, -1), attend, norm).view(s, tokens, -1)
             if layer in selected:
                 outputs.append(torch.cat([frame_out, x], dim=-1))
         return outputs

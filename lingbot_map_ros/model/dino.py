@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from .layers import Block
+from .layers import Block, NormFn, _apply_norm
 
 
 class PatchProjection(nn.Module):
@@ -19,7 +19,7 @@ class PatchProjection(nn.Module):
         super().__init__()
         self.proj = nn.Conv2d(3, dim, kernel_size=patch_size, stride=patch_size)
 
-    def forward(self, images: Tensor) -> Tensor:
+    def forward(self, images: Tensor, norm: NormFn = _apply_norm) -> Tensor:
         return self.proj(images).flatten(2).transpose(1, 2)  # [S, gh*gw, C]
 
 
@@ -59,7 +59,7 @@ class DinoEncoder(nn.Module):
         self._pos_cache[key] = table
         return table
 
-    def forward(self, images: Tensor) -> Tensor:
+    def forward(self, images: Tensor, norm: NormFn = _apply_norm) -> Tensor:
         s, _, h, w = images.shape
         grid_h, grid_w = h // self.patch_size, w // self.patch_size
         x = self.patch_embed(images)
@@ -68,6 +68,6 @@ class DinoEncoder(nn.Module):
         regs = self.register_tokens.expand(s, -1, -1).to(x.dtype)
         x = torch.cat([x[:, :1], regs, x[:, 1:]], dim=1)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, norm=norm)
         x = self.norm(x)
         return x[:, 1 + self.num_register_tokens:]

@@ -15,8 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-# attend(q, k, v) -> out, all [..., N, H, D] (q/k already normalised, RoPE not yet applied)
+# attend(q, k, v) -> out, all [..., N, H, D] (q/k already normalised, RoPE not yet applied).
+# An attend object may also offer ``from_qkv(qkv, attention_module) -> out``: it then gets
+# the raw qkv projection [..., N, 3*C] and does the q/k norms itself (fused kernels).
 AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
+# norm(layer_norm_module, x) -> normalised x; lets a caller swap in a fused LayerNorm
+NormFn = Callable[[nn.LayerNorm, Tensor], Tensor]
+
+
+def _apply_norm(norm: nn.Module, x: Tensor) -> Tensor:
+    return norm(x)
 
 
 def sdpa_nhd(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -59,6 +67,9 @@ class Attention(nn.Module):
 
     def forward(self, x: Tensor, attend: AttendFn) -> Tensor:
         # x [..., N, C] -> q, k, v [..., N, H, D]; channel order q | k | v, each head-major
+        fused = getattr(attend, "from_qkv", None)
+        if fused is not None:
+            return self.proj(fused(self.qkv(x), self).flatten(-2))
         qkv = self.qkv(x).unflatten(-1, (3, self.num_heads, self.head_dim))
         q, k, v = qkv.unbind(-3)
         out = attend(self.q_norm(q), self.k_norm(k), v)  # [..., N, H, D]
@@ -78,7 +89,7 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.ls2 = LayerScale(dim)
 
-    def forward(self, x: Tensor, attend: AttendFn = sdpa_nhd) -> Tensor:
+    def forward(self, x: Tensor, attend: AttendFn = sdpa_nhd, norm: NormFn = _apply_norm) -> Tensor:
         # x + gamma * branch in one kernel (addcmul) instead of a multiply and an add
-        x = torch.addcmul(x, self.attn(self.norm1(x), attend), self.ls1.gamma)
-        return torch.addcmul(x, self.mlp(self.norm2(x)), self.ls2.gamma)
+        x = torch.addcmul(x, self.attn(norm(self.norm1, x), attend), self.ls1.gamma)
+        return torch.addcmul(x, self.mlp(norm(self.norm2, x)), self.ls2.gamma)

@@ -35,7 +35,7 @@ class LingBotMap(nn.Module):
 
     def step(self, images: Tensor, positions: Tensor, global_attend: GlobalAttend, camera_attend: CameraAttend, *,
              phase1: bool, sequence_start: bool, camera_iterations: int, autocast_dtype: torch.dtype | None = None,
-             with_depth: bool = True) -> StepOutput:
+             with_depth: bool = True, fused: bool = False) -> StepOutput:
         """One streaming step.
 
         Args:
@@ -44,12 +44,14 @@ class LingBotMap(nn.Module):
             global_attend / camera_attend: cache-backed attention (see Aggregator, CameraHead).
             autocast_dtype: run the aggregator under autocast in this dtype (bf16); the heads
                 always run in float32.
+            fused: the aggregator uses the Triton kernels (see ``Aggregator.forward``).
         """
         device_type = images.device.type
         # cache_enabled=False: no weight-cast cache, which CUDA-graph capture cannot keep (weights are bf16 anyway)
         with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None,
                             cache_enabled=False):
-            levels = self.aggregator(images, positions, global_attend, phase1=phase1, sequence_start=sequence_start)
+            levels = self.aggregator(images, positions, global_attend, phase1=phase1, sequence_start=sequence_start,
+                                     fused=fused)
         with torch.autocast(device_type, enabled=False):
             levels = [lv.float() for lv in levels]  # the heads run in float32
             pose_enc = self.camera_head(levels[-1], camera_iterations, camera_attend)

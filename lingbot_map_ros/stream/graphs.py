@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from ..cache.flashinfer_backend import FlashInferBackend
-from ..cache.pool import CameraKVCache, DevicePlan, KVPool
+from ..cache.pool import CameraKVCache, DevicePlan, KVPool, PoolAttention
 from ..model.lingbot import LingBotMap, StepOutput
 
 log = logging.getLogger(__name__)
@@ -46,13 +46,14 @@ class GraphedStep:
 
     def __init__(self, model: LingBotMap, pool: KVPool, camera: CameraKVCache, backend, resolution: tuple[int, int],
                  *, camera_iterations: int, autocast_dtype: torch.dtype | None, with_depth: bool,
-                 capture: bool = True) -> None:
+                 capture: bool = True, fused: bool = False) -> None:
         self.model, self.pool, self.camera, self.backend = model, pool, camera, backend
         self.resolution = resolution
         self.camera_iterations = camera_iterations
         self.autocast_dtype = autocast_dtype
         self.with_depth = with_depth
         self.capture = capture
+        self.fused = fused
         device = pool.k.device
         h, w = resolution
         self.image = torch.zeros(1, 3, h, w, dtype=torch.float32, device=device)
@@ -86,10 +87,7 @@ class GraphedStep:
         pool, camera, backend = self.pool, self.camera, self.backend
         slots, positions = self.write_slots, self.positions
 
-        def global_attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            pool.write(layer, slots, k, v)
-            return backend.attend(q, pool.k[layer], pool.v[layer])
-
+        global_attend = PoolAttention(pool, backend, slots)
         bias = camera.visible_bias(positions)
 
         def camera_attend(it: int, block: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -97,7 +95,7 @@ class GraphedStep:
 
         return self.model.step(self.image, positions, global_attend, camera_attend, phase1=False,
                                sequence_start=False, camera_iterations=self.camera_iterations,
-                               autocast_dtype=self.autocast_dtype, with_depth=self.with_depth)
+                               autocast_dtype=self.autocast_dtype, with_depth=self.with_depth, fused=self.fused)
 
     def _capture(self) -> None:
         # Warm-up on a side stream (as torch.cuda.graph wants), then capture. Both run the
@@ -118,11 +116,14 @@ class GraphedStep:
 
 def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, num_pages: int,
                       resolution: tuple[int, int], variant: str, dtype: torch.dtype, *, camera_iterations: int,
-                      autocast_dtype: torch.dtype | None, with_depth: bool) -> GraphedStep:
-    """A GraphedStep with its own FlashInfer wrapper in CUDA-graph mode (sized for ``num_pages``)."""
-    backend = FlashInferBackend(pool.k.device, variant, dtype, graph_pages=num_pages)
+                      autocast_dtype: torch.dtype | None, with_depth: bool, fused: bool = False,
+                      kv_splits: int | None = None, min_pages: int = 1) -> GraphedStep:
+    """A GraphedStep with its own FlashInfer wrapper in CUDA-graph mode (sized for ``num_pages``;
+    ``min_pages``, the fewest visible pages of a phase-2 step, bounds its KV split count)."""
+    backend = FlashInferBackend(pool.k.device, variant, dtype, graph_pages=num_pages, kv_splits=kv_splits,
+                                min_graph_pages=min_pages)
     return GraphedStep(model, pool, camera, backend, resolution, camera_iterations=camera_iterations,
-                       autocast_dtype=autocast_dtype, with_depth=with_depth)
+                       autocast_dtype=autocast_dtype, with_depth=with_depth, fused=fused)
 
 
 __all__ = ["GraphedStep", "make_graphed_step"]

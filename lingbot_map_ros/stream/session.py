@@ -20,7 +20,8 @@ from torch import Tensor
 
 from ..cache.attention import AttentionBackend, make_backend
 from ..cache.pages import CacheError, CacheStats, PageTable, StepPlan
-from ..cache.pool import CameraKVCache, KVPool, make_device_plan
+from ..cache.pool import CameraKVCache, KVPool, PoolAttention, make_device_plan
+from .. import kernels
 from ..config import SPECIAL_TOKENS, StreamConfig
 from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
 from ..model.lingbot import LingBotMap
@@ -73,8 +74,10 @@ class StreamingSession:
         if agg_dtype != self.dtype:
             raise SessionError(f"the model's aggregator is {agg_dtype} but the stream dtype is {cfg.dtype}; "
                                "load the model with the same dtype (io.checkpoint.load_model(dtype=...))")
-        self.backend = backend or make_backend(cfg.backend, self.device, self.dtype)
+        self.backend = backend or make_backend(cfg.backend, self.device, self.dtype, kv_splits=cfg.kv_splits)
         self.with_depth = with_depth
+        # the Triton kernels: CUDA with bf16 weights (their maths is the bf16 autocast path's)
+        self.fused = cfg.fused_kernels and self.dtype == torch.bfloat16 and kernels.available(self.device)
         self._autocast = self.dtype if self.dtype != torch.float32 else None
         self._pages: PageTable | None = None
         self._pool: KVPool | None = None
@@ -229,9 +232,7 @@ class StreamingSession:
         start = plan.first_position
         backend = self.backend
 
-        def global_attend(layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            pool.write(layer, dplan.write_slots, k, v)
-            return backend.attend(q, pool.k[layer], pool.v[layer])
+        global_attend = PoolAttention(pool, backend, dplan.write_slots)
 
         def camera_attend(it: int, block: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return camera.attend(it, block, q, k, v, start)
@@ -242,7 +243,7 @@ class StreamingSession:
         else:
             out = self.model.step(frames, positions, global_attend, camera_attend, phase1=plan.phase1,
                                   sequence_start=plan.phase1, camera_iterations=self.cfg.camera_iterations,
-                                  autocast_dtype=self._autocast, with_depth=self.with_depth)
+                                  autocast_dtype=self._autocast, with_depth=self.with_depth, fused=self.fused)
         pages.apply(plan)  # only now does the step become part of the cache
         t_model = time.perf_counter()
 
@@ -264,7 +265,9 @@ class StreamingSession:
             self._graphed = make_graphed_step(self.model, self._pool, self._camera, self._pages.num_pages,
                                               self._resolution, self.backend.variant, self.dtype,
                                               camera_iterations=self.cfg.camera_iterations,
-                                              autocast_dtype=self._autocast, with_depth=self.with_depth)
+                                              autocast_dtype=self._autocast, with_depth=self.with_depth,
+                                              fused=self.fused, kv_splits=self.cfg.kv_splits or None,
+                                              min_pages=self.cfg.num_scale_frames + 2)
         return self._graphed
 
     def _results(self, frames: Tensor, hosts: list[Tensor], out, plan: StepPlan,

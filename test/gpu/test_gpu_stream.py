@@ -129,3 +129,30 @@ def test_steady_state_step_does_not_sync(backend, monkeypatch):
         finally:
             torch.cuda.set_sync_debug_mode(0)
     print(f"SYNC {backend} step (push without result conversion): none")
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flashinfer-fa3"])
+def test_fused_kernels_match_the_pytorch_path(backend):
+    """The same bf16 stream with the Triton kernels (default on CUDA) and without: the
+    kernels compute the PyTorch path's maths, so only bf16 rounding may differ."""
+    require(backend)
+    from lingbot_map_ros.kernels import available
+
+    if not available("cuda"):
+        pytest.skip("Triton is not importable")
+    images = reference(2)["images"]
+    runs = {}
+    for fused in (True, False):
+        session = make_session(backend, "bf16", keyframe_interval=2)
+        session.fused = fused
+        out = []
+        for image in images:
+            out += session.push(image)
+        runs[fused] = out
+    errors = {}
+    for field in OUTPUTS.values():
+        a = np.stack([getattr(r, field) for r in runs[True]])
+        b = np.stack([getattr(r, field) for r in runs[False]])
+        errors[field] = float(np.abs(a - b).max() / np.abs(b).max())
+    print(f"FUSED {backend} vs PyTorch path: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
+    assert all(v < 1e-2 for v in errors.values()), errors

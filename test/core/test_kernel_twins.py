@@ -1,0 +1,183 @@
+"""The fused-kernel formulations, checked on CPU through their PyTorch twins.
+
+The Triton kernels (GPU) are compared with these twins in test/gpu/test_kernels.py;
+here the twins themselves are compared with the model's plain PyTorch path, and the
+aggregator's fused plumbing runs end to end with the twins standing in for the
+kernels. Also the split-KV arithmetic of the FlashInfer backend.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from lingbot_map_ros.cache.flashinfer_backend import auto_kv_splits, split_pages
+from lingbot_map_ros.config import SPECIAL_TOKENS, StreamConfig
+from lingbot_map_ros.kernels import available, layer_norm, merge, qk_rope
+from lingbot_map_ros.model.rope import (Rope3DTables, apply_rope2d, apply_rope3d_complex, rope2d_tables,
+                                        rope3d_rotation)
+from lingbot_map_ros.stream.session import StreamingSession
+
+HEADS, DIM = 4, 64
+GRID = (3, 5)  # patch grid of the tables
+TOKENS = SPECIAL_TOKENS + GRID[0] * GRID[1]
+
+
+def norms(seed: int) -> tuple[nn.LayerNorm, nn.LayerNorm]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(2):
+        ln = nn.LayerNorm(DIM)
+        with torch.no_grad():
+            ln.weight.copy_(1 + 0.3 * torch.randn(DIM, generator=gen))
+            ln.bias.copy_(0.2 * torch.randn(DIM, generator=gen))
+        out.append(ln)
+    return out[0], out[1]
+
+
+def qkv_tensor(n: int, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return 3 * torch.randn(n, 3 * HEADS * DIM, generator=gen) + 0.5
+
+
+def plain_norm(ln: nn.LayerNorm, x: torch.Tensor) -> torch.Tensor:
+    return F.layer_norm(x.float(), (DIM,), ln.weight, ln.bias, ln.eps)
+
+
+def test_halves_tables_reproduce_rope2d():
+    frames = 2
+    qkv = qkv_tensor(frames * TOKENS, 0)
+    qn, kn = norms(1)
+    cos, sin = rope2d_tables(*GRID)
+    c, s = qk_rope.tables_halves(cos, sin)
+    q_out = torch.empty(frames * TOKENS, HEADS, DIM)
+    k_out = torch.empty_like(q_out)
+    qk_rope.qk_norm_rope_reference(qkv, HEADS, qn, kn, c, s, qk_rope.XOR_HALVES, q_out, k_out)
+    q, k, _ = qkv.view(frames, TOKENS, 3, HEADS, DIM).unbind(2)
+    torch.testing.assert_close(q_out.view(frames, TOKENS, HEADS, DIM), apply_rope2d(plain_norm(qn, q), cos, sin))
+    torch.testing.assert_close(k_out.view(frames, TOKENS, HEADS, DIM), apply_rope2d(plain_norm(kn, k), cos, sin))
+
+
+def test_interleaved_tables_reproduce_rope3d_with_slots_and_replicas():
+    frames = 2
+    n = frames * TOKENS
+    qkv = qkv_tensor(n, 2)
+    qn, kn = norms(3)
+    positions = torch.tensor([5, 9])
+    cos, sin = Rope3DTables(*GRID, max_frames=16).lookup(positions)  # [S, P, 32]
+    c, s = (t.reshape(n, DIM) for t in qk_rope.tables_interleaved(cos, sin))
+    q_out = torch.empty(3, n, HEADS, DIM)  # three identical copies
+    k_rows = torch.full((4 * n, HEADS, DIM), 7.0)
+    v_rows = torch.full((4 * n, HEADS, DIM), 7.0)
+    slots = torch.randperm(4 * n)[:n]
+    qk_rope.qk_norm_rope_reference(qkv, HEADS, qn, kn, c, s, qk_rope.XOR_INTERLEAVED, q_out, k_rows, v_rows, slots)
+
+    q, k, v = qkv.view(frames, TOKENS, 3, HEADS, DIM).unbind(2)
+    rot = rope3d_rotation(cos, sin)
+    q_ref = apply_rope3d_complex(plain_norm(qn, q), rot).reshape(n, HEADS, DIM)
+    k_ref = apply_rope3d_complex(plain_norm(kn, k), rot).reshape(n, HEADS, DIM)
+    for r in range(3):
+        torch.testing.assert_close(q_out[r], q_ref)
+    torch.testing.assert_close(k_rows[slots], k_ref)
+    torch.testing.assert_close(v_rows[slots], v.reshape(n, HEADS, DIM))
+    untouched = torch.ones(4 * n, dtype=torch.bool)
+    untouched[slots] = False
+    assert bool((k_rows[untouched] == 7).all()) and bool((v_rows[untouched] == 7).all())
+
+
+def test_layer_norm_twin_matches_the_module_and_rounds_once():
+    ln = nn.LayerNorm(96, eps=1e-6)
+    with torch.no_grad():
+        ln.weight.normal_()
+        ln.bias.normal_()
+    x = torch.randn(5, 7, 96) * 4 + 1
+    torch.testing.assert_close(layer_norm.layer_norm_reference(x, ln, torch.float32), ln(x))
+    out = layer_norm.layer_norm_reference(x, ln, torch.bfloat16)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, ln(x).to(torch.bfloat16), rtol=0, atol=0)
+
+
+def partial_attention(q, k, v):
+    """SDPA over one part of the keys, with its base-2 log-sum-exp (FlashInfer's convention)."""
+    scores = torch.einsum("nhd,mhd->hnm", q, k) / math.sqrt(q.shape[-1])
+    lse = torch.logsumexp(scores, dim=-1).transpose(0, 1) / math.log(2)  # [N, H]
+    out = torch.einsum("hnm,mhd->nhd", scores.softmax(-1), v)
+    return out, lse
+
+
+@pytest.mark.parametrize("splits", [1, 2, 5])
+def test_merge_of_key_splits_equals_full_attention(splits):
+    gen = torch.Generator().manual_seed(splits)
+    q = torch.randn(11, 3, 16, generator=gen)
+    k = torch.randn(40, 3, 16, generator=gen) * 2
+    v = torch.randn(40, 3, 16, generator=gen)
+    bounds = np.linspace(0, 40, splits + 1).astype(int)
+    parts = [partial_attention(q, k[a:b], v[a:b]) for a, b in zip(bounds[:-1], bounds[1:])]
+    o = torch.stack([p[0] for p in parts])
+    lse = torch.stack([p[1] for p in parts])
+    merged = merge.merge_reference(o, lse, torch.empty(11, 3, 16))
+    full = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1)).transpose(0, 1)
+    torch.testing.assert_close(merged, full, rtol=1e-5, atol=1e-5)
+
+
+def test_auto_kv_splits_fills_the_sms():
+    # 518x378 one-frame step: 6 query tiles x 16 heads = 96 items on 132 SMs -> 4 splits (3 waves of 1/4 work)
+    assert auto_kv_splits(1005, 16, 64, 74, 132, "fa3") == 4
+    assert auto_kv_splits(1005, 16, 64, 3, 132, "fa3") <= 3  # never more splits than pages
+    assert auto_kv_splits(1005, 16, 64, 74, 132, "fa2") == 1  # FA2 splits keys itself
+    assert auto_kv_splits(8 * 1005, 16, 64, 74, 132, "fa3") >= 1
+    # a step that already fills the GPU many times over is not split
+    assert auto_kv_splits(100_000, 16, 64, 74, 132, "fa3") == 1
+
+
+@pytest.mark.parametrize("pages,splits", [(74, 4), (10, 4), (4, 4), (9, 1)])
+def test_split_pages_cover_every_page_once(pages, splits):
+    counts = split_pages(pages, splits)
+    assert sum(counts) == pages and len(counts) == splits and min(counts) >= 1
+    assert max(counts) - min(counts) <= 1
+
+
+def test_kernels_unavailable_on_cpu():
+    assert not available("cpu")
+
+
+def test_fused_plumbing_with_twins_equals_plain_path(tiny_model, fixture_config, fixtures, monkeypatch):
+    """The aggregator's fused path (norm hook, from_qkv, PoolAttention destinations) with the
+    PyTorch twins standing in for the Triton kernels gives the plain path's outputs."""
+    images = torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])
+    cfg = StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa")
+
+    def run(fused: bool):
+        session = StreamingSession(tiny_model, cfg)
+        session.fused = fused
+        out = []
+        for f in images[:6]:
+            out += session.push(f)
+        return out
+
+    plain = run(False)
+    calls = {"qk": 0, "ln": 0}
+
+    def qk_twin(*a, **k):
+        calls["qk"] += 1
+        return qk_rope.qk_norm_rope_reference(*a, **k)
+
+    def ln_twin(*a, **k):
+        calls["ln"] += 1
+        return layer_norm.layer_norm_reference(*a, **k)
+
+    monkeypatch.setattr(qk_rope, "qk_norm_rope", qk_twin)
+    monkeypatch.setattr(layer_norm, "layer_norm", ln_twin)
+    fused = run(True)
+    cfg_model = tiny_model.cfg
+    steps = 1 + 6 - cfg.num_scale_frames  # phase 1, then one step per frame
+    assert calls["qk"] == steps * 2 * cfg_model.depth  # frame and global blocks
+    assert calls["ln"] == steps * 2 * (cfg_model.depth * 2 + cfg_model.dino_depth)
+    assert len(fused) == len(plain) == 6
+    for a, b in zip(fused, plain):
+        np.testing.assert_allclose(a.pose_enc, b.pose_enc, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(a.depth, b.depth, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,96 @@
+"""The Triton kernels (lingbot_map_ros.kernels) against their PyTorch twins, on the GPU.
+
+The twins are checked against the model's plain PyTorch path on CPU
+(test/core/test_kernel_twins.py); here each kernel must give the twin's numbers up to
+the final bf16 rounding. Run on the GPU machine: ``pytest -m gpu test/gpu``.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lingbot_map_ros.kernels import available, layer_norm, merge, qk_rope
+from lingbot_map_ros.model.rope import Rope3DTables, rope2d_tables
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available() or not available("cuda"),
+                       reason="needs a CUDA device with Triton"),
+]
+
+BF16 = torch.bfloat16
+
+
+def bf16_close(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal up to one bf16 rounding step of either side."""
+    torch.testing.assert_close(a.float(), b.float(), rtol=1.6e-2, atol=1e-2)
+
+
+def norms(dim: int, seed: int) -> tuple[nn.LayerNorm, nn.LayerNorm]:
+    gen = torch.Generator().manual_seed(seed)
+    lns = []
+    for _ in range(2):
+        ln = nn.LayerNorm(dim)
+        with torch.no_grad():
+            ln.weight.copy_(1 + 0.3 * torch.randn(dim, generator=gen))
+            ln.bias.copy_(0.2 * torch.randn(dim, generator=gen))
+        lns.append(ln.to("cuda", BF16))
+    return lns[0], lns[1]
+
+
+@pytest.mark.parametrize("heads,grid,frames", [(16, (27, 37), 1), (16, (21, 37), 2), (2, (4, 7), 3)])
+@pytest.mark.parametrize("flavour", ["halves", "interleaved"])
+def test_qk_norm_rope_matches_twin(heads, grid, frames, flavour):
+    tokens = 6 + grid[0] * grid[1]
+    n = frames * tokens
+    gen = torch.Generator().manual_seed(heads + n)
+    qkv = (3 * torch.randn(n, 3 * heads * 64, generator=gen) + 0.5).to("cuda", BF16)
+    qn, kn = norms(64, n)
+    if flavour == "halves":
+        c, s = qk_rope.tables_halves(*(t.cuda() for t in rope2d_tables(*grid)))
+        xor = qk_rope.XOR_HALVES
+    else:
+        cos, sin = Rope3DTables(*grid, max_frames=64, device="cuda").lookup(torch.arange(frames, device="cuda") + 7)
+        c, s = (t.reshape(n, 64) for t in qk_rope.tables_interleaved(cos, sin))
+        xor = qk_rope.XOR_INTERLEAVED
+    outs = {}
+    for name, fn in (("kernel", qk_rope.qk_norm_rope), ("twin", qk_rope.qk_norm_rope_reference)):
+        q = torch.zeros(n, heads, 64, dtype=BF16, device="cuda")
+        k = torch.zeros_like(q)
+        fn(qkv, heads, qn, kn, c, s, xor, q, k)
+        # the global-block form: 3 query copies, K/V rows scattered to slots of a larger pool
+        q3 = torch.zeros(3, n, heads, 64, dtype=BF16, device="cuda")
+        kr = torch.full((2 * n + 5, heads, 64), 9.0, dtype=BF16, device="cuda")
+        vr = kr.clone()
+        slots = torch.randperm(2 * n + 5, generator=gen)[:n].cuda()
+        fn(qkv, heads, qn, kn, c, s, xor, q3, kr, vr, slots)
+        outs[name] = (q, k, q3, kr, vr)
+    for a, b in zip(outs["kernel"], outs["twin"]):
+        bf16_close(a, b)
+    q, _, q3, kr, _ = outs["kernel"]
+    assert torch.equal(q3[0], q) and torch.equal(q3[2], q)
+    assert int((kr == 9).all(dim=(1, 2)).sum()) == n + 5  # rows off the slots untouched
+
+
+@pytest.mark.parametrize("rows,channels,in_dtype", [(1005, 1024, torch.float32), (1005, 1024, BF16),
+                                                    (8040, 1024, torch.float32), (34, 128, torch.float32),
+                                                    (7, 96, BF16), (1005, 2048, torch.float32)])
+def test_layer_norm_matches_twin(rows, channels, in_dtype):
+    gen = torch.Generator().manual_seed(rows + channels)
+    x = (4 * torch.randn(rows, channels, generator=gen) + 1).to("cuda", in_dtype)
+    ln, _ = norms(channels, channels)
+    out = layer_norm.layer_norm(x, ln, BF16)
+    assert out.dtype == BF16 and out.shape == x.shape
+    bf16_close(out, layer_norm.layer_norm_reference(x, ln, BF16))
+    # strided rows (a view of every other row) are read in place
+    bf16_close(layer_norm.layer_norm(x[::2], ln, BF16), layer_norm.layer_norm_reference(x[::2], ln, BF16))
+
+
+@pytest.mark.parametrize("states", [1, 2, 4, 11])
+def test_merge_states_matches_twin(states):
+    gen = torch.Generator().manual_seed(states)
+    o = torch.randn(states, 1005, 16, 64, generator=gen).to("cuda", BF16)
+    lse = (10 * torch.randn(states, 1005, 16, generator=gen)).cuda()
+    out = merge.merge_states(o, lse, torch.empty(1005, 16, 64, dtype=BF16, device="cuda"))
+    bf16_close(out, merge.merge_reference(o, lse, torch.empty_like(out)))
