@@ -39,7 +39,7 @@ class SdpaBackend:
         self._slots: Tensor | None = None
 
     def begin_step(self, plan: DevicePlan) -> None:
-        self._slots = plan.read_slots
+        self._slots = plan.visible_slots()
 
     def attend(self, q: Tensor, k_pages: Tensor, v_pages: Tensor) -> Tensor:
         heads, dim = k_pages.shape[-2:]

@@ -23,7 +23,6 @@ what paged-attention kernels expect.
 """
 from __future__ import annotations
 
-import copy
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -87,6 +86,11 @@ class _State:
     special_pages: list[int] = field(default_factory=list)
     special_count: int = 0
     stored: int = 0  # temporal index of the next stored frame
+
+    def copy(self) -> "_State":
+        """An independent copy (the containers hold only ints and int tuples)."""
+        return _State(free=list(self.free), scale=list(self.scale), window=deque(self.window),
+                      special_pages=list(self.special_pages), special_count=self.special_count, stored=self.stored)
 
 
 class PageTable:
@@ -230,7 +234,7 @@ class PageTable:
         if plan.first_position != st.stored or tuple(st.free[len(st.free) - len(plan.new_pages):][::-1]) \
                 != plan.new_pages:
             raise CacheError("stale plan: the cache changed since the step was planned")
-        self._undo = copy.deepcopy(st)
+        self._undo = st.copy()
         del st.free[len(st.free) - len(plan.new_pages):]
         positions = range(plan.first_position, plan.first_position + plan.num_frames)
         if plan.phase1:

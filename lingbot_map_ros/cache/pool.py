@@ -20,12 +20,20 @@ class DevicePlan:
     plan: StepPlan
     write_slots: Tensor  # [S*P] long: flat slot of every token of the step (frame-major, specials first)
     read_pages: Tensor  # [n] int32: visible pages, all full but the last
-    read_slots: Tensor  # [kv_len] long: flat slots of the visible tokens (for gather-based backends)
     tokens_per_frame: int
+    read_slots: Tensor | None = None  # [kv_len] long; built on the device on first use (gather backends)
 
     @property
     def qo_len(self) -> int:
         return self.plan.num_frames * self.tokens_per_frame
+
+    def visible_slots(self) -> Tensor:
+        """[kv_len] long flat slots of the visible tokens (device ops only, no host work)."""
+        if self.read_slots is None:
+            ps = self.plan.page_size
+            offsets = torch.arange(ps, device=self.read_pages.device)
+            self.read_slots = (self.read_pages.long()[:, None] * ps + offsets[None]).flatten()[:self.plan.kv_len]
+        return self.read_slots
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -44,11 +52,9 @@ def make_device_plan(plan: StepPlan, tokens_per_frame: int, device: torch.device
     special = torch.tensor(plan.special_slots, dtype=torch.long).view(plan.num_frames, SPECIAL_TOKENS)
     patch = torch.tensor(plan.frame_pages, dtype=torch.long)[:, None] * ps + offsets[None]
     write_slots = torch.cat([special, patch], dim=1).flatten()
-    pages = torch.tensor(plan.read_pages, dtype=torch.long)
-    read_slots = (pages[:, None] * ps + offsets[None]).flatten()[:plan.kv_len]
-    return DevicePlan(plan=plan, write_slots=_to_device(write_slots, device),
-                      read_pages=_to_device(pages.to(torch.int32), device),
-                      read_slots=_to_device(read_slots, device), tokens_per_frame=tokens_per_frame)
+    pages = torch.tensor(plan.read_pages, dtype=torch.int32)
+    return DevicePlan(plan=plan, write_slots=_to_device(write_slots, device), read_pages=_to_device(pages, device),
+                      tokens_per_frame=tokens_per_frame)
 
 
 class KVPool:

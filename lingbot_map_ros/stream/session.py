@@ -273,9 +273,17 @@ class StreamingSession:
     def _results(self, frames: Tensor, hosts: list[Tensor], out, plan: StepPlan,
                  first_frame: int) -> list[FrameResult]:
         h, w = frames.shape[-2:]
-        pose_enc = out.pose_enc.float().cpu().numpy()
-        depth = out.depth.float().cpu().numpy() if out.depth is not None else None
-        conf = out.depth_conf.float().cpu().numpy() if out.depth_conf is not None else None
+        s = frames.shape[0]
+        # one device-to-host copy (one wait) for all outputs
+        parts = [out.pose_enc.float().flatten()]
+        if out.depth is not None:
+            parts += [out.depth.float().flatten(), out.depth_conf.float().flatten()]
+        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+        pose_enc = host[:s * 9].reshape(s, 9)
+        depth = conf = None
+        if out.depth is not None:
+            depth = host[s * 9:s * 9 + s * h * w].reshape(s, h, w)
+            conf = host[s * 9 + s * h * w:].reshape(s, h, w)
         images = [h.float().cpu().numpy() for h in hosts]  # a no-op copy for host inputs
         c2w = pose_enc_to_c2w(pose_enc)
         intrinsics = fov_to_intrinsics(pose_enc[:, 7], pose_enc[:, 8], h, w)

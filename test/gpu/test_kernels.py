@@ -55,6 +55,7 @@ def test_qk_norm_rope_matches_twin(heads, grid, frames, flavour):
         c, s = (t.reshape(n, 64) for t in qk_rope.tables_interleaved(cos, sin))
         xor = qk_rope.XOR_INTERLEAVED
     outs = {}
+    slots = torch.randperm(2 * n + 5, generator=gen)[:n].cuda()  # the same slots for both
     for name, fn in (("kernel", qk_rope.qk_norm_rope), ("twin", qk_rope.qk_norm_rope_reference)):
         q = torch.zeros(n, heads, 64, dtype=BF16, device="cuda")
         k = torch.zeros_like(q)
@@ -63,7 +64,6 @@ def test_qk_norm_rope_matches_twin(heads, grid, frames, flavour):
         q3 = torch.zeros(3, n, heads, 64, dtype=BF16, device="cuda")
         kr = torch.full((2 * n + 5, heads, 64), 9.0, dtype=BF16, device="cuda")
         vr = kr.clone()
-        slots = torch.randperm(2 * n + 5, generator=gen)[:n].cuda()
         fn(qkv, heads, qn, kn, c, s, xor, q3, kr, vr, slots)
         outs[name] = (q, k, q3, kr, vr)
     for a, b in zip(outs["kernel"], outs["twin"]):
