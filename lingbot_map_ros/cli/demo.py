@@ -14,6 +14,18 @@ generated sequence; the model is the tiny reference fixture
 (``<repo>/../shared/fixtures/upstream_tiny``) when present, else tiny RANDOM
 weights (meaningless output, a loud warning). The run is bounded: it ends after the
 publisher's last frame plus ``--timeout`` seconds at most.
+
+Benchmarking (``benchmarks/node_latency.sh``): ``--preset lingbot-map`` runs the
+released architecture with RANDOM weights seeded by ``--seed`` (no checkpoint);
+``--device``, ``--backend``, ``--dtype`` and ``--node-param NAME=VALUE`` set the node's
+parameters; ``--height`` generates frames of exactly ``--width`` x ``--height``.
+``--warmup-poses N`` first plays the images in a loop until N poses came back (model
+load, JIT compilation, CUDA-graph capture, filling the window; bounded by
+``--startup-timeout``), waits until the node is idle, then publishes the ``--frames``
+timed frames: only poses of images stamped after that point are measured.
+``--json PATH`` writes the measurement (latency image stamp -> pose received
+median/p95/max, frames published/processed/dropped, output rate, the node's own
+per-frame times from its status messages).
 """
 from __future__ import annotations
 
@@ -29,6 +41,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from ..config import BACKENDS, DTYPES
 
 PROG = "lingbot-map-demo"
 REPO = Path(__file__).resolve().parents[2]
@@ -53,7 +67,38 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sliding-window", type=int, default=None, help="default: 3 with the tiny model, else 64")
     p.add_argument("--domain-id", type=int, default=None, help="ROS_DOMAIN_ID (default: derived from the pid)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds allowed after the last frame / for start")
+    p.add_argument("--preset", choices=("tiny", "lingbot-map"), default=None,
+                   help="RANDOM weights of this architecture (seeded by --seed) instead of the fixture/checkpoint")
+    p.add_argument("--seed", type=int, default=0, help="seed of random weights (default 0)")
+    p.add_argument("--backend", choices=BACKENDS, default=None, help="attention backend (default: the node's, auto)")
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="aggregator/cache dtype (default: the node's, fp32)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="node parameter cuda_graphs:=false")
+    p.add_argument("--height", type=int, default=None,
+                   help="generate frames of exactly --width x HEIGHT (multiple of 14, <= width) instead of the "
+                        "default images")
+    p.add_argument("--node-param", action="append", default=[], metavar="NAME=VALUE",
+                   help="extra node parameter (VALUE parsed as JSON, else a string); repeatable")
+    p.add_argument("--warmup-poses", type=int, default=0,
+                   help="before the timed frames, loop the images until this many poses came back (excluded)")
+    p.add_argument("--startup-timeout", type=float, default=None,
+                   help="seconds allowed for the node to come up and for the warm-up (default: --timeout)")
+    p.add_argument("--json", type=Path, default=None, help="write the measurement as JSON to this file")
+    p.add_argument("--no-save-map", action="store_true", help="skip ~/save_map and the trajectory/map files")
     return p
+
+
+def parse_node_params(items: list[str]) -> dict:
+    """``NAME=VALUE`` strings -> {name: value}; VALUE is JSON when it parses, else a string."""
+    values = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        if not sep or not name:
+            raise DemoError(f"--node-param needs NAME=VALUE, got {item!r}")
+        try:
+            values[name] = json.loads(text)
+        except json.JSONDecodeError:
+            values[name] = text
+    return values
 
 
 # ------------------------------------------------------------------ inputs
@@ -91,7 +136,12 @@ def resolve_inputs(args: argparse.Namespace, tmp: Path) -> tuple[Path, str, dict
     if args.images is not None:
         if not args.images.is_dir():
             raise DemoError(f"--images {args.images} is not a directory")
+        if args.height is not None:
+            raise DemoError("--height generates frames; it cannot be combined with --images")
         images, what = args.images, str(args.images)
+    elif args.height is not None:
+        images = synthetic_sequence(tmp / "frames", args.frames, size=(args.width, args.height))
+        what = f"a generated sequence of {args.frames} frames of {args.width}x{args.height} in {images}"
     elif (SHARED / "data" / "loop").is_dir():
         images, what = SHARED / "data" / "loop", f"{SHARED / 'data' / 'loop'} (real frames)"
     else:
@@ -100,7 +150,21 @@ def resolve_inputs(args: argparse.Namespace, tmp: Path) -> tuple[Path, str, dict
 
     fixture = SHARED / "fixtures" / "upstream_tiny"
     tiny = False
-    if args.checkpoint:
+    if args.preset is not None:
+        if args.checkpoint:
+            raise DemoError("--preset means random weights; it cannot be combined with --checkpoint")
+        from ..config import ModelConfig
+
+        if args.preset == "lingbot-map":
+            model = {"checkpoint": "", "model_config": ""}  # the node's own default: the released architecture
+        else:
+            config = tmp / "tiny_config.json"
+            config.write_text(json.dumps(ModelConfig.preset("tiny").to_dict()))
+            model = {"checkpoint": "", "model_config": str(config)}
+        tiny = args.preset == "tiny"
+        print(f"{PROG}: note: --preset {args.preset}: RANDOM weights (seed {args.seed}) of that architecture; "
+              "outputs are meaningless, timings are real", file=sys.stderr, flush=True)
+    elif args.checkpoint:
         model = {"checkpoint": str(args.checkpoint), "model_config": str(args.model_config or "")}
     elif (fixture / "weights.safetensors").is_file():
         model = {"checkpoint": str(fixture / "weights.safetensors"), "model_config": str(fixture / "config.json")}
@@ -116,11 +180,26 @@ def resolve_inputs(args: argparse.Namespace, tmp: Path) -> tuple[Path, str, dict
         print(f"{banner}\n{PROG}: WARNING: no checkpoint and no fixture weights found: the model has RANDOM tiny "
               f"weights.\nPoses, depth and points are MEANINGLESS; this only exercises the pipeline.\n"
               f"Pass --checkpoint (and --model-config) for real output.\n{banner}", file=sys.stderr, flush=True)
-    if args.model_config and not args.checkpoint:
+    if args.model_config and not args.checkpoint and args.preset is None:
         model["model_config"] = str(args.model_config)
     model["num_scale_frames"] = args.num_scale_frames or (2 if tiny else 8)
     model["sliding_window"] = args.sliding_window or (3 if tiny else 64)
+    model["seed"] = args.seed
     return images, what, model
+
+
+def node_parameters(args: argparse.Namespace, model: dict, out: Path) -> dict:
+    """The node's parameters for this run: the model, the demo's defaults, then the options."""
+    values = {**model, "device": args.device, "image_width": args.width, "output_directory": str(out),
+              "map_voxel_size": 0.005, "map_publish_rate": 1.0, "input_timeout": 5.0}
+    if args.backend is not None:
+        values["backend"] = args.backend
+    if args.dtype is not None:
+        values["dtype"] = args.dtype
+    if args.no_cuda_graphs:
+        values["cuda_graphs"] = False
+    values.update(parse_node_params(args.node_param))
+    return values
 
 
 # ------------------------------------------------------------------ processes
@@ -154,6 +233,10 @@ def tail(path: Path, lines: int = 15) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.frames < 1 or args.rate <= 0 or args.width < 14 or args.width % 14:
         raise DemoError("need --frames >= 1, --rate > 0 and --width a positive multiple of 14")
+    if args.height is not None and not (14 <= args.height <= args.width and args.height % 14 == 0):
+        raise DemoError("need --height a positive multiple of 14, at most --width")
+    if args.warmup_poses < 0:
+        raise DemoError("need --warmup-poses >= 0")
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     domain = args.domain_id if args.domain_id is not None else 1 + os.getpid() % 100
@@ -166,15 +249,44 @@ def run(args: argparse.Namespace) -> int:
         images, what, model = resolve_inputs(args, tmp)
         from ..ros.params import write_params_file
 
-        params = write_params_file(out / "params.yaml", {
-            **model, "device": args.device, "image_width": args.width, "output_directory": str(out),
-            "map_voxel_size": 0.005, "map_publish_rate": 1.0, "input_timeout": 5.0})
-        print(f"{PROG}: images: {what}\n{PROG}: model: {model['checkpoint'] or 'random tiny weights'}; "
+        values = node_parameters(args, model, out)
+        params = write_params_file(out / "params.yaml", values)
+        weights = model["checkpoint"] or f"random {args.preset or 'tiny'} weights (seed {args.seed})"
+        print(f"{PROG}: images: {what}\n{PROG}: model: {weights}; "
               f"ROS_DOMAIN_ID={domain} (localhost only); logs and outputs in {out}", flush=True)
-        return _run_graph(args, images, params, out, env)
+        return _run_graph(args, images, params, out, env, values)
 
 
-def _run_graph(args: argparse.Namespace, images: Path, params: Path, out: Path, env: dict) -> int:
+COUNTERS = ("frames_received", "frames_processed", "frames_dropped_stale", "frames_dropped_invalid",
+            "frames_dropped_error")
+
+
+def _counters(status) -> dict[str, int]:
+    return {name: int(getattr(status, name)) if status is not None else 0 for name in COUNTERS}
+
+
+def _published(log_path: Path) -> int | None:
+    """Frames the image publisher reported as published (its last 'published N frame(s)' line)."""
+    count = None
+    try:
+        for line in log_path.read_text(errors="replace").splitlines():
+            if "published " in line and " frame(s)" in line:
+                word = line.rsplit("published ", 1)[1].split()[0]
+                if word.isdigit():
+                    count = int(word)
+    except OSError:
+        pass
+    return count
+
+
+def _publisher_cmd(images: Path, rate: float, max_frames: int, wait_timeout: float, loop: bool) -> list[str]:
+    return [sys.executable, "-m", "lingbot_map_ros.ros.image_folder_publisher", "--ros-args",
+            "-p", f"images:={images}", "-p", f"rate:={float(rate)}", "-p", f"max_frames:={max_frames}",
+            "-p", f"wait_timeout:={float(wait_timeout)}", "-p", f"loop:={'true' if loop else 'false'}"]
+
+
+def _run_graph(args: argparse.Namespace, images: Path, params: Path, out: Path, env: dict,
+               values: dict | None = None) -> int:
     import rclpy
     from rclpy.executors import SingleThreadedExecutor
 
@@ -183,6 +295,7 @@ def _run_graph(args: argparse.Namespace, images: Path, params: Path, out: Path, 
     from ..io.preprocess import list_images
     from ..ros.recorder import Recorder
 
+    startup_timeout = args.startup_timeout if args.startup_timeout is not None else args.timeout
     node_proc = pub_proc = None
     rclpy.init()
     recorder = Recorder("/lingbot_map")
@@ -194,34 +307,53 @@ def _run_graph(args: argparse.Namespace, images: Path, params: Path, out: Path, 
         t_start = time.monotonic()
         node_proc = start([sys.executable, "-m", "lingbot_map_ros.ros.node", "--ros-args", "--params-file",
                            str(params)], env, out / "node.log")
-        deadline = time.monotonic() + args.timeout
+        deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline and recorder.count_publishers("/lingbot_map/pose") == 0:
             if node_proc.poll() is not None:
                 raise DemoError(f"the node exited with status {node_proc.returncode}:\n{tail(out / 'node.log')}")
             time.sleep(0.1)
         if recorder.count_publishers("/lingbot_map/pose") == 0:
-            raise DemoError(f"the node did not come up within {args.timeout} s:\n{tail(out / 'node.log')}")
+            raise DemoError(f"the node did not come up within {startup_timeout} s:\n{tail(out / 'node.log')}")
+        startup = {"node_up_s": round(time.monotonic() - t_start, 3)}
         frames = min(args.frames, len(list_images(images)))
-        print(f"{PROG}: node up after {time.monotonic() - t_start:.1f} s; publishing {frames} frames at "
-              f"{args.rate} Hz", flush=True)
-        pub_proc = start([sys.executable, "-m", "lingbot_map_ros.ros.image_folder_publisher", "--ros-args",
-                          "-p", f"images:={images}", "-p", f"rate:={float(args.rate)}",
-                          "-p", f"max_frames:={frames}"], env, out / "publisher.log")
-        budget = frames / args.rate + args.timeout
+        since_s = None
+        if args.warmup_poses:
+            startup.update(_warm_up(args, recorder, node_proc, images, env, out, startup_timeout, t_start))
+            since_s = time.time()  # poses of images stamped from here on are measured
+        baseline = _counters(recorder.snapshot()[1])
+        print(f"{PROG}: node up after {startup['node_up_s']:.1f} s"
+              + (f", warmed up with {startup['warmup_poses']} poses in {startup['warmup_s']:.1f} s"
+                 if args.warmup_poses else "")
+              + f"; publishing {frames} frames at {args.rate} Hz", flush=True)
+        # Without a warm-up the publisher also waits for the node to load (it subscribes after that).
+        pub_proc = start(_publisher_cmd(images, args.rate, frames, startup_timeout, loop=False), env,
+                         out / "publisher.log")
+        budget = frames / args.rate + args.timeout + (0 if args.warmup_poses else startup_timeout)
         deadline = time.monotonic() + budget
         while time.monotonic() < deadline and pub_proc.poll() is None:
+            if node_proc.poll() is not None:
+                raise DemoError(f"the node exited with status {node_proc.returncode}:\n{tail(out / 'node.log')}")
             time.sleep(0.1)
         if pub_proc.poll() is None:
             raise DemoError(f"the publisher did not finish within {budget:.0f} s:\n{tail(out / 'publisher.log')}")
         if pub_proc.returncode != 0:
             raise DemoError(f"the publisher failed:\n{tail(out / 'publisher.log')}")
-        _wait_until_idle(recorder, frames, deadline=time.monotonic() + args.timeout)
+        _wait_until_idle(recorder, frames, deadline=time.monotonic() + args.timeout,
+                         baseline=sum(baseline[name] for name in COUNTERS[1:]))
+        published = _published(out / "publisher.log")
 
-        response = recorder.call(SaveMap, "/lingbot_map/save_map", SaveMap.Request(directory=str(out)),
-                                 timeout=args.timeout)
-        if response is None or not response.success:
-            raise DemoError(f"~/save_map failed: {'timed out' if response is None else response.message}")
-        return _report(recorder, out, response)
+        response = None
+        if not args.no_save_map:
+            response = recorder.call(SaveMap, "/lingbot_map/save_map", SaveMap.Request(directory=str(out)),
+                                     timeout=args.timeout)
+            if response is None or not response.success:
+                raise DemoError(f"~/save_map failed: {'timed out' if response is None else response.message}")
+        result = measurement(recorder, since_s, baseline, frames if published is None else published, startup,
+                             args, values or {}, images)
+        if args.json is not None:
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(result, indent=2, default=_json_default) + "\n")
+        return _report(recorder, out, response, since_s, result)
     finally:
         stop(pub_proc)
         stop(node_proc)
@@ -230,15 +362,66 @@ def _run_graph(args: argparse.Namespace, images: Path, params: Path, out: Path, 
         rclpy.try_shutdown()
 
 
-def _wait_until_idle(recorder, frames: int, deadline: float) -> None:
-    """Wait until the node accounted for every published frame, or nothing changed for 3 s."""
+def _warm_up(args: argparse.Namespace, recorder, node_proc, images: Path, env: dict, out: Path, timeout: float,
+             t_start: float) -> dict:
+    """Loop the images until ``--warmup-poses`` poses came back, stop, wait until the node is idle."""
+    t0 = time.monotonic()
+    log = out / "warmup_publisher.log"
+    proc = start(_publisher_cmd(images, args.rate, 0, timeout, loop=True), env, log)
+    first_pose_s = None
+    deadline = t0 + timeout
+    try:
+        while True:
+            poses, _ = recorder.snapshot()
+            if poses and first_pose_s is None:
+                first_pose_s = round(time.monotonic() - t_start, 3)
+            if len(poses) >= args.warmup_poses:
+                break
+            if node_proc.poll() is not None:
+                raise DemoError(f"the node exited with status {node_proc.returncode} during the warm-up:\n"
+                                f"{tail(out / 'node.log')}")
+            if proc.poll() is not None:
+                raise DemoError(f"the warm-up publisher exited with status {proc.returncode}:\n{tail(log)}")
+            if time.monotonic() > deadline:
+                raise DemoError(f"warm-up: {len(poses)} of {args.warmup_poses} poses after {timeout} s "
+                                f"(--startup-timeout):\n{tail(out / 'node.log')}")
+            time.sleep(0.05)
+    finally:
+        stop(proc)
+    warmup_s = round(time.monotonic() - t0, 3)
+    _wait_drained(recorder, deadline=time.monotonic() + args.timeout)
+    poses, status = recorder.snapshot()
+    return {"first_pose_s": first_pose_s, "warmup_s": warmup_s, "warmup_poses": len(poses),
+            "warmup_frames_received": _counters(status)["frames_received"]}
+
+
+def _wait_drained(recorder, deadline: float, settle: float = 0.5) -> None:
+    """Wait until the node accounted for every frame it received (nothing queued or in flight)
+    and its counters stayed put for ``settle`` s; or nothing changed for 3 s."""
+    last_change, last_seen = time.monotonic(), None
+    while time.monotonic() < deadline:
+        _, status = recorder.snapshot()
+        seen = tuple(_counters(status).values())
+        if seen != last_seen:
+            last_seen, last_change = seen, time.monotonic()
+        quiet = time.monotonic() - last_change
+        if status is not None and seen[0] == sum(seen[1:]) and quiet >= settle:
+            return
+        if quiet > 3.0:
+            return
+        time.sleep(0.05)
+
+
+def _wait_until_idle(recorder, frames: int, deadline: float, baseline: int = 0) -> None:
+    """Wait until the node accounted for every published frame, or nothing changed for 3 s.
+    ``baseline``: frames it had accounted for before these were published."""
     last_change, last_seen = time.monotonic(), None
     while time.monotonic() < deadline:
         _, status = recorder.snapshot()
         if status is not None:
             seen = (status.frames_processed, status.frames_dropped_stale, status.frames_dropped_invalid,
                     status.frames_dropped_error)
-            if sum(seen) >= frames:
+            if sum(seen) - baseline >= frames:
                 return
             if seen != last_seen:
                 last_seen, last_change = seen, time.monotonic()
@@ -247,29 +430,100 @@ def _wait_until_idle(recorder, frames: int, deadline: float) -> None:
         time.sleep(0.1)
 
 
-def _report(recorder, out: Path, response) -> int:
+def _stats(values, digits: int = 2) -> dict:
+    if not len(values):
+        return {"n": 0}
+    a = np.asarray(values, dtype=float)
+    return {"n": int(a.size), "median": round(float(np.median(a)), digits),
+            "p95": round(float(np.percentile(a, 95)), digits), "p99": round(float(np.percentile(a, 99)), digits),
+            "max": round(float(a.max()), digits), "mean": round(float(a.mean()), digits),
+            "min": round(float(a.min()), digits)}
+
+
+def _json_default(value):
+    if isinstance(value, (np.integer, np.floating)):
+        return value.item()
+    if isinstance(value, Path):
+        return str(value)
+    raise TypeError(f"not JSON serialisable: {type(value).__name__}")
+
+
+def measurement(recorder, since_s: float | None, baseline: dict, published: int, startup: dict,
+                args: argparse.Namespace, values: dict, images: Path) -> dict:
+    """The run's numbers: poses of images stamped at or after ``since_s`` (all when None), the
+    node's counters relative to ``baseline``, and the node's own per-frame times."""
+    from ..io.preprocess import list_images, load_image
+
+    poses, status = recorder.snapshot()
+    if since_s is not None:
+        poses = [p for p in poses if p.stamp_s >= since_s]
+    frame_status = recorder.frame_statuses(since_s)
+    final = _counters(status)
+    delta = {name: final[name] - baseline[name] for name in COUNTERS}
+    latencies = [p.latency_ms for p in poses]
+    span_out = poses[-1].received_s - poses[0].received_s if len(poses) > 1 else 0.0
+    span_in = poses[-1].stamp_s - poses[0].stamp_s if len(poses) > 1 else 0.0
+    frame_size = list(load_image(list_images(images)[0]).size)
+    windows = sorted({f.window_index for f in frame_status})
+    return {
+        "setting": {
+            "weights": values.get("checkpoint") or f"random {args.preset or 'tiny'} (seed {args.seed})",
+            "preset": args.preset, "device": values.get("device"), "backend": values.get("backend", "auto"),
+            "dtype": values.get("dtype", "fp32"), "cuda_graphs": values.get("cuda_graphs", True),
+            "frame_size": frame_size, "image_width": values.get("image_width"), "rate_hz": args.rate,
+            "frames": args.frames, "warmup_poses": args.warmup_poses, "node_parameters": values,
+        },
+        "startup": startup,
+        "frames": {"published": published, "received": delta["frames_received"],
+                   "processed": delta["frames_processed"], "dropped_stale": delta["frames_dropped_stale"],
+                   "dropped_invalid": delta["frames_dropped_invalid"], "dropped_error": delta["frames_dropped_error"],
+                   "poses_received": len(poses)},
+        "latency_ms": _stats(latencies),  # image header stamp -> pose received by the recorder
+        "output_rate_hz": round((len(poses) - 1) / span_out, 3) if span_out > 0 else 0.0,
+        "input_rate_of_poses_hz": round((len(poses) - 1) / span_in, 3) if span_in > 0 else 0.0,
+        "node_ms": {  # the node's own per-frame times (Status), same frames
+            "model": _stats([f.model_ms for f in frame_status]),
+            "total_stamp_to_published": _stats([f.total_ms for f in frame_status]),
+            "preprocess": _stats([f.preprocess_ms for f in frame_status]),
+            "postprocess": _stats([f.postprocess_ms for f in frame_status]),
+            "publish": _stats([f.publish_ms for f in frame_status]),
+        },
+        "window_restarts": max(len(windows) - 1, 0), "window_indices": windows,
+        "gpu_memory_mb": {"allocated_max": round(max((f.gpu_allocated_mb for f in frame_status), default=0.0), 1),
+                          "reserved_max": round(max((f.gpu_reserved_mb for f in frame_status), default=0.0), 1)},
+    }
+
+
+def _report(recorder, out: Path, response, since_s: float | None = None, result: dict | None = None) -> int:
     from ..io.export import plot_trajectory_png, read_tum
     from ..ros.conversions import OPTICAL_TO_REP103
 
-    summary = recorder.summary()
+    summary = recorder.summary(since_s)
     _, status = recorder.snapshot()
-    stamps, T_map_cam = read_tum(response.trajectory_path)
-    png = out / "trajectory.png"
-    if len(stamps):
-        # The plot draws the ground plane of the model's OpenCV world: map -> optical axes first.
-        c2w = np.linalg.inv(OPTICAL_TO_REP103) @ T_map_cam
-        plot_trajectory_png(png, c2w, title=f"LingBot-Map demo: {len(stamps)} poses (top-down, first camera's x-z)")
-    dropped = "n/a" if status is None else (f"{status.frames_dropped_stale} stale, {status.frames_dropped_invalid} "
-                                             f"invalid, {status.frames_dropped_error} error")
+    if result is not None:
+        f = result["frames"]
+        dropped = f"{f['dropped_stale']} stale, {f['dropped_invalid']} invalid, {f['dropped_error']} error"
+    else:
+        dropped = "n/a" if status is None else (f"{status.frames_dropped_stale} stale, "
+                                                 f"{status.frames_dropped_invalid} invalid, "
+                                                 f"{status.frames_dropped_error} error")
     print(f"frames processed : {summary.frames} (dropped: {dropped})")
     print(f"throughput       : {summary.fps:.1f} FPS of poses received (input rate bound); model step "
           f"{summary.model_mean_ms:.1f} ms/frame = {1e3 / summary.model_mean_ms:.0f} FPS possible")
-    print(f"latency          : median {summary.latency_median_ms:.1f} ms, p95 {summary.latency_p95_ms:.1f} ms "
-          "(image stamp -> pose received; the scale frames wait for each other)")
-    print(f"trajectory (TUM) : {response.trajectory_path}")
-    print(f"map (PLY)        : {response.ply_path}")
-    if len(stamps):
-        print(f"plot (PNG)       : {png}")
+    print(f"latency          : median {summary.latency_median_ms:.1f} ms, p95 {summary.latency_p95_ms:.1f} ms, "
+          f"max {summary.latency_max_ms:.1f} ms (image stamp -> pose received; the scale frames wait for each other)")
+    if response is not None:
+        stamps, T_map_cam = read_tum(response.trajectory_path)
+        png = out / "trajectory.png"
+        if len(stamps):
+            # The plot draws the ground plane of the model's OpenCV world: map -> optical axes first.
+            c2w = np.linalg.inv(OPTICAL_TO_REP103) @ T_map_cam
+            plot_trajectory_png(png, c2w,
+                                title=f"LingBot-Map demo: {len(stamps)} poses (top-down, first camera's x-z)")
+        print(f"trajectory (TUM) : {response.trajectory_path}")
+        print(f"map (PLY)        : {response.ply_path}")
+        if len(stamps):
+            print(f"plot (PNG)       : {png}")
     return 0 if summary.frames > 0 else 1
 
 

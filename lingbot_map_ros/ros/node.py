@@ -127,9 +127,15 @@ class _ForwardToRos(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         text = f"[{record.name.rsplit('.', 1)[-1]}] {record.getMessage()}"
         level = record.levelno
-        log = (self._logger.error if level >= logging.ERROR else self._logger.warning if level >= logging.WARNING
-               else self._logger.info if level >= logging.INFO else self._logger.debug)
-        log(text)
+        # One call site per severity: rclpy refuses a call site whose severity changes between calls.
+        if level >= logging.ERROR:
+            self._logger.error(text)
+        elif level >= logging.WARNING:
+            self._logger.warning(text)
+        elif level >= logging.INFO:
+            self._logger.info(text)
+        else:
+            self._logger.debug(text)
 
 
 class RosOutputs:

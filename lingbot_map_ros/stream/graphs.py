@@ -61,20 +61,34 @@ class GraphedStep:
         self.write_slots = torch.zeros(model.cfg.tokens_per_frame(h, w), dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._out: StepOutput | None = None
+        self._prepared = None  # the StepPlan whose slots and FlashInfer plan are loaded
         self.replays = 0
 
-    def __call__(self, frame: Tensor, dplan: DevicePlan) -> StepOutput:
-        """frame [1, 3, H, W] float32 on the device; dplan of a one-frame phase-2 step.
-        Returns the step's outputs in static tensors (overwritten by the next call)."""
+    def prepare(self, dplan: DevicePlan) -> None:
+        """Load a step's plan into the graph's buffers: its write slots, and FlashInfer's plan()
+        (host work). Stream-ordered: a replay already launched still sees the previous plan,
+        so the next step can be prepared while the GPU runs the current one."""
         plan = dplan.plan
-        if plan.phase1 or plan.num_frames != 1 or tuple(frame.shape[-2:]) != self.resolution:
+        if plan.phase1 or plan.num_frames != 1:
             raise ValueError("GraphedStep takes one phase-2 frame at its own resolution")
-        self.image.copy_(frame, non_blocking=True)
-        self.positions.fill_(plan.first_position)  # == plan.positions[0] for stored and attend-only frames
         self.write_slots.copy_(dplan.write_slots, non_blocking=True)
         self.backend.begin_step(dplan)
         if hasattr(self.backend, "prepare"):
             self.backend.prepare(self.pool.k[0])  # FlashInfer plan(), host side, before the replay
+        self._prepared = plan
+
+    def __call__(self, frame: Tensor, dplan: DevicePlan, prepared: bool = False) -> StepOutput:
+        """frame [1, 3, H, W] float32 on the device; dplan of a one-frame phase-2 step
+        (``prepared``: ``prepare(dplan)`` already ran for it). Returns the step's outputs in
+        static tensors (overwritten by the next call)."""
+        plan = dplan.plan
+        if tuple(frame.shape[-2:]) != self.resolution:
+            raise ValueError("GraphedStep takes one phase-2 frame at its own resolution")
+        if not prepared or self._prepared is not plan:
+            self.prepare(dplan)
+        self.image.copy_(frame, non_blocking=True)
+        self.positions.fill_(plan.first_position)  # == plan.positions[0] for stored and attend-only frames
+        self._prepared = None
         if not self.capture:
             return self._forward()
         if self.graph is None:

@@ -88,6 +88,8 @@ class StreamingSession:
         self._deferred = cfg.deferred_eviction
         self._last_stored_frame: int | None = None
         self._graphed: GraphedStep | None = None  # the one-frame step as a CUDA graph (see graphs.py)
+        # the next graphed step, planned and loaded while the GPU ran the current one
+        self._next: tuple[StepPlan, object] | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -118,6 +120,7 @@ class StreamingSession:
         self._pending.clear()
         self._frames_pushed = 0
         self._last_stored_frame = None
+        self._next = None
 
     def set_deferred_eviction(self, deferred: bool) -> None:
         self._deferred = bool(deferred)
@@ -206,6 +209,7 @@ class StreamingSession:
                                 cfg.max_pending_evictions)
         self._pages.set_deferred(self._deferred)
         self._graphed = None  # bound to the old pool
+        self._next = None
         self._pool = None  # free the old pool before allocating the new one
         self._pool = KVPool(mcfg.depth, self._pages.num_pages, page_size, mcfg.num_heads, mcfg.head_dim,
                             self.dtype, self.device)
@@ -225,7 +229,9 @@ class StreamingSession:
         pages, pool, camera = self._pages, self._pool, self._camera
         plan: StepPlan = pages.plan_step(s, store)
         tokens = SPECIAL_TOKENS + plan.page_size
-        dplan = make_device_plan(plan, tokens, self.device)
+        speculated, self._next = self._next, None
+        prepared = speculated is not None and speculated[0] == plan
+        dplan = speculated[1] if prepared else make_device_plan(plan, tokens, self.device)
         self.backend.begin_step(dplan)
         positions = torch.arange(plan.first_position, plan.first_position + s, device=self.device) if store \
             else torch.full((s,), plan.first_position, device=self.device, dtype=torch.long)
@@ -239,7 +245,7 @@ class StreamingSession:
 
         graphed = self._graphed_step() if s == 1 and not plan.phase1 else None
         if graphed is not None:
-            out = graphed(frames, dplan)
+            out = graphed(frames, dplan, prepared=prepared)
         else:
             out = self.model.step(frames, positions, global_attend, camera_attend, phase1=plan.phase1,
                                   sequence_start=plan.phase1, camera_iterations=self.cfg.camera_iterations,
@@ -251,11 +257,27 @@ class StreamingSession:
         self._frames_pushed = first_frame + s
         if store:
             self._last_stored_frame = first_frame + s - 1
+        if graphed is not None:
+            self._speculate(graphed, tokens)
         results = self._results(frames, hosts, out, plan, first_frame)
         t_end = time.perf_counter()
         for r in results:
             r.timings.update(model_ms=(t_model - t0) * 1e3 / s, postprocess_ms=(t_end - t_model) * 1e3 / s)
         return results
+
+    def _speculate(self, graphed: GraphedStep, tokens: int) -> None:
+        """Plan the next frame's step as the keyframe policy predicts it and load it into the
+        graph while the GPU still runs this one (host work that would otherwise leave the
+        GPU idle). ``_run`` uses it only if the next step's plan turns out identical; any
+        transition in between (reset, rollback, commit, a forced keyframe decision) just
+        makes it plan again, which also overwrites what was loaded here."""
+        try:
+            plan = self._pages.plan_step(1, self.is_keyframe_index(self._frames_pushed))
+        except CacheError:
+            return
+        dplan = make_device_plan(plan, tokens, self.device)
+        graphed.prepare(dplan)
+        self._next = (plan, dplan)
 
     def _graphed_step(self) -> GraphedStep | None:
         """The CUDA-graph step for the current pool, made on first use; None where graphs do not apply."""
