@@ -133,6 +133,9 @@ class StreamConfig:
     ``kv_splits`` splits each global-attention call over that many runs of pages
     (FlashInfer FA3; 0 = chosen from the GPU's SM count). ``fused_kernels`` runs the
     Triton kernels of ``lingbot_map_ros.kernels`` where they apply (CUDA, bf16).
+    ``bf16_depth_head`` runs the DPT depth head's convolutions in bf16, channels-last,
+    when the stream runs in bf16 on CUDA (the reference keeps the heads in float32;
+    the camera head always stays float32).
     """
 
     num_scale_frames: int = 8
@@ -147,6 +150,7 @@ class StreamConfig:
     cuda_graphs: bool = True
     kv_splits: int = 0
     fused_kernels: bool = True
+    bf16_depth_head: bool = True
 
     def __post_init__(self) -> None:
         _require(self.num_scale_frames >= 1, f"num_scale_frames must be >= 1, got {self.num_scale_frames}")

@@ -4,6 +4,7 @@ Both run in float32 (the reference keeps them out of bf16).
 """
 from __future__ import annotations
 
+import copy
 import math
 from typing import Callable
 
@@ -134,18 +135,33 @@ class DepthHead(nn.Module):
         self._uv_cache: dict[tuple, Tensor] = {}
 
     def _uv(self, channels: int, rows: int, cols: int, aspect: float, ref: Tensor) -> Tensor:
-        key = (channels, rows, cols, aspect, ref.device)
+        key = (channels, rows, cols, aspect, ref.device, ref.dtype)
         if key not in self._uv_cache:
-            self._uv_cache[key] = (uv_embedding(channels, rows, cols, aspect) * 0.1).to(ref.device)
+            uv = (uv_embedding(channels, rows, cols, aspect) * 0.1).to(ref.device)[None].to(ref.dtype)
+            if ref.dtype != torch.float32:
+                uv = uv.contiguous(memory_format=torch.channels_last)
+            self._uv_cache[key] = uv
         return self._uv_cache[key]
+
+    def reduced_precision_copy(self, dtype: torch.dtype = torch.bfloat16) -> "DepthHead":
+        """A copy that runs its convolutions in ``dtype`` with channels-last tensors (the
+        LayerNorm and the final exp stay float32). Not the reference's precision: the
+        session uses it only where the stream already runs in bf16."""
+        head = copy.deepcopy(self)
+        head._uv_cache = {}
+        head.to(dtype).to(memory_format=torch.channels_last)
+        head.norm.float()
+        return head
 
     def forward(self, levels: list[Tensor], height: int, width: int) -> tuple[Tensor, Tensor]:
         grid_h, grid_w = height // self.patch_size, width // self.patch_size
         aspect = width / height
+        dtype = self.projects[0].weight.dtype
         feats = []
         for k, tokens in enumerate(levels):
-            x = self.norm(tokens[:, SPECIAL_TOKENS:])  # [S, gh*gw, 2C]
-            x = x.transpose(1, 2).unflatten(2, (grid_h, grid_w))  # [S, 2C, gh, gw]
+            x = self.norm(tokens[:, SPECIAL_TOKENS:]).to(dtype)  # [S, gh*gw, 2C]
+            # [S, 2C, gh, gw]: channels innermost in memory, i.e. channels-last already
+            x = x.transpose(1, 2).unflatten(2, (grid_h, grid_w))
             x = self.projects[k](x)
             x = x + self._uv(x.shape[1], grid_h, grid_w, aspect, x)
             x = self.resize_layers[k](x)
@@ -159,5 +175,5 @@ class DepthHead(nn.Module):
         out = sc.output_conv1(path)
         out = F.interpolate(out, size=(height, width), mode="bilinear", align_corners=True)
         out = out + self._uv(out.shape[1], height, width, aspect, out)
-        out = sc.output_conv2(out)  # [S, 2, H, W]
+        out = sc.output_conv2(out).float()  # [S, 2, H, W]
         return out[:, 0].exp(), 1 + out[:, 1].exp()

@@ -35,7 +35,7 @@ class LingBotMap(nn.Module):
 
     def step(self, images: Tensor, positions: Tensor, global_attend: GlobalAttend, camera_attend: CameraAttend, *,
              phase1: bool, sequence_start: bool, camera_iterations: int, autocast_dtype: torch.dtype | None = None,
-             with_depth: bool = True, fused: bool = False) -> StepOutput:
+             with_depth: bool = True, fused: bool = False, depth_head: nn.Module | None = None) -> StepOutput:
         """One streaming step.
 
         Args:
@@ -45,6 +45,8 @@ class LingBotMap(nn.Module):
             autocast_dtype: run the aggregator under autocast in this dtype (bf16); the heads
                 always run in float32.
             fused: the aggregator uses the Triton kernels (see ``Aggregator.forward``).
+            depth_head: a stand-in for ``self.depth_head`` (e.g. its bf16 copy,
+                ``DepthHead.reduced_precision_copy``).
         """
         device_type = images.device.type
         # cache_enabled=False: no weight-cast cache, which CUDA-graph capture cannot keep (weights are bf16 anyway)
@@ -57,7 +59,8 @@ class LingBotMap(nn.Module):
             pose_enc = self.camera_head(levels[-1], camera_iterations, camera_attend)
             depth = conf = None
             if with_depth:
-                depth, conf = self.depth_head(levels, images.shape[-2], images.shape[-1])
+                head = depth_head if depth_head is not None else self.depth_head
+                depth, conf = head(levels, images.shape[-2], images.shape[-1])
         return StepOutput(pose_enc, depth, conf)
 
     def head_modules(self) -> list[nn.Module]:

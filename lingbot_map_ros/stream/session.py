@@ -78,6 +78,9 @@ class StreamingSession:
         self.with_depth = with_depth
         # the Triton kernels: CUDA with bf16 weights (their maths is the bf16 autocast path's)
         self.fused = cfg.fused_kernels and self.dtype == torch.bfloat16 and kernels.available(self.device)
+        # the depth head's bf16 channels-last copy (CUDA bf16 streams; the model's own head stays float32)
+        self.depth_head = model.depth_head.reduced_precision_copy() if (
+            cfg.bf16_depth_head and self.dtype == torch.bfloat16 and self.device.type == "cuda") else None
         self._autocast = self.dtype if self.dtype != torch.float32 else None
         self._pages: PageTable | None = None
         self._pool: KVPool | None = None
@@ -249,7 +252,8 @@ class StreamingSession:
         else:
             out = self.model.step(frames, positions, global_attend, camera_attend, phase1=plan.phase1,
                                   sequence_start=plan.phase1, camera_iterations=self.cfg.camera_iterations,
-                                  autocast_dtype=self._autocast, with_depth=self.with_depth, fused=self.fused)
+                                  autocast_dtype=self._autocast, with_depth=self.with_depth, fused=self.fused,
+                                  depth_head=self.depth_head)
         pages.apply(plan)  # only now does the step become part of the cache
         t_model = time.perf_counter()
 
@@ -288,7 +292,8 @@ class StreamingSession:
                                               self._resolution, self.backend.variant, self.dtype,
                                               camera_iterations=self.cfg.camera_iterations,
                                               autocast_dtype=self._autocast, with_depth=self.with_depth,
-                                              fused=self.fused, kv_splits=self.cfg.kv_splits or None,
+                                              fused=self.fused, depth_head=self.depth_head,
+                                              kv_splits=self.cfg.kv_splits or None,
                                               min_pages=self.cfg.num_scale_frames + 2)
         return self._graphed
 

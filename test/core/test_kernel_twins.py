@@ -181,3 +181,25 @@ def test_fused_plumbing_with_twins_equals_plain_path(tiny_model, fixture_config,
     for a, b in zip(fused, plain):
         np.testing.assert_allclose(a.pose_enc, b.pose_enc, rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(a.depth, b.depth, rtol=1e-4, atol=1e-5)
+
+
+def test_bf16_depth_head_copy_is_close_and_leaves_the_model_alone(tiny_model, fixtures):
+    """The depth head's bf16 channels-last copy (used on CUDA bf16 streams) against the
+    float32 head on the same aggregator outputs."""
+    head = tiny_model.depth_head
+    copy = head.reduced_precision_copy()
+    assert head.projects[0].weight.dtype == torch.float32  # the model keeps its float32 head
+    assert copy.projects[0].weight.dtype == torch.bfloat16 and copy.norm.weight.dtype == torch.float32
+    assert copy.projects[0].weight.is_contiguous(memory_format=torch.channels_last)
+    images = torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])[:2]
+    cfg = tiny_model.cfg
+    gh, gw = images.shape[-2] // cfg.patch_size, images.shape[-1] // cfg.patch_size
+    gen = torch.Generator().manual_seed(0)
+    levels = [torch.randn(2, SPECIAL_TOKENS + gh * gw, 2 * cfg.embed_dim, generator=gen) for _ in range(4)]
+    with torch.no_grad():
+        d32, c32 = head(levels, *images.shape[-2:])
+        d16, c16 = copy(levels, *images.shape[-2:])
+    assert d16.dtype == torch.float32 and d16.shape == d32.shape
+    for a, b in ((d16, d32), (c16, c32)):
+        rel = float((a - b).abs().max() / b.abs().max())
+        assert rel < 3e-2, rel

@@ -1,0 +1,156 @@
+#!/usr/bin/env bash
+# End-to-end latency and throughput of the ROS node, image publisher in another process.
+#
+# Run from the repository root ON THE GPU MACHINE (CPython 3.12 + torch, no ROS, no
+# registry), carrying .whl/fi (FlashInfer wheels) and .whl/ros312_bundle.tar.xz (made
+# here by benchmarks/node_latency_bundle.sh):
+#
+#   bash benchmarks/node_latency.sh [--frames 300] [--rate 15] [--heights "378 294"]
+#
+# What it does, all offline:
+#   1. installs FlashInfer into /tmp/site, unpacks the ROS 2 bundle into /tmp/lingbot_ros
+#      (benchmarks/ros_env.sh: PYTHONPATH, LD_LIBRARY_PATH, AMENT_PREFIX_PATH);
+#      ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST and a private ROS_DOMAIN_ID;
+#   2. checks ROS with a two-process Image + Status round trip (benchmarks/ros_roundtrip.py);
+#   3. per frame height: lingbot-map-demo (lingbot_map_ros/cli/demo.py) starts the node
+#      (released architecture, RANDOM weights seeded 0, CUDA, bf16, flashinfer-fa3, CUDA
+#      graphs, width 518) and the image folder publisher as two processes, records poses
+#      in its own process, loops generated 518xH frames until --warmup-poses poses came
+#      back (model load, FlashInfer JIT ~90 s on a fresh machine, CUDA-graph capture,
+#      window filling: excluded), then publishes --frames frames at --rate Hz and
+#      measures image header stamp -> pose received (same clock).
+# Results in $OUT (default ./node_latency_out): node_latency_518xH.json (latency
+# median/p95/p99/max, frames published/processed/dropped, output rate, the node's own
+# per-frame model/total times, window restarts, GPU memory), per-run folders with the
+# node's and publishers' logs and params.yaml, env.txt, node_latency.log. Each run is
+# bounded so that the whole script ends before --deadline seconds (default 560); a
+# height that no longer fits is skipped and says so.
+#
+# Options: --frames N --rate HZ --heights "H..." --width W --warmup-poses N
+#   --startup-timeout S --deadline S --device D --backend B --dtype T --preset P
+#   --no-bundle (use this python's own ROS/FlashInfer: no install step)
+#   --cpu-smoke (a quick local check of this script: --no-bundle, tiny preset on cpu,
+#               width 98, heights 70, 12 frames at 5 Hz, 5 warm-up poses)
+#   -- ARGS     passed on to lingbot-map-demo (e.g. --node-param window_frames=1000)
+# PYTHON selects the interpreter (default python3).
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT=${OUT:-./node_latency_out}
+PYTHON=${PYTHON:-python3}
+FRAMES=300 RATE=15 HEIGHTS="378" WIDTH=518 WARMUP=80 STARTUP_TIMEOUT=420 TIMEOUT=60 DEADLINE=560
+DEVICE=cuda BACKEND=flashinfer-fa3 DTYPE=bf16 PRESET=lingbot-map BUNDLE=1
+EXTRA=()
+while (( $# )); do
+  case "$1" in
+    --frames) FRAMES=$2; shift 2 ;;
+    --rate) RATE=$2; shift 2 ;;
+    --heights) HEIGHTS=$2; shift 2 ;;
+    --width) WIDTH=$2; shift 2 ;;
+    --warmup-poses) WARMUP=$2; shift 2 ;;
+    --startup-timeout) STARTUP_TIMEOUT=$2; shift 2 ;;
+    --deadline) DEADLINE=$2; shift 2 ;;
+    --device) DEVICE=$2; shift 2 ;;
+    --backend) BACKEND=$2; shift 2 ;;
+    --dtype) DTYPE=$2; shift 2 ;;
+    --preset) PRESET=$2; shift 2 ;;
+    --no-bundle) BUNDLE=0; shift ;;
+    --cpu-smoke) BUNDLE=0 DEVICE=cpu BACKEND=auto DTYPE=fp32 PRESET=tiny WIDTH=98 HEIGHTS=70 FRAMES=12 RATE=5
+                 WARMUP=5 STARTUP_TIMEOUT=120 DEADLINE=300; shift ;;
+    --) shift; EXTRA=("$@"); break ;;
+    *) echo "node_latency: unknown option $1 (see the header of $0)" >&2; exit 2 ;;
+  esac
+done
+mkdir -p "$OUT"
+OUT=$(cd "$OUT" && pwd)
+exec > >(tee -a "$OUT/node_latency.log") 2>&1
+say() { echo "node_latency [$(printf '%4d' $SECONDS) s]: $*"; }
+
+# ---- 1. environment ----------------------------------------------------------
+if (( BUNDLE )); then
+  [[ -d .whl/fi && -f .whl/ros312_bundle.tar.xz ]] || {
+    say "missing .whl/fi or .whl/ros312_bundle.tar.xz: carry them (see benchmarks/node_latency_bundle.sh)"; exit 1; }
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fi/*.whl 2>&1 \
+    | grep -v "as the 'root' user" | tail -n 3
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+  # shellcheck source=ros_env.sh
+  source benchmarks/ros_env.sh "$ROOT/.whl/ros312_bundle.tar.xz" /tmp/lingbot_ros || exit 1
+  say "FlashInfer in /tmp/site, ROS 2 bundle in /tmp/lingbot_ros"
+else
+  export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+fi
+export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST  # DDS stays on this machine
+export ROS_DOMAIN_ID=${ROS_DOMAIN_ID:-$((1 + $$ % 100))}
+{
+  echo "date: $(date -u +%FT%TZ)  host: $(hostname)  ROS_DOMAIN_ID=$ROS_DOMAIN_ID"
+  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo n/a)"
+  "$PYTHON" - <<'EOF'
+import platform, sys
+print("python", sys.version.split()[0], platform.platform())
+for name in ("torch", "numpy", "flashinfer", "rclpy"):
+    try:
+        mod = __import__(name)
+        print(name, getattr(mod, "__version__", "?"), getattr(mod, "__file__", ""))
+    except Exception as exc:  # report, do not stop
+        print(name, "NOT IMPORTABLE:", type(exc).__name__, exc)
+try:
+    import torch
+    if torch.cuda.is_available():
+        print("gpu", torch.cuda.get_device_name(0), "cuda", torch.version.cuda)
+except Exception:
+    pass
+EOF
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
+    --format=csv,noheader
+  command -v nproc >/dev/null && echo "cpus: $(nproc)"
+} >"$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+# ---- 2. ROS pre-flight -------------------------------------------------------------
+if ! timeout 60 "$PYTHON" benchmarks/ros_roundtrip.py; then
+  say "ROS round trip failed; not running the node"; exit 1
+fi
+
+# ---- 3. runs ---------------------------------------------------------------------
+status=0
+last_run=0
+for H in $HEIGHTS; do
+  left=$(( DEADLINE - SECONDS ))
+  # A later run compiles nothing new (FlashInfer's JIT cache stays): ~60% of the first.
+  if (( last_run > 0 && left < last_run * 6 / 10 + 30 )); then
+    say "skipping ${WIDTH}x$H: ${left} s left before --deadline $DEADLINE, the last run took ${last_run} s"
+    status=1; continue
+  fi
+  name="${WIDTH}x$H"
+  say "run $name: $PRESET random weights, $DEVICE, $DTYPE, $BACKEND, $FRAMES frames at $RATE Hz after" \
+      "$WARMUP warm-up poses (limit ${left} s)"
+  start=$SECONDS
+  # SIGINT first: the demo then stops the node and the publisher it started.
+  timeout -s INT -k 15 "$left" "$PYTHON" -m lingbot_map_ros.cli.demo \
+    --preset "$PRESET" --seed 0 --device "$DEVICE" --backend "$BACKEND" --dtype "$DTYPE" \
+    --width "$WIDTH" --height "$H" --frames "$FRAMES" --rate "$RATE" --warmup-poses "$WARMUP" \
+    --startup-timeout "$STARTUP_TIMEOUT" --timeout "$TIMEOUT" --no-save-map \
+    --domain-id "$ROS_DOMAIN_ID" --out "$OUT/$name" --json "$OUT/node_latency_$name.json" "${EXTRA[@]}"
+  rc=$?
+  last_run=$(( SECONDS - start ))
+  if (( rc != 0 )); then
+    say "run $name FAILED (exit $rc after $last_run s); tail of its node.log:"
+    tail -n 25 "$OUT/$name/node.log" 2>/dev/null
+    status=1
+    continue
+  fi
+  "$PYTHON" - "$OUT/node_latency_$name.json" "$last_run" <<'EOF'
+import json, sys
+d = json.load(open(sys.argv[1]))
+f, lat, m = d["frames"], d["latency_ms"], d["node_ms"]["model"]
+print(f"node_latency: RESULT {d['setting']['frame_size'][0]}x{d['setting']['frame_size'][1]} "
+      f"{d['setting']['backend']} {d['setting']['dtype']}: latency median {lat.get('median')} ms, "
+      f"p95 {lat.get('p95')}, max {lat.get('max')}; output {d['output_rate_hz']} Hz "
+      f"(input {d['setting']['rate_hz']} Hz); published {f['published']}, processed {f['processed']}, "
+      f"dropped {f['dropped_stale']} stale / {f['dropped_invalid']} invalid / {f['dropped_error']} error; "
+      f"node model median {m.get('median')} ms, p95 {m.get('p95')}; window restarts {d['window_restarts']}; "
+      f"first pose after {d['startup'].get('first_pose_s')} s; run {sys.argv[2]} s")
+EOF
+done
+say "done (exit $status); results in $OUT"
+exit $status
