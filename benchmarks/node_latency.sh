@@ -19,12 +19,14 @@
 #      back (model load, FlashInfer JIT ~90 s on a fresh machine, CUDA-graph capture,
 #      window filling: excluded), then publishes --frames frames at --rate Hz and
 #      measures image header stamp -> pose received (same clock).
-# Results in $OUT (default ./node_latency_out): node_latency_518xH.json (latency
-# median/p95/p99/max, frames published/processed/dropped, output rate, the node's own
-# per-frame model/total times, window restarts, GPU memory), per-run folders with the
-# node's and publishers' logs and params.yaml, env.txt, node_latency.log. Each run is
-# bounded so that the whole script ends before --deadline seconds (default 560); a
-# height that no longer fits is skipped and says so.
+# Results in $OUT (default ./node_latency_out), few files (the device tool returns at most
+# 8): node_latency_518xH.json per height (latency median/p95/p99/max, frames
+# published/processed/dropped, output rate, the node's own per-frame model/total times,
+# window restarts, GPU memory), node_latency.log (this script's output, env included) and
+# logs.tar.gz (env.txt, per run: node.log, publisher logs, params.yaml; the run folders
+# themselves are under $RUNS, default /tmp/node_latency_runs). Each run is bounded so that
+# the whole script ends before --deadline seconds (default 560); a height that no longer
+# fits is skipped and says so.
 #
 # Options: --frames N --rate HZ --heights "H..." --width W --warmup-poses N
 #   --startup-timeout S --deadline S --device D --backend B --dtype T --preset P
@@ -63,8 +65,11 @@ while (( $# )); do
 done
 mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
+RUNS=${RUNS:-/tmp/node_latency_runs}
+rm -rf "$RUNS" && mkdir -p "$RUNS"
 exec > >(tee -a "$OUT/node_latency.log") 2>&1
 say() { echo "node_latency [$(printf '%4d' $SECONDS) s]: $*"; }
+trap 'tar -czf "$OUT/logs.tar.gz" -C "$RUNS" . 2>/dev/null' EXIT
 
 # ---- 1. environment ----------------------------------------------------------
 if (( BUNDLE )); then
@@ -103,8 +108,8 @@ EOF
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm,memory.used \
     --format=csv,noheader
   command -v nproc >/dev/null && echo "cpus: $(nproc)"
-} >"$OUT/env.txt" 2>&1
-cat "$OUT/env.txt"
+} >"$RUNS/env.txt" 2>&1
+cat "$RUNS/env.txt"
 
 # ---- 2. ROS pre-flight -------------------------------------------------------------
 if ! timeout 60 "$PYTHON" benchmarks/ros_roundtrip.py; then
@@ -130,12 +135,12 @@ for H in $HEIGHTS; do
     --preset "$PRESET" --seed 0 --device "$DEVICE" --backend "$BACKEND" --dtype "$DTYPE" \
     --width "$WIDTH" --height "$H" --frames "$FRAMES" --rate "$RATE" --warmup-poses "$WARMUP" \
     --startup-timeout "$STARTUP_TIMEOUT" --timeout "$TIMEOUT" --no-save-map \
-    --domain-id "$ROS_DOMAIN_ID" --out "$OUT/$name" --json "$OUT/node_latency_$name.json" "${EXTRA[@]}"
+    --domain-id "$ROS_DOMAIN_ID" --out "$RUNS/$name" --json "$OUT/node_latency_$name.json" "${EXTRA[@]}"
   rc=$?
   last_run=$(( SECONDS - start ))
   if (( rc != 0 )); then
     say "run $name FAILED (exit $rc after $last_run s); tail of its node.log:"
-    tail -n 25 "$OUT/$name/node.log" 2>/dev/null
+    tail -n 25 "$RUNS/$name/node.log" 2>/dev/null
     status=1
     continue
   fi
