@@ -142,7 +142,8 @@ class StageTimer:
         self._wrap_modules("frame_blocks", list(agg.frame_blocks))
         self._wrap_modules("global_blocks", list(agg.global_blocks))
         self._wrap_modules("camera_head", [model.camera_head])
-        self._wrap_modules("depth_head", [model.depth_head])
+        # the session may run its own (bf16) copy of the depth head
+        self._wrap_modules("depth_head", [session.depth_head if session.depth_head is not None else model.depth_head])
         backend = session.backend
         original = backend.attend
         self._restore = (backend, original)
@@ -293,7 +294,9 @@ def main(argv=None):
                          "graph_gpu_median_ms": None if graph_gpu_ms is None else round(graph_gpu_ms, 3)},
         "phase1_ms": None if phase1_ms is None else round(phase1_ms, 1),
         "first_phase2_step_ms": None if first_step_ms is None else round(first_step_ms, 1),
-        "stage_breakdown_note": "eager step (module-hook CUDA events cannot time inside a graph)",
+        "stage_breakdown_note": "eager step (module-hook CUDA events cannot time inside a graph); eager Python "
+                                "launches of the Triton kernels inflate it: see benchmarks/profile_step.py for "
+                                "kernel times",
         "warmup_s": round(warmup_s, 1), "model_load_s": round(load_s, 1),
         "stage_ms_per_frame": stages,
         "peak_gpu_memory_gib": round(peak_gib, 2),

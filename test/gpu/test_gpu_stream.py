@@ -43,11 +43,11 @@ def require(backend: str) -> None:
         pytest.skip("flashinfer is not installed (carry its wheels to the GPU machine, see GPU.md)")
 
 
-def make_session(backend: str, dtype: str, keyframe_interval: int) -> StreamingSession:
+def make_session(backend: str, dtype: str, keyframe_interval: int, **overrides) -> StreamingSession:
     config = json.loads((FIXTURES / "config.json").read_text())
     model = load_model(ModelConfig.from_dict(config), FIXTURES / "weights.safetensors", device="cuda", dtype=dtype)
     cfg = StreamConfig.from_dict(config).with_overrides(keyframe_interval=keyframe_interval, backend=backend,
-                                                        dtype=dtype, device="cuda")
+                                                        dtype=dtype, device="cuda", **overrides)
     return StreamingSession(model, cfg)
 
 
@@ -143,7 +143,8 @@ def test_fused_kernels_match_the_pytorch_path(backend):
     images = reference(2)["images"]
     runs = {}
     for fused in (True, False):
-        session = make_session(backend, "bf16", keyframe_interval=2)
+        # float32 depth head: its bf16 copy amplifies bf16 rounding differences on this tiny model
+        session = make_session(backend, "bf16", keyframe_interval=2, bf16_depth_head=False)
         session.fused = fused
         out = []
         for image in images:
