@@ -33,7 +33,7 @@ from __future__ import annotations
 import enum
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
@@ -47,6 +47,7 @@ from ..cache.pages import CacheFullError
 from ..stream.session import FrameMismatchError, FrameResult, SessionError
 from .conversions import optical_pose_to_map, points_to_map
 from .mapping import MapAccumulator, PoseEntry, Trajectory
+from .output_worker import OutputWorker
 from .params import NodeSettings
 from .worker import Command, Counters, RateMeter, Throttle, WorkQueue
 
@@ -138,6 +139,7 @@ class Sink(Protocol):
         """Whether anyone consumes ``output`` ("points" or "depth") right now."""
 
     def publish_frame(self, out: FrameOutput) -> None: ...
+    def publish_clouds(self, out: FrameOutput) -> None: ...  # points and depth of an already published frame
     def publish_path(self, entries: list[PoseEntry]) -> None: ...
     def publish_status(self, status: StatusFields, stamp: Any) -> None: ...
 
@@ -185,6 +187,9 @@ class InferenceEngine:
         self._stop = threading.Event()
         self._warned_thinning = False
         self._last_status_time = -float("inf")
+        # clouds, depth images and the map on their own thread (see output_worker.py)
+        self.clouds_skipped = 0  # frames whose clouds the output thread dropped (it fell behind)
+        self.outputs = OutputWorker(max_pending=2, on_skip=self._clouds_skipped, on_error=self._outputs_failed)
 
     # ------------------------------------------------------------------ producer side (any thread)
     def submit_frame(self, frame: InputFrame) -> None:
@@ -216,6 +221,7 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ thread
     def start(self) -> None:
+        self.outputs.start()
         self._stop.clear()
         self._thread = threading.Thread(target=self._loop, name="lingbot_map_inference", daemon=True)
         self._thread.start()
@@ -226,6 +232,7 @@ class InferenceEngine:
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
+        self.outputs.stop(timeout)
 
     def _loop(self) -> None:
         while not self._stop.is_set():
@@ -308,7 +315,8 @@ class InferenceEngine:
             self._publish_status(f"dropped frame(s) {bad}: non-finite pose", frames[-1].stamp)
             return
         if stored and self.map is not None:
-            self.map.protect_from(results[0].frame_index)
+            first, acc = results[0].frame_index, self.map
+            self.outputs.op(lambda: acc.protect_from(first))
         published = False
         for r, frame in zip(results, frames):
             published |= self._publish_result(r, frame)
@@ -326,28 +334,19 @@ class InferenceEngine:
             self._publish_status("dropped: non-finite depth", frame.stamp, frame_index=r.frame_index + 1)
             return False
         T_map_cam = optical_pose_to_map(r.c2w)
-        points = colors = conf = None
         need_points = r.depth is not None and (self.map is not None or self.sink.wants("points"))
-        if need_points:
-            world = unproject_depth(r.depth, r.intrinsics, r.c2w)  # [H, W, 3] OpenCV world
-            rgb = np.clip(np.rint(r.image.transpose(1, 2, 0) * 255.0), 0, 255).astype(np.uint8)
-            pts, colors, conf = select_points(world, rgb, r.confidence, s.conf_threshold, s.point_stride)
-            points = points_to_map(pts.astype(np.float32))
-            conf = conf.astype(np.float32)
-            if self.map is not None:
-                self.map.add(r.frame_index, points, colors)
-                self._warn_if_thinned()
-        depth = None
-        if r.depth is not None and self.sink.wants("depth"):
-            depth = np.where(r.depth > 0, r.depth, np.nan).astype(np.float32)
+        need_depth = r.depth is not None and self.sink.wants("depth")
         h, w = r.image.shape[1:]
         self.last_intrinsics = (r.intrinsics, w, h)
         index = r.frame_index + 1
         self.trajectory.append(PoseEntry(r.frame_index, frame.stamp, frame.stamp_s, T_map_cam))
         t1 = time.perf_counter()
-        self.sink.publish_frame(FrameOutput(index, frame.stamp, frame.stamp_s, frame.camera_frame, r.is_keyframe,
-                                            T_map_cam, r.intrinsics, depth, points, colors, conf))
+        pose = FrameOutput(index, frame.stamp, frame.stamp_s, frame.camera_frame, r.is_keyframe, T_map_cam,
+                           r.intrinsics, None, None, None, None)
+        self.sink.publish_frame(pose)
         t2 = time.perf_counter()
+        if need_points or need_depth:
+            self.outputs.frame_job(lambda: self._publish_clouds(r, pose, need_points, need_depth))
         self.counters.add("frames_processed")
         self.output_rate.tick()
         self._last_index = index
@@ -359,8 +358,33 @@ class InferenceEngine:
                              latency=latency, stamp_s=frame.stamp_s)
         self.log.debug(f"frame {index}{' (keyframe)' if r.is_keyframe else ''}: preprocess {latency.preprocess:.1f} "
                        f"ms, model {latency.model:.1f} ms, postprocess {latency.postprocess:.1f} ms, publish "
-                       f"{latency.publish:.1f} ms, {0 if points is None else len(points)} points")
+                       f"{latency.publish:.1f} ms")
         return True
+
+    def _publish_clouds(self, r: FrameResult, pose: FrameOutput, need_points: bool, need_depth: bool) -> None:
+        """Output thread: the frame's point cloud (~/points, map) and depth image."""
+        s = self.settings
+        points = colors = conf = depth = None
+        if need_points:
+            world = unproject_depth(r.depth, r.intrinsics, r.c2w)  # [H, W, 3] OpenCV world
+            rgb = np.clip(np.rint(r.image.transpose(1, 2, 0) * 255.0), 0, 255).astype(np.uint8)
+            pts, colors, conf = select_points(world, rgb, r.confidence, s.conf_threshold, s.point_stride)
+            points = points_to_map(pts.astype(np.float32))
+            conf = conf.astype(np.float32)
+            if self.map is not None:
+                self.map.add(r.frame_index, points, colors)
+                self._warn_if_thinned()
+        if need_depth:
+            depth = np.where(r.depth > 0, r.depth, np.nan).astype(np.float32)
+        self.sink.publish_clouds(replace(pose, depth=depth, points=points, colors=colors, confidence=conf))
+
+    def _clouds_skipped(self) -> None:
+        self.clouds_skipped += 1
+        self.throttle.emit(self.log.warning, "point cloud / depth outputs of a frame skipped: the output thread "
+                                             "falls behind (raise point_stride or map_voxel_size)", kind="clouds")
+
+    def _outputs_failed(self, exc: Exception) -> None:
+        self.log.error(f"unexpected error while publishing clouds: {type(exc).__name__}: {exc}")
 
     def _warn_if_thinned(self) -> None:
         if self.map is not None and self.map.thinned and not self._warned_thinning:
@@ -408,7 +432,7 @@ class InferenceEngine:
         self._last_index = 0
         self.trajectory.clear()
         if self.map is not None:
-            self.map.clear()
+            self.outputs.op(self.map.clear)
         if self.settings.publish_path:
             self.sink.publish_path([])
         self.last_stats = self.session.stats()
@@ -454,8 +478,13 @@ class InferenceEngine:
         forgotten_from = self.session.frames_pushed
         removed = self.trajectory.remove_from(forgotten_from)
         if self.map is not None:
-            self.map.remove_from(forgotten_from)
-            self.map.protect_from(forgotten_from)
+            acc = self.map
+
+            def forget() -> None:
+                acc.remove_from(forgotten_from)
+                acc.protect_from(forgotten_from)
+
+            self.outputs.op(forget)
         if forgotten_from == 0:
             self._resolution = None
         self._last_index = min(self._last_index, forgotten_from)
@@ -471,6 +500,8 @@ class InferenceEngine:
         if self.map is None:
             raise SaveError("the map is not accumulated (accumulate_map is false); nothing to save")
         out = Path(directory or self.settings.output_directory).expanduser().resolve()
+        if not self.outputs.flush(self.settings.service_timeout):
+            raise SaveError("the output thread did not catch up in time; try again")
         try:
             out.mkdir(parents=True, exist_ok=True)
             points, colors, _ = self.map.snapshot()

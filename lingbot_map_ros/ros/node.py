@@ -187,6 +187,17 @@ class RosOutputs:
             self.depth.publish(depth_to_image_msg(out.depth, in_camera))
             self.depth_info.publish(camera_info_msg(out.intrinsics, width, height, in_camera))
 
+    def publish_clouds(self, out: FrameOutput) -> None:
+        """~/points and ~/depth of a frame whose pose ``publish_frame`` already sent (output thread)."""
+        in_map = Header(stamp=out.stamp, frame_id=self.settings.map_frame)
+        if out.points is not None and self.wants("points"):
+            self.points.publish(make_pointcloud2(out.points, out.colors, out.confidence, in_map))
+        if out.depth is not None and self.depth is not None:
+            in_camera = Header(stamp=out.stamp, frame_id=out.camera_frame)
+            height, width = out.depth.shape
+            self.depth.publish(depth_to_image_msg(out.depth, in_camera))
+            self.depth_info.publish(camera_info_msg(out.intrinsics, width, height, in_camera))
+
     def publish_path(self, entries: list[PoseEntry]) -> None:
         """Hand over the current path; ``flush_path`` (a timer) publishes it at path_publish_rate."""
         with self._path_lock:
@@ -433,7 +444,8 @@ class LingBotMapNode(Node):
         statuses.append(_diag(f"{name}: output", out_level, e.state_text, {
             "state": e.state.name, "output rate (Hz)": f"{e.output_rate.rate():.2f}",
             "frames processed": c.frames_processed, "frames dropped (stale)": c.frames_dropped_stale,
-            "frames dropped (error)": c.frames_dropped_error}))
+            "frames dropped (error)": c.frames_dropped_error, "clouds skipped (output thread behind)": e.clouds_skipped,
+            "output thread queue": e.outputs.pending()}))
         stats = e.last_stats
         if stats is None:
             statuses.append(_diag(f"{name}: cache", DiagnosticStatus.OK, "not allocated yet (no frame)", {}))

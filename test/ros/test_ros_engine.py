@@ -2,6 +2,8 @@
 recording sink, and injected faults (non-finite outputs, exceptions)."""
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -46,6 +48,11 @@ class Sink:
 
     def publish_frame(self, out):
         self.frames.append(out)
+
+    def publish_clouds(self, out):  # fill in the clouds of the frame published before
+        match = [i for i, o in enumerate(self.frames) if o.frame_index == out.frame_index and o.stamp == out.stamp]
+        assert match, "clouds of a frame whose pose was not published"
+        self.frames[match[-1]] = out
 
     def publish_path(self, entries):
         self.paths.append([e.frame_index for e in entries])
@@ -368,3 +375,36 @@ def test_window_must_fit_the_model_horizon():
         resolve_settings({**SETTINGS, "window_frames": 2000})
     with pytest.raises(ConfigError, match="overlap_frames"):
         resolve_settings({**SETTINGS, "overlap_frames": 50})
+
+
+def test_poses_do_not_wait_for_the_map(model):
+    """With the engine's threads running, a map that does not make progress (its first add
+    blocks) delays no pose: every frame's pose goes out, the output thread keeps at most
+    two frames waiting and skips the rest (counted), and once it is free the map holds the
+    frames it did handle, with their clouds published."""
+    engine, sink, _, _ = make_engine(model)
+    gate = threading.Event()
+    real_add, added = engine.map.add, []
+
+    def blocking_add(index, points, colors):
+        gate.wait(30)
+        added.append(index)
+        real_add(index, points, colors)
+
+    engine.map.add = blocking_add
+    engine.start()
+    try:
+        images = frames(8)
+        for i, rgb in enumerate(images):  # one frame at a time, each fully handled by the inference thread
+            engine.submit_frame(InputFrame(rgb=rgb, stamp=float(i), stamp_s=float(i), camera_frame="cam"))
+            assert engine.submit("sync", lambda: None).wait(60)
+        poses = [o.frame_index for o in sink.frames]
+        assert poses == list(range(1, 9)) and not added  # all 8 poses out, the map still blocked
+        assert engine.clouds_skipped == 8 - 1 - 2  # one job running, two waiting, the rest skipped
+        gate.set()
+        assert engine.outputs.flush(30)
+    finally:
+        engine.stop()
+    assert len(added) == 3 and len(engine.map) > 0
+    with_clouds = [o.frame_index for o in sink.frames if o.points is not None]
+    assert with_clouds == [i + 1 for i in added]
