@@ -6,8 +6,11 @@ Free of rclpy and torch.
 
 Map: each frame's selected points (already in the map frame) are voxel-downsampled
 and kept as a separate chunk while they may still be rolled back (index at or after
-``protect_from``); older chunks are merged into one consolidated cloud, downsampled
-again and thinned uniformly when the map would exceed ``max_points``.
+``protect_from``); older chunks are merged into one consolidated cloud, which is
+thinned uniformly when the map would exceed ``max_points``. The consolidated cloud
+is kept sorted by voxel key, so a merge only looks up the new points' voxels
+(a voxel already in the map keeps its point) instead of downsampling the whole map
+again: its cost grows with the points merged, not with the map.
 """
 from __future__ import annotations
 
@@ -24,8 +27,22 @@ MERGE_EVERY = 16  # mergeable chunks collected before a consolidation pass
 THIN_TO = 0.75  # fraction of the budget kept when the bound forces thinning
 
 
+KEY_BITS = 21  # per axis: voxel coordinates within +-2^20 voxels of the origin fit one int64 key
+_KEY_OFFSET = 1 << (KEY_BITS - 1)
+
+
 def _empty() -> tuple[np.ndarray, np.ndarray]:
     return np.zeros((0, 3), np.float32), np.zeros((0, 3), np.uint8)
+
+
+def voxel_keys(points: np.ndarray, voxel_size: float) -> tuple[np.ndarray, np.ndarray]:
+    """(keys [N] int64, valid [N] bool): one key per point's voxel, the same for every call;
+    points further than 2^20 voxels from the origin (or not finite) are not valid."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        cells = np.floor(np.asarray(points, np.float64) / voxel_size) + _KEY_OFFSET
+    valid = np.isfinite(cells).all(axis=1) & (cells >= 0).all(axis=1) & (cells < (1 << KEY_BITS)).all(axis=1)
+    c = np.where(valid[:, None], cells, 0).astype(np.int64)
+    return (c[:, 0] << (2 * KEY_BITS)) | (c[:, 1] << KEY_BITS) | c[:, 2], valid
 
 
 class MapAccumulator:
@@ -41,6 +58,7 @@ class MapAccumulator:
         self.max_points = int(max_points)
         self._lock = threading.Lock()
         self._base = _empty()
+        self._base_keys = np.zeros(0, np.int64)  # sorted voxel keys of the base (voxel_size > 0)
         self._chunks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
         self._floor = 0
         self._version = 0
@@ -78,6 +96,7 @@ class MapAccumulator:
     def clear(self) -> None:
         with self._lock:
             self._base = _empty()
+            self._base_keys = np.zeros(0, np.int64)
             self._chunks.clear()
             self._floor = 0
             self._version += 1
@@ -115,14 +134,40 @@ class MapAccumulator:
         total = self._base[0].shape[0] + sum(self._chunks[i][0].shape[0] for i in mergeable) + recent
         if len(mergeable) < MERGE_EVERY and total <= self.max_points:
             return
-        parts = [self._base] + [self._chunks.pop(i) for i in mergeable]
-        pts, cols = self._downsample(np.concatenate([p for p, _ in parts]), np.concatenate([c for _, c in parts]))
+        parts = [self._chunks.pop(i) for i in mergeable]
+        if self.voxel_size > 0:
+            pts, cols, keys = self._merge(parts)
+        else:
+            pts = np.concatenate([self._base[0]] + [p for p, _ in parts])
+            cols = np.concatenate([self._base[1]] + [c for _, c in parts])
+            keys = None
         budget = max(self.max_points - recent, self.max_points // 2)
         if pts.shape[0] > budget:  # thin to 3/4 of the budget so that this does not recur every frame
             keep = np.linspace(0, pts.shape[0] - 1, int(budget * THIN_TO)).astype(np.int64)
             pts, cols = pts[keep], cols[keep]
+            keys = None if keys is None else keys[keep]
             self.thinned = True
         self._base = (np.ascontiguousarray(pts), np.ascontiguousarray(cols))
+        if keys is not None:
+            self._base_keys = keys
+
+    def _merge(self, parts: list[tuple[np.ndarray, np.ndarray]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Base + chunks (oldest first), one point per voxel, sorted by voxel key: voxels new to
+        the base take the first point that fell into them; the base's own points stay."""
+        pts = np.concatenate([p for p, _ in parts]) if parts else self._base[0][:0]
+        cols = np.concatenate([c for _, c in parts]) if parts else self._base[1][:0]
+        keys, valid = voxel_keys(pts, self.voxel_size)
+        keys, first = np.unique(keys[valid], return_index=True)
+        index = np.flatnonzero(valid)[first]
+        base_keys = self._base_keys
+        pos = np.searchsorted(base_keys, keys)
+        known = (pos < base_keys.size) & (base_keys[np.minimum(pos, max(base_keys.size - 1, 0))] == keys) \
+            if base_keys.size else np.zeros(keys.shape, bool)
+        new = ~known
+        at = pos[new]
+        return (np.insert(self._base[0], at, pts[index[new]], axis=0),
+                np.insert(self._base[1], at, cols[index[new]], axis=0),
+                np.insert(base_keys, at, keys[new]))
 
 
 @dataclass

@@ -161,3 +161,29 @@ def test_trajectory_bounded_and_removal_from_index():
     assert t.remove_from(4) == 1 and len(t) == 2
     assert t.stamps().tolist() == [2.0, 3.0] and t.poses().shape == (2, 4, 4)
     assert t.remove_from(0) == 2 and t.poses().shape == (0, 4, 4)
+
+
+def test_map_merge_keeps_one_point_per_voxel_across_frames():
+    """Consolidation merges by voxel key: a voxel already in the map keeps its point, new
+    voxels come in, the result equals a from-scratch downsample's voxel set."""
+    from lingbot_map_ros.ros.mapping import MERGE_EVERY, voxel_keys
+
+    rng = np.random.default_rng(1)
+    m = MapAccumulator(voxel_size=0.5, max_points=100_000)
+    clouds = []
+    for i in range(MERGE_EVERY + 4):
+        pts = (rng.random((300, 3)) * 6 - 3).astype(np.float32)
+        clouds.append(pts)
+        m.protect_from(i)
+        m.add(i, pts, np.full((300, 3), i, np.uint8))
+    assert len(m.frames()) < MERGE_EVERY + 4  # a consolidation ran
+    pts, cols, _ = m.snapshot()
+    keys, valid = voxel_keys(pts, 0.5)
+    assert valid.all() and np.unique(keys[: len(m._base_keys)]).size == len(m._base_keys)
+    assert np.all(np.diff(m._base_keys) > 0)  # the base is sorted by voxel, one point each
+    base_voxels = set(m._base_keys.tolist())
+    merged = np.concatenate(clouds[: MERGE_EVERY])
+    assert set(voxel_keys(merged, 0.5)[0].tolist()) <= base_voxels | set(keys.tolist())
+    # a far-away point cannot be keyed and stays out of the consolidated map
+    k, ok = voxel_keys(np.array([[1e9, 0, 0], [np.nan, 0, 0], [1.0, 2.0, 3.0]]), 0.5)
+    assert ok.tolist() == [False, False, True]
