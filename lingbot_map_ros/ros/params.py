@@ -48,6 +48,12 @@ PARAMETERS: tuple[Param, ...] = (
     Param("dtype", "fp32", "Aggregator dtype and K/V cache dtype (heads stay fp32)", choices=DTYPES),
     Param("cuda_graphs", True, "Replay the one-frame step from a CUDA graph (CUDA with a FlashInfer backend "
           "only; ignored elsewhere)"),
+    Param("kv_splits", 0, "Split each global-attention call over this many runs of pages (FlashInfer FA3) "
+          "so that every SM has work; 0 = chosen from the GPU's SM count", limits=(0, 64, 1)),
+    Param("fused_kernels", True, "Triton kernels for LayerNorm and q/k norm + RoPE + K/V store (CUDA, bf16; "
+          "ignored elsewhere)"),
+    Param("bf16_depth_head", True, "Run the depth head's convolutions in bf16, channels-last (CUDA, bf16 "
+          "only; the camera head stays float32)"),
     Param("seed", 0, "Seed of the random weights used when checkpoint is empty", limits=(0, 2**31 - 1, 1)),
     Param("image_width", 518, "Model input width in pixels (multiple of 14); height follows the aspect ratio",
           limits=(14, 4088, 14)),
@@ -215,7 +221,9 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
                               keyframe_interval=v["keyframe_interval"], camera_iterations=v["camera_iterations"],
                               deferred_eviction=v["deferred_eviction"],
                               max_pending_evictions=v["max_pending_evictions"], backend=v["backend"],
-                              dtype=v["dtype"], device=v["device"], cuda_graphs=v["cuda_graphs"])
+                              dtype=v["dtype"], device=v["device"], cuda_graphs=v["cuda_graphs"],
+                              kv_splits=v["kv_splits"], fused_kernels=v["fused_kernels"],
+                              bf16_depth_head=v["bf16_depth_head"])
         long_stream = LongStreamConfig(
             window_frames=v["window_frames"], overlap_frames=v["overlap_frames"] or None,
             keyframe_policy=v["keyframe_policy"], motion_min_translation=v["motion_min_translation"],
