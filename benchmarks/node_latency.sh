@@ -30,6 +30,9 @@
 #
 # Options: --frames N --rate HZ --heights "H..." --width W --warmup-poses N
 #   --startup-timeout S --deadline S --device D --backend B --dtype T --preset P
+#   --input-qos reliable|sensor_data (default reliable: with a best-effort subscription a
+#               587 KB raw 518x378 image over DDS on one host is often lost in transport
+#               (fragments), which would measure the transport, not the node)
 #   --no-bundle (use this python's own ROS/FlashInfer: no install step)
 #   --cpu-smoke (a quick local check of this script: --no-bundle, tiny preset on cpu,
 #               width 98, heights 70, 12 frames at 5 Hz, 5 warm-up poses)
@@ -44,7 +47,7 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT=${OUT:-./node_latency_out}
 PYTHON=${PYTHON:-python3}
-FRAMES=300 RATE=15 HEIGHTS="378" WIDTH=518 WARMUP=80 STARTUP_TIMEOUT=420 TIMEOUT=60 DEADLINE=560
+FRAMES=300 RATE=15 HEIGHTS="378" WIDTH=518 WARMUP=80 STARTUP_TIMEOUT=420 TIMEOUT=60 DEADLINE=560 INPUT_QOS=reliable
 DEVICE=cuda BACKEND=flashinfer-fa3 DTYPE=bf16 PRESET=lingbot-map BUNDLE=1
 EXTRA=()
 while (( $# )); do
@@ -60,6 +63,7 @@ while (( $# )); do
     --backend) BACKEND=$2; shift 2 ;;
     --dtype) DTYPE=$2; shift 2 ;;
     --preset) PRESET=$2; shift 2 ;;
+    --input-qos) INPUT_QOS=$2; shift 2 ;;
     --no-bundle) BUNDLE=0; shift ;;
     --cpu-smoke) BUNDLE=0 DEVICE=cpu BACKEND=auto DTYPE=fp32 PRESET=tiny WIDTH=98 HEIGHTS=70 FRAMES=12 RATE=5
                  WARMUP=5 STARTUP_TIMEOUT=120 DEADLINE=300; shift ;;
@@ -140,7 +144,7 @@ for H in $HEIGHTS; do
     --preset "$PRESET" --seed 0 --device "$DEVICE" --backend "$BACKEND" --dtype "$DTYPE" \
     --width "$WIDTH" --height "$H" --frames "$FRAMES" --rate "$RATE" --warmup-poses "$WARMUP" \
     --startup-timeout "$STARTUP_TIMEOUT" --timeout "$TIMEOUT" --no-save-map \
-    --node-param map_voxel_size=0.01 \
+    --node-param map_voxel_size=0.01 --node-param input_qos="$INPUT_QOS" \
     --domain-id "$ROS_DOMAIN_ID" --out "$RUNS/$name" --json "$OUT/node_latency_$name.json" "${EXTRA[@]}"
   rc=$?
   last_run=$(( SECONDS - start ))
