@@ -124,8 +124,10 @@ class Aggregator(nn.Module):
 
             act_dtype = self.camera_token.dtype
 
-            def norm(module: nn.Module, x: Tensor) -> Tensor:
+            def fused_norm(module: nn.Module, x: Tensor) -> Tensor:
                 return layer_norm(x, module, act_dtype)
+
+            norm = fused_norm
 
             cos2h, sin2h = ropes.halves()
         global_fusable = fused and hasattr(global_attend, "destinations")

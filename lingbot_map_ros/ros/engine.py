@@ -325,7 +325,6 @@ class InferenceEngine:
         self.last_stats = self.session.stats()
 
     def _publish_result(self, r: FrameResult, frame: InputFrame) -> bool:
-        s = self.settings
         t0 = time.perf_counter()
         if r.depth is not None and not (np.isfinite(r.depth).all() and np.isfinite(r.confidence).all()):
             self.counters.add("frames_dropped_invalid")
