@@ -115,7 +115,7 @@ class FlashInferBackend:
         self._min_graph_pages = max(1, min_graph_pages)
         self._wrapper = None if self.graph_mode else flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace, kv_layout="NHD", backend=variant)
-        self._merge = merge_states if kernels.available(device) else merge_reference
+        self._merge = None  # chosen on first use (after a session's kernel self-check)
         self._buffers: dict[tuple, Tensor] = {}
         # plan() fills a pinned host buffer and copies it to the device asynchronously; the
         # next plan() must not overwrite that buffer before the copy ran. The event is
@@ -158,6 +158,8 @@ class FlashInferBackend:
         lse = self._buffer("lse", (s, qo, heads), torch.float32)
         self._wrapper.run(q_rep.view(s * qo, heads, dim), (k_pages, v_pages), out=o.view(s * qo, heads, dim),
                           lse=lse.view(s * qo, heads), return_lse=True)
+        if self._merge is None:
+            self._merge = merge_states if kernels.available(self.device) else merge_reference
         return self._merge(o, lse, self._buffer("out", (qo, heads, dim), dtype))
 
     def _buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> Tensor:

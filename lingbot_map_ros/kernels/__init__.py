@@ -14,12 +14,69 @@ import os
 import torch
 
 _DISABLE_ENV = "LINGBOT_DISABLE_TRITON"
+_disabled: str | None = None  # set by disable(): the kernels failed their self-check in this process
 
 
 def available(device: torch.device | str) -> bool:
     """True when the Triton kernels can run on ``device`` (CUDA, Triton importable, not disabled
-    through the LINGBOT_DISABLE_TRITON environment variable)."""
+    through the LINGBOT_DISABLE_TRITON environment variable or by ``disable``)."""
     device = torch.device(device)
-    if device.type != "cuda" or os.environ.get(_DISABLE_ENV, "") not in ("", "0"):
+    if device.type != "cuda" or _disabled is not None or os.environ.get(_DISABLE_ENV, "") not in ("", "0"):
         return False
     return importlib.util.find_spec("triton") is not None
+
+
+def disable(reason: str) -> None:
+    """Stop using the kernels in this process (every user falls back to its PyTorch twin)."""
+    global _disabled
+    _disabled = reason
+
+
+def self_check(device: torch.device | str, heads: int, head_dim: int, widths: tuple[int, ...]) -> str | None:
+    """Compile and run each kernel once on small inputs of the model's sizes and compare it
+    with its PyTorch twin. Returns None when all agree, else the reason (e.g. Triton cannot
+    compile on this machine), so the caller can fall back to the PyTorch path instead of
+    failing on the first frame. ``widths``: the channel counts LayerNorm runs on."""
+    from torch import nn
+
+    from .layer_norm import layer_norm, layer_norm_reference
+    from .merge import merge_reference, merge_states
+    from .qk_rope import XOR_HALVES, XOR_INTERLEAVED, qk_norm_rope, qk_norm_rope_reference
+
+    device = torch.device(device)
+    bf16 = torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+
+    def close(a, b) -> bool:
+        return bool(torch.allclose(a.float(), b.float(), rtol=2e-2, atol=2e-2))
+
+    try:
+        for width in sorted(set(widths)):
+            ln = nn.LayerNorm(width).to(device, bf16)
+            x = torch.randn(5, width, generator=gen).to(device)
+            if not close(layer_norm(x, ln, bf16), layer_norm_reference(x, ln, bf16)):
+                return f"layer_norm disagrees with PyTorch at width {width}"
+        n = 7
+        qkv = torch.randn(n, 3 * heads * head_dim, generator=gen).to(device, bf16)
+        qn, kn = nn.LayerNorm(head_dim).to(device, bf16), nn.LayerNorm(head_dim).to(device, bf16)
+        ang = torch.randn(n, head_dim, generator=gen).to(device)
+        cos, sin = ang.cos().contiguous(), ang.sin().contiguous()
+        slots = torch.arange(n, device=device).flip(0)
+        for xor in (XOR_HALVES, XOR_INTERLEAVED):
+            outs = []
+            for fn in (qk_norm_rope, qk_norm_rope_reference):
+                q = torch.zeros(2, n, heads, head_dim, dtype=bf16, device=device)
+                k = torch.zeros(n, heads, head_dim, dtype=bf16, device=device)
+                v = torch.zeros_like(k)
+                fn(qkv, heads, qn, kn, cos, sin, xor, q, k, v, slots)
+                outs.append((q, k, v))
+            if not all(close(a, b) for a, b in zip(*outs)):
+                return "the q/k norm + RoPE kernel disagrees with PyTorch"
+        o = torch.randn(2, n, heads, head_dim, generator=gen).to(device, bf16)
+        lse = torch.randn(2, n, heads, generator=gen).to(device)
+        out = torch.empty(n, heads, head_dim, dtype=bf16, device=device)
+        if not close(merge_states(o, lse, out), merge_reference(o, lse, torch.empty_like(out))):
+            return "the split-KV merge kernel disagrees with PyTorch"
+    except Exception as exc:  # a compiler or driver problem: report it, the caller falls back
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
+    return None

@@ -78,6 +78,15 @@ class StreamingSession:
         self.with_depth = with_depth
         # the Triton kernels: CUDA with bf16 weights (their maths is the bf16 autocast path's)
         self.fused = cfg.fused_kernels and self.dtype == torch.bfloat16 and kernels.available(self.device)
+        if self.fused:
+            mcfg = model.cfg
+            problem = kernels.self_check(self.device, mcfg.num_heads, mcfg.head_dim,
+                                         (mcfg.embed_dim, mcfg.dino_dim))
+            if problem is not None:
+                log.warning("the Triton kernels cannot be used here (%s); running the PyTorch path instead",
+                            problem)
+                kernels.disable(problem)
+                self.fused = False
         # the depth head's bf16 channels-last copy (CUDA bf16 streams; the model's own head stays float32)
         self.depth_head = model.depth_head.reduced_precision_copy() if (
             cfg.bf16_depth_head and self.dtype == torch.bfloat16 and self.device.type == "cuda") else None

@@ -203,3 +203,41 @@ def test_bf16_depth_head_copy_is_close_and_leaves_the_model_alone(tiny_model, fi
     for a, b in ((d16, d32), (c16, c32)):
         rel = float((a - b).abs().max() / b.abs().max())
         assert rel < 3e-2, rel
+
+
+def test_self_check_reports_a_kernel_that_cannot_run():
+    import importlib.util
+
+    from lingbot_map_ros import kernels
+
+    if importlib.util.find_spec("triton") is not None:
+        pytest.skip("Triton is installed here: the failure path is exercised on machines without it")
+    problem = kernels.self_check("cpu", 2, 64, (128,))
+    assert problem is not None and "triton" in problem.lower()
+
+
+def test_session_falls_back_when_the_kernels_fail_their_self_check(fixture_config, fixtures, monkeypatch, caplog):
+    """A machine where Triton imports but cannot compile: the session warns once, runs the
+    PyTorch path, and the process stops offering the kernels (also to FlashInfer's merge)."""
+    import logging
+
+    from lingbot_map_ros import kernels
+    from lingbot_map_ros.config import ModelConfig
+    from lingbot_map_ros.io.checkpoint import load_model
+
+    model = load_model(ModelConfig.from_dict(fixture_config), fixtures / "weights.safetensors", dtype="bf16")
+    cfg = StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa", dtype="bf16")
+    monkeypatch.setattr(kernels, "_disabled", None)
+    # "Triton is there" on this CPU machine: available() as on CUDA, still honouring disable()
+    monkeypatch.setattr(kernels, "available", lambda device: kernels._disabled is None)
+    calls = []
+    monkeypatch.setattr(kernels, "self_check", lambda *a: calls.append(a) or "RuntimeError: no C compiler")
+    with caplog.at_level(logging.WARNING, logger="lingbot_map_ros"):
+        session = StreamingSession(model, cfg)
+    assert calls and calls[0][1:] == (model.cfg.num_heads, model.cfg.head_dim,
+                                      (model.cfg.embed_dim, model.cfg.dino_dim))
+    assert not session.fused and "no C compiler" in caplog.text
+    assert not kernels.available("cuda") and kernels._disabled  # disabled for the process
+    monkeypatch.undo()
+    images = torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])
+    assert len(session.push(images[0]) + session.push(images[1])) == 2  # the PyTorch path runs
