@@ -44,7 +44,7 @@ class FrameResult:
     depth: np.ndarray | None  # [H, W] z-depth
     confidence: np.ndarray | None  # [H, W] >= 1
     image: np.ndarray  # [3, H, W] float32 RGB in [0, 1], the model input
-    timings: dict[str, float] = field(default_factory=dict)  # milliseconds
+    timings: dict[str, float] = field(default_factory=dict)  # ms: model (until outputs on the host), postprocess
 
 
 class SessionError(RuntimeError):
@@ -102,6 +102,7 @@ class StreamingSession:
         self._graphed: GraphedStep | None = None  # the one-frame step as a CUDA graph (see graphs.py)
         # the next graphed step, planned and loaded while the GPU ran the current one
         self._next: tuple[StepPlan, object] | None = None
+        self._outputs_on_host = 0.0  # perf_counter() when the last step's outputs reached the host
 
     # ------------------------------------------------------------------ state
     @property
@@ -264,7 +265,6 @@ class StreamingSession:
                                   autocast_dtype=self._autocast, with_depth=self.with_depth, fused=self.fused,
                                   depth_head=self.depth_head)
         pages.apply(plan)  # only now does the step become part of the cache
-        t_model = time.perf_counter()
 
         first_frame = 0 if plan.phase1 else self._frames_pushed
         self._frames_pushed = first_frame + s
@@ -274,6 +274,9 @@ class StreamingSession:
             self._speculate(graphed, tokens)
         results = self._results(frames, hosts, out, plan, first_frame)
         t_end = time.perf_counter()
+        # model: until the outputs are on the host (on a GPU that includes waiting for it);
+        # postprocess: turning them into FrameResults
+        t_model = self._outputs_on_host
         for r in results:
             r.timings.update(model_ms=(t_model - t0) * 1e3 / s, postprocess_ms=(t_end - t_model) * 1e3 / s)
         return results
@@ -315,6 +318,7 @@ class StreamingSession:
         if out.depth is not None:
             parts += [out.depth.float().flatten(), out.depth_conf.float().flatten()]
         host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+        self._outputs_on_host = time.perf_counter()
         pose_enc = host[:s * 9].reshape(s, 9)
         depth = conf = None
         if out.depth is not None:
