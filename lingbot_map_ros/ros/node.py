@@ -179,13 +179,7 @@ class RosOutputs:
             self.odometry.publish(odometry_msg(out.T_map_cam, in_map, out.camera_frame))
         if self.tf is not None:
             self.tf.publish(out.T_map_cam, out.stamp, out.camera_frame)
-        if out.points is not None and self.wants("points"):
-            self.points.publish(make_pointcloud2(out.points, out.colors, out.confidence, in_map))
-        if out.depth is not None and self.depth is not None:
-            in_camera = Header(stamp=out.stamp, frame_id=out.camera_frame)
-            height, width = out.depth.shape
-            self.depth.publish(depth_to_image_msg(out.depth, in_camera))
-            self.depth_info.publish(camera_info_msg(out.intrinsics, width, height, in_camera))
+        self.publish_clouds(out)  # nothing when the clouds follow from the output thread
 
     def publish_clouds(self, out: FrameOutput) -> None:
         """~/points and ~/depth of a frame whose pose ``publish_frame`` already sent (output thread)."""

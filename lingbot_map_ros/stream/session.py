@@ -245,25 +245,11 @@ class StreamingSession:
         speculated, self._next = self._next, None
         prepared = speculated is not None and speculated[0] == plan
         dplan = speculated[1] if prepared else make_device_plan(plan, tokens, self.device)
-        self.backend.begin_step(dplan)
-        positions = torch.arange(plan.first_position, plan.first_position + s, device=self.device) if store \
-            else torch.full((s,), plan.first_position, device=self.device, dtype=torch.long)
-        start = plan.first_position
-        backend = self.backend
-
-        global_attend = PoolAttention(pool, backend, dplan.write_slots)
-
-        def camera_attend(it: int, block: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-            return camera.attend(it, block, q, k, v, start)
-
         graphed = self._graphed_step() if s == 1 and not plan.phase1 else None
         if graphed is not None:
             out = graphed(frames, dplan, prepared=prepared)
         else:
-            out = self.model.step(frames, positions, global_attend, camera_attend, phase1=plan.phase1,
-                                  sequence_start=plan.phase1, camera_iterations=self.cfg.camera_iterations,
-                                  autocast_dtype=self._autocast, with_depth=self.with_depth, fused=self.fused,
-                                  depth_head=self.depth_head)
+            out = self._eager_step(frames, plan, dplan, pool, camera)
         pages.apply(plan)  # only now does the step become part of the cache
 
         first_frame = 0 if plan.phase1 else self._frames_pushed
@@ -280,6 +266,22 @@ class StreamingSession:
         for r in results:
             r.timings.update(model_ms=(t_model - t0) * 1e3 / s, postprocess_ms=(t_end - t_model) * 1e3 / s)
         return results
+
+    def _eager_step(self, frames: Tensor, plan: StepPlan, dplan, pool: KVPool, camera: CameraKVCache):
+        """The step without a CUDA graph (phase 1, CPU, SDPA, graphs off)."""
+        s = frames.shape[0]
+        self.backend.begin_step(dplan)
+        positions = torch.arange(plan.first_position, plan.first_position + s, device=self.device) if plan.store \
+            else torch.full((s,), plan.first_position, device=self.device, dtype=torch.long)
+        start = plan.first_position
+
+        def camera_attend(it: int, block: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+            return camera.attend(it, block, q, k, v, start)
+
+        return self.model.step(frames, positions, PoolAttention(pool, self.backend, dplan.write_slots), camera_attend,
+                               phase1=plan.phase1, sequence_start=plan.phase1,
+                               camera_iterations=self.cfg.camera_iterations, autocast_dtype=self._autocast,
+                               with_depth=self.with_depth, fused=self.fused, depth_head=self.depth_head)
 
     def _speculate(self, graphed: GraphedStep, tokens: int) -> None:
         """Plan the next frame's step as the keyframe policy predicts it and load it into the
