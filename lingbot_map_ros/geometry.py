@@ -176,8 +176,35 @@ def unproject_depth(depth: np.ndarray, K: np.ndarray, c2w: np.ndarray) -> np.nda
         np.broadcast_arrays((u - cx) * depth / fx, (v - cy) * depth / fy, depth), axis=-1
     )  # [..., H, W, 3]
     flat = cam.reshape(cam.shape[:-3] + (height * width, 3))  # [..., H·W, 3]
-    world = flat @ np.swapaxes(c2w[..., :3, :3], -1, -2) + c2w[..., None, :3, 3]
+    world = rotate(flat, c2w[..., :3, :3]) + c2w[..., None, :3, 3]
     return world.reshape(cam.shape).astype(dtype, copy=False)
+
+
+def unproject_pixels(depth: np.ndarray, K: np.ndarray, c2w: np.ndarray, index: np.ndarray) -> np.ndarray:
+    """``unproject_depth(depth, K, c2w).reshape(-1, 3)[index]`` for one [H, W] map, computed for
+    the selected pixels only (``index``: flat row-major pixel indices)."""
+    depth = np.asarray(depth)
+    K, c2w, index = np.asarray(K), np.asarray(c2w), np.asarray(index)
+    dtype = _float_dtype(depth, K, c2w)
+    width = depth.shape[-1]
+    z = depth.reshape(-1)[index].astype(dtype, copy=False)
+    v, u = np.divmod(index, width)
+    cam = np.stack([(u.astype(dtype) - K[0, 2]) * z / K[0, 0], (v.astype(dtype) - K[1, 2]) * z / K[1, 1], z], -1)
+    return (rotate(cam, c2w[:3, :3]) + c2w[:3, 3]).astype(dtype, copy=False)
+
+
+def rotate(points: np.ndarray, rot: np.ndarray) -> np.ndarray:
+    """``points @ rot.T`` ([..., N, 3] by [..., 3, 3], broadcast) as three multiply-adds: no BLAS
+    call, so no BLAS thread pool wakes (and spins) on the node's output thread for a small
+    product."""
+    rot = np.asarray(rot)
+    return points[..., 0:1] * _column(rot, 0) + points[..., 1:2] * _column(rot, 1) + points[..., 2:3] * _column(rot, 2)
+
+
+def _column(rot: np.ndarray, j: int) -> np.ndarray:
+    """Column ``j`` of one [3, 3] as [3], of a batch [..., 3, 3] as [..., 1, 3] (broadcasting
+    against the points' [..., N, 1])."""
+    return rot[:, j] if rot.ndim == 2 else rot[..., :, j][..., None, :]
 
 
 def select_points(

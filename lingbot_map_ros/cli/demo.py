@@ -84,6 +84,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds allowed for the node to come up and for the warm-up (default: --timeout)")
     p.add_argument("--json", type=Path, default=None, help="write the measurement as JSON to this file")
     p.add_argument("--no-save-map", action="store_true", help="skip ~/save_map and the trajectory/map files")
+    p.add_argument("--node-script", type=Path, default=None,
+                   help="run the node from this Python script instead of lingbot_map_ros.ros.node (e.g. "
+                        "benchmarks/sim_node.py: the real node with a simulated model step)")
     return p
 
 
@@ -305,7 +308,8 @@ def _run_graph(args: argparse.Namespace, images: Path, params: Path, out: Path, 
     spinner.start()
     try:
         t_start = time.monotonic()
-        node_proc = start([sys.executable, "-m", "lingbot_map_ros.ros.node", "--ros-args", "--params-file",
+        node_cmd = [sys.executable] + ([str(args.node_script)] if args.node_script else ["-m", "lingbot_map_ros.ros.node"])
+        node_proc = start(node_cmd + ["--ros-args", "--params-file",
                            str(params)], env, out / "node.log")
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline and recorder.count_publishers("/lingbot_map/pose") == 0:

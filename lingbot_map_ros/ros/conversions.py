@@ -35,7 +35,7 @@ from nav_msgs.msg import Odometry
 from sensor_msgs.msg import CameraInfo, CompressedImage, Image, PointCloud2, PointField
 from std_msgs.msg import Header
 
-from lingbot_map_ros.geometry import matrix_to_quaternion, quaternion_to_matrix
+from lingbot_map_ros.geometry import matrix_to_quaternion, quaternion_to_matrix, rotate
 
 __all__ = [
     "CLOUD_DTYPE",
@@ -429,7 +429,7 @@ def points_to_map(points: np.ndarray) -> np.ndarray:
     """[..., 3] points of the model's world frame -> REP-103 map frame (float32 stays float32)."""
     pts = np.asarray(points)
     rot = OPTICAL_TO_REP103[:3, :3].astype(np.result_type(pts.dtype, np.float32))
-    return pts @ rot.T
+    return rotate(pts, rot)
 
 
 def _check_transform(T: np.ndarray) -> np.ndarray:

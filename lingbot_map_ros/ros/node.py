@@ -35,11 +35,13 @@ camera_info are in the optical frame. Units are the model's (metre-like, not
 guaranteed metric). A reset (service, or recovery from an error) starts a new map
 at the next first camera.
 
-Threads. Image callbacks only convert the message and put it in a depth-1
-latest-frame slot (a frame still waiting is replaced and counted as stale); one
-inference thread (``engine.InferenceEngine``) runs the model and publishes.
-Service callbacks (reentrant group) queue a command and wait for it with
-``service_timeout``. Skipped when nobody listens: per-frame clouds, depth; the
+Threads. One executor thread runs the callbacks (``main``): image callbacks only
+convert the message and put it in a depth-1 latest-frame slot (a frame still waiting
+is replaced and counted as stale); one inference thread (``engine.InferenceEngine``)
+runs the model and publishes poses and status; one output thread
+(``output_worker``) builds the clouds, depth images and the map. Service callbacks
+queue a command for the inference thread and wait for it with ``service_timeout``
+(image intake pauses meanwhile; images queue in the subscription). Skipped when nobody listens: per-frame clouds, depth; the
 map is still accumulated when ``accumulate_map`` (``~/save_map`` needs it).
 
 Start-up. Parameters map onto ModelConfig/StreamConfig in ``params.resolve_settings``
@@ -64,7 +66,7 @@ from nav_msgs.msg import Odometry, Path
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.exceptions import ParameterException
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
+from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CameraInfo, CompressedImage, Image, PointCloud2
@@ -84,7 +86,6 @@ from .tf_tools import TfOutput
 from .worker import Command
 
 NODE_NAME = "lingbot_map"
-EXECUTOR_THREADS = 4
 
 
 class StartupError(RuntimeError):
@@ -473,7 +474,12 @@ def main(args: list[str] | None = None) -> int:
         rclpy.logging.get_logger(NODE_NAME).error(f"cannot start: {exc}")
         rclpy.try_shutdown()
         return 1
-    executor = MultiThreadedExecutor(num_threads=EXECUTOR_THREADS)
+    # One executor thread: callbacks are short (an image is converted and handed over), and a
+    # pool of executor threads only adds GIL hand-offs that delay the inference thread (the
+    # multi-threaded executor measured 2x the tail latency of this one; benchmarks/node_probe.py).
+    # A service callback blocks intake while it waits for the inference thread (one step,
+    # typically); images arriving meanwhile queue in the subscription.
+    executor = SingleThreadedExecutor()
     executor.add_node(node)
     try:
         executor.spin()

@@ -125,6 +125,24 @@ def replay(model, images) -> list:
     return out
 
 
+def test_clouds_are_the_viewers_selection_of_the_unprojected_depth(model):
+    """The output thread unprojects only the selected pixels; same points, colours and
+    confidences as selecting from the whole unprojected map (threshold, then stride)."""
+    engine, sink, _, _ = make_engine(model, conf_threshold=2.00086, point_stride=3)
+    images = frames(3)
+    for i, rgb in enumerate(images):
+        feed(engine, rgb, 10.0 + i)
+    expected = replay(model, images)
+    assert len(sink.frames) == 3
+    for out, r in zip(sink.frames, expected):
+        rgb = np.clip(np.rint(r.image.transpose(1, 2, 0) * 255.0), 0, 255).astype(np.uint8)
+        pts, colors, conf = select_points(unproject_depth(r.depth, r.intrinsics, r.c2w), rgb, r.confidence, 2.00086, 3)
+        assert 0 < len(pts) < r.depth.size // 3  # the threshold (about the median) removed some, then every third
+        np.testing.assert_allclose(out.points, points_to_map(pts), atol=1e-4)
+        np.testing.assert_array_equal(out.colors, colors)
+        np.testing.assert_allclose(out.confidence, conf, rtol=1e-6)
+
+
 def test_outputs_follow_the_session_in_the_map_frame(model):
     engine, sink, _, _ = make_engine(model)
     images = frames(4)

@@ -16,9 +16,11 @@ from lingbot_map_ros.geometry import (
     pose_enc_to_c2w,
     pose_enc_to_intrinsics,
     quaternion_to_matrix,
+    rotate,
     select_points,
     umeyama_sim3,
     unproject_depth,
+    unproject_pixels,
     voxel_downsample,
 )
 
@@ -162,6 +164,28 @@ def test_unproject_identity_pixel_convention():
     pts = unproject_depth(np.full((3, 4), 2.0), K, np.eye(4))
     np.testing.assert_allclose(pts[2, 1], [0.0, 0.0, 2.0])  # pixel (row 2, col 1) = principal point
     np.testing.assert_allclose(pts[0, 3], [(3 - 1) * 2 / 2.0, (0 - 2) * 2 / 4.0, 2.0])
+
+
+def test_unproject_pixels_is_the_selected_part_of_unproject_depth():
+    rng = np.random.default_rng(7)
+    depth = rng.uniform(0.5, 4, size=(6, 9)).astype(np.float32)
+    K = np.array([[7.0, 0, 4.2], [0, 6.5, 2.9], [0, 0, 1]], np.float32)
+    c2w = make_pose(rng).astype(np.float32)
+    index = np.array([0, 5, 9, 17, 53])
+    full = unproject_depth(depth, K, c2w).reshape(-1, 3)
+    part = unproject_pixels(depth, K, c2w, index)
+    assert part.shape == (5, 3) and part.dtype == np.float32
+    np.testing.assert_allclose(part, full[index], rtol=1e-6, atol=1e-6)
+    assert unproject_pixels(depth, K, c2w, np.zeros(0, np.int64)).shape == (0, 3)
+
+
+def test_rotate_is_a_matrix_product():
+    rng = np.random.default_rng(8)
+    rots = random_rotations(rng, 4)  # [4, 3, 3]
+    pts = rng.normal(size=(4, 10, 3))
+    np.testing.assert_allclose(rotate(pts, rots), pts @ np.swapaxes(rots, -1, -2), atol=1e-12)
+    np.testing.assert_allclose(rotate(pts[0], rots[0]), pts[0] @ rots[0].T, atol=1e-12)  # one [N, 3] set
+    np.testing.assert_allclose(rotate(pts[0, 0], rots[0]), rots[0] @ pts[0, 0], atol=1e-12)  # one point
 
 
 def test_unproject_batched_matches_single():

@@ -1,0 +1,266 @@
+"""The real ROS node under probes, optionally with a SIMULATED model step.
+
+Runs ``lingbot_map_ros.ros.node`` in this process (started by ``lingbot-map-demo
+--node-script benchmarks/node_probe.py``, which ``benchmarks/node_latency.sh --probe``
+and ``--simulate`` do) and, when ``LINGBOT_PROBE_OUT`` names a file, writes there at
+exit what stalls the node's threads:
+
+- ``gil_wait_ms``: how late a thread that sleeps 5 ms wakes up (a Python thread
+  cannot run while another holds the GIL: a long C call that keeps it, or a garbage
+  collection), as a histogram;
+- ``gc_pause_ms``: the garbage collections, by generation;
+- ``calls_ms``: the age of an image when its callback starts (publisher, transport,
+  executor), the duration of the node's per-frame parts (image conversion,
+  preprocessing, ``push`` and, for the real session, its plan, graph replay,
+  speculation and result copy; the cloud and status outputs);
+- ``thread_cpu_s``: CPU seconds per thread name (which threads burn the cores).
+
+Simulated model (``LINGBOT_SIM_STEP_MS`` set): everything but the model is the node's
+code (rclpy executor, image conversion, preprocessing, the inference and output
+threads, messages, the map). ``SimulatedSession`` spends ``LINGBOT_SIM_HOST_MS``
+(default 2) of Python time holding the GIL per frame, as the real session's launch and
+planning do, then waits the rest of ``LINGBOT_SIM_STEP_MS`` without it, as the real
+session waits for the GPU, and returns outputs of the real shapes. Latency minus the
+step is then the node's overhead, on any machine, without a GPU.
+"""
+from __future__ import annotations
+
+import collections
+import gc
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from lingbot_map_ros.cache.pages import CacheStats  # noqa: E402
+from lingbot_map_ros.config import StreamConfig  # noqa: E402
+from lingbot_map_ros.ros import node as node_module  # noqa: E402
+from lingbot_map_ros.stream.session import FrameResult, SessionError  # noqa: E402
+
+
+class _Backend:
+    name = "simulated"
+
+
+class SimulatedSession:
+    """The engine-facing surface of LongStreamSession with a timed stand-in for the model."""
+
+    def __init__(self, cfg: StreamConfig, step_ms: float, host_ms: float) -> None:
+        self.cfg = cfg
+        self.step_s, self.host_s = step_ms / 1e3, min(host_ms, step_ms) / 1e3
+        self.device = None
+        self.backend = _Backend()
+        self.deferred_eviction = False
+        self.window_index = 0
+        self.reset()
+
+    def reset(self) -> None:
+        self.frames_pushed = 0
+        self._stored = 0
+        self._waiting: list[np.ndarray] = []
+        self._rng = np.random.default_rng(0)
+
+    def stats(self) -> CacheStats:
+        window = max(0, min(self._stored - self.cfg.num_scale_frames, self.cfg.sliding_window))
+        scale = min(self._stored, self.cfg.num_scale_frames)
+        return CacheStats(temporal_index=self._stored, resident_frames=scale + window, scale_pages=scale,
+                          window_pages=window, free_pages=0, special_tokens=6 * self._stored, special_pages=1,
+                          pending_evictions=0, deferred=False, can_rollback=self._stored > 0)
+
+    def set_deferred_eviction(self, deferred: bool) -> None:
+        self.deferred_eviction = deferred
+
+    def commit_eviction(self) -> int:
+        return 0
+
+    def rollback_last_frame(self, expected_frame_index: int | None = None) -> int:
+        if self._stored == 0:
+            raise SessionError("nothing to roll back")
+        self._stored -= 1
+        self.frames_pushed -= 1
+        return self.frames_pushed
+
+    def push(self, image: np.ndarray) -> list[FrameResult]:
+        self._waiting.append(image)
+        if self.frames_pushed == 0 and len(self._waiting) < self.cfg.num_scale_frames:
+            return []
+        images, self._waiting = self._waiting, []
+        return [self._step(im) for im in images]
+
+    def _step(self, image: np.ndarray) -> FrameResult:
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < self.host_s:  # launch/planning work: holds the GIL
+            pass
+        time.sleep(max(0.0, self.step_s - (time.perf_counter() - t0)))  # the GPU: GIL released
+        _, h, w = image.shape
+        i = self.frames_pushed
+        a = 0.05 * i
+        c2w = np.eye(4)
+        c2w[:3, :3] = [[np.cos(a), 0, np.sin(a)], [0, 1, 0], [-np.sin(a), 0, np.cos(a)]]
+        c2w[:3, 3] = [np.sin(a), 0.0, 1.0 - np.cos(a)]
+        K = np.array([[0.8 * w, 0, w / 2], [0, 0.8 * w, h / 2], [0, 0, 1]])
+        depth = (1.0 + self._rng.random((h, w), dtype=np.float32)).astype(np.float32)
+        conf = (1.0 + 2.0 * self._rng.random((h, w), dtype=np.float32)).astype(np.float32)
+        model_ms = (time.perf_counter() - t0) * 1e3
+        self.frames_pushed += 1
+        self._stored += 1
+        return FrameResult(frame_index=i, position=i, is_keyframe=True, pose_enc=np.zeros(9), c2w=c2w,
+                           intrinsics=K, depth=depth, confidence=conf, image=image,
+                           timings={"model_ms": model_ms, "postprocess_ms": 0.0})
+
+
+class Probe:
+    """GIL wait, GC pauses, timed calls, per-thread CPU time (see the module doc)."""
+
+    def __init__(self, out: str) -> None:
+        self.out = out
+        self.gil_wait: list[float] = []
+        self.gc_pauses: dict[int, list[float]] = collections.defaultdict(list)
+        self.calls: dict[str, list[float]] = collections.defaultdict(list)
+        self.thread_cpu: dict[str, float] = {}
+        self._gc_t0 = 0.0
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        gc.callbacks.append(self._on_gc)
+        threading.Thread(target=self._run, name="probe", daemon=True).start()
+
+    def time_calls(self, owner, name: str, label: str | None = None) -> None:
+        """Record the duration of every call of ``owner.name`` (a class, module or instance attribute)."""
+        fn = getattr(owner, name, None)
+        if fn is None:
+            return
+        durations = self.calls[label or name]
+
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                durations.append((time.perf_counter() - t0) * 1e3)
+
+        setattr(owner, name, timed)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        else:
+            self.gc_pauses[info["generation"]].append((time.perf_counter() - self._gc_t0) * 1e3)
+
+    def _run(self) -> None:
+        last = time.perf_counter()
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            time.sleep(0.005)
+            self.gil_wait.append((time.perf_counter() - t0) * 1e3 - 5.0)
+            if t0 - last > 1.0:  # threads end before write(): keep the latest reading
+                self.thread_cpu, last = self._thread_cpu(), t0
+
+    @staticmethod
+    def _thread_cpu() -> dict[str, float]:
+        """CPU seconds per thread of this process (Linux /proc): Python threads by their name,
+        the others (BLAS, OpenMP, DDS, CUDA) by their OS name."""
+        tick = os.sysconf("SC_CLK_TCK")
+        names = {t.native_id: t.name for t in threading.enumerate()}
+        cpu: dict[str, float] = collections.defaultdict(float)
+        for task in Path("/proc/self/task").iterdir():
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue
+            name = names.get(int(task.name)) or "os:" + stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2:].split()
+            cpu[name] += (int(fields[11]) + int(fields[12])) / tick
+        return {k: round(v, 2) for k, v in sorted(cpu.items(), key=lambda kv: -kv[1])}
+
+    def write(self) -> None:
+        self._stop.set()
+
+        def summary(values: list[float]) -> dict:
+            v = np.array(values or [0.0])
+            return {"n": len(values), "median": round(float(np.median(v)), 2),
+                    "p95": round(float(np.percentile(v, 95)), 2), "max": round(float(v.max()), 2),
+                    "total": round(float(v.sum()), 1)}
+
+        waits = np.array(self.gil_wait or [0.0])
+        edges = [0, 1, 5, 20, 50, 100, 200, 500, 1000, 1e9]
+        hist = np.histogram(waits, bins=edges)[0]
+        report = {
+            "gil_wait_ms": {**summary(self.gil_wait),
+                            "histogram": {f"{edges[i]:g}-{edges[i + 1]:g}": int(n) for i, n in enumerate(hist)}},
+            "gc_pause_ms": {str(g): summary(v) for g, v in sorted(self.gc_pauses.items())},
+            "gc_objects_at_exit": len(gc.get_objects()),
+            "calls_ms": {k: summary(v) for k, v in self.calls.items()},
+            "thread_cpu_s": self.thread_cpu,
+            "loadavg": Path("/proc/loadavg").read_text().split()[:3],
+        }
+        with open(self.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def instrument(probe: Probe, session) -> None:
+    """Time the node's per-frame work: conversion, preprocessing, the session's parts, the outputs."""
+    from lingbot_map_ros.ros import engine as engine_module
+
+    probe.time_calls(node_module, "image_to_rgb")
+    ages = probe.calls["image age at the callback (stamp -> executor)"]
+    accept = node_module.LingBotMapNode._accept
+
+    def aged_accept(self, msg, convert):
+        ages.append((self._now() - node_module.stamp_seconds(msg.header.stamp)) * 1e3)
+        return accept(self, msg, convert)
+
+    node_module.LingBotMapNode._accept = aged_accept
+    probe.time_calls(engine_module, "preprocess_array")
+    probe.time_calls(session, "push")
+    probe.time_calls(engine_module.InferenceEngine, "_publish_clouds")
+    probe.time_calls(engine_module.InferenceEngine, "_publish_status")
+    probe.time_calls(node_module.RosOutputs, "publish_frame")
+    inner = getattr(session, "session", None)  # LongStreamSession -> StreamingSession
+    if inner is not None:
+        from lingbot_map_ros.stream import graphs, session as session_module
+
+        probe.time_calls(session_module, "make_device_plan")
+        probe.time_calls(inner, "_speculate")
+        probe.time_calls(inner, "_results")
+        probe.time_calls(inner, "_eager_step")
+        probe.time_calls(graphs.GraphedStep, "__call__", "GraphedStep.__call__")
+        probe.time_calls(graphs.GraphedStep, "prepare", "GraphedStep.prepare")
+        probe.time_calls(graphs.GraphedStep, "_capture", "GraphedStep._capture")
+
+
+def main() -> int:
+    step = os.environ.get("LINGBOT_SIM_STEP_MS")
+    host_ms = float(os.environ.get("LINGBOT_SIM_HOST_MS", "2"))
+    out = os.environ.get("LINGBOT_PROBE_OUT")
+    probe = Probe(out) if out else None
+    real_load = node_module.LingBotMapNode._load_session
+
+    def load_session(self):
+        if step is not None:
+            self.get_logger().warning(f"SIMULATED model: {step} ms per frame ({host_ms} ms holding the GIL); "
+                                      "outputs are synthetic")
+            session = SimulatedSession(self.settings.stream, float(step), host_ms)
+        else:
+            session = real_load(self)
+        if probe is not None:
+            instrument(probe, session)
+            probe.start()
+        return session
+
+    node_module.LingBotMapNode._load_session = load_session
+    try:
+        return node_module.main()
+    finally:
+        if probe is not None:
+            probe.write()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
