@@ -33,6 +33,9 @@
 #   --input-qos reliable|sensor_data (default reliable: with a best-effort subscription a
 #               587 KB raw 518x378 image over DDS on one host is often lost in transport
 #               (fragments), which would measure the transport, not the node)
+#   --no-dds-profile (do not export FASTDDS_DEFAULT_PROFILES_FILE=config/fastdds_large_messages.xml
+#               for the node and the publisher: raw 518x378 images then exceed Fast DDS's
+#               default 512 KB shared-memory segment and travel as UDP fragments, ~10 ms more)
 #   --no-bundle (use this python's own ROS/FlashInfer: no install step)
 #   --cpu-smoke (a quick local check of this script: --no-bundle, tiny preset on cpu,
 #               width 98, heights 70, 12 frames at 5 Hz, 5 warm-up poses)
@@ -48,7 +51,7 @@ cd "$ROOT"
 OUT=${OUT:-./node_latency_out}
 PYTHON=${PYTHON:-python3}
 FRAMES=300 RATE=15 HEIGHTS="378" WIDTH=518 WARMUP=80 STARTUP_TIMEOUT=420 TIMEOUT=60 DEADLINE=560 INPUT_QOS=reliable
-DEVICE=cuda BACKEND=flashinfer-fa3 DTYPE=bf16 PRESET=lingbot-map BUNDLE=1
+DEVICE=cuda BACKEND=flashinfer-fa3 DTYPE=bf16 PRESET=lingbot-map BUNDLE=1 DDS_PROFILE=1
 EXTRA=()
 while (( $# )); do
   case "$1" in
@@ -65,6 +68,7 @@ while (( $# )); do
     --preset) PRESET=$2; shift 2 ;;
     --input-qos) INPUT_QOS=$2; shift 2 ;;
     --no-bundle) BUNDLE=0; shift ;;
+    --no-dds-profile) DDS_PROFILE=0; shift ;;
     --cpu-smoke) BUNDLE=0 DEVICE=cpu BACKEND=auto DTYPE=fp32 PRESET=tiny WIDTH=98 HEIGHTS=70 FRAMES=12 RATE=5
                  WARMUP=5 STARTUP_TIMEOUT=120 DEADLINE=300; shift ;;
     --) shift; EXTRA=("$@"); break ;;
@@ -95,8 +99,14 @@ else
 fi
 export ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST  # DDS stays on this machine
 export ROS_DOMAIN_ID=${ROS_DOMAIN_ID:-$((1 + $$ % 100))}
+if (( DDS_PROFILE )); then
+  export FASTDDS_DEFAULT_PROFILES_FILE="$ROOT/config/fastdds_large_messages.xml"
+else
+  unset FASTDDS_DEFAULT_PROFILES_FILE
+fi
 {
   echo "date: $(date -u +%FT%TZ)  host: $(hostname)  ROS_DOMAIN_ID=$ROS_DOMAIN_ID"
+  echo "FASTDDS_DEFAULT_PROFILES_FILE=${FASTDDS_DEFAULT_PROFILES_FILE:-(unset)}"
   echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo n/a)"
   "$PYTHON" - <<'EOF'
 import platform, sys

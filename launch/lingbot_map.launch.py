@@ -12,6 +12,10 @@ Arguments:
   namespace          namespace of the node (topics become /<namespace>/lingbot_map/...)
   use_sim_time       true when playing a bag with --clock
   rviz               true to start RViz with rviz/lingbot_map.rviz (topics of the empty namespace)
+  dds_profile        Fast DDS profile of the node (FASTDDS_DEFAULT_PROFILES_FILE): large_messages
+                     (default) = config/fastdds_large_messages.xml, 16 MB shared-memory segments so
+                     that raw images over 512 KB are not sent as UDP fragments (export the same
+                     file for the camera driver); a path to your own XML; or none (environment kept)
 """
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, OpaqueFunction
@@ -30,7 +34,10 @@ ARGUMENTS = (
     ("namespace", "", "Namespace of the node"),
     ("use_sim_time", "false", "Use /clock (bag playback)"),
     ("rviz", "false", "Start RViz with the package's configuration"),
+    ("dds_profile", "large_messages", "Fast DDS profile of the node: large_messages (the package's "
+     "config/fastdds_large_messages.xml), a path to an XML profile, or none"),
 )
+DDS_PROFILES = {"large_messages": "fastdds_large_messages.xml"}
 
 
 def _is_true(text: str) -> bool:
@@ -47,9 +54,14 @@ def _setup(context, *args, **kwargs):
     if value["input_transport"]:
         overrides["input_transport"] = value["input_transport"]
     image_topic = value["image_topic"]
+    profile = value["dds_profile"].strip()
+    env = {}
+    if profile and profile.lower() != "none":
+        env["FASTDDS_DEFAULT_PROFILES_FILE"] = f"{share}/config/{DDS_PROFILES[profile]}" \
+            if profile in DDS_PROFILES else profile
     actions = [Node(
         package=PACKAGE, executable="lingbot_map_node", name="lingbot_map", namespace=value["namespace"],
-        output="screen", emulate_tty=True,
+        output="screen", emulate_tty=True, additional_env=env,
         parameters=[params_file, overrides],
         remappings=[("image", image_topic), ("image/compressed", f"{image_topic.rstrip('/')}/compressed"),
                     ("camera_info", value["camera_info_topic"])],

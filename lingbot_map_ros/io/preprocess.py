@@ -116,6 +116,13 @@ def preprocess_array(rgb: np.ndarray, width: int = DEFAULT_WIDTH) -> np.ndarray:
         raise ValueError(
             f"expected a uint8 RGB array of shape [H, W, 3], got {rgb.dtype} {rgb.shape}"
         )
+    height, width_in = rgb.shape[:2]
+    if target_size(width_in, height, width) == (width_in, height) and height <= width_in:
+        # already the model's size (a camera set to it): the resize would be the identity and
+        # there is no crop; one pass, the same float32 division as preprocess_pil
+        out = np.empty((3, height, width_in), np.float32)
+        np.divide(rgb.transpose(2, 0, 1), np.float32(255.0), out=out, dtype=np.float32)
+        return out
     return preprocess_pil(Image.fromarray(np.ascontiguousarray(rgb)), width)
 
 

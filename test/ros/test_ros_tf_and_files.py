@@ -16,7 +16,7 @@ from lingbot_map_ros.ros.tf_tools import invert_rigid, map_to_base, map_to_odom,
 pytestmark = pytest.mark.ros
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_ARGUMENTS = {"params_file", "checkpoint", "image_topic", "camera_info_topic", "input_transport", "namespace",
-                    "use_sim_time", "rviz"}
+                    "use_sim_time", "rviz", "dds_profile"}
 
 
 def rigid(seed: int) -> np.ndarray:
@@ -76,6 +76,8 @@ def test_launch_file_declares_the_listed_arguments():
     assert {"DeclareLaunchArgument", "Node", "OpaqueFunction", "LaunchDescription"} <= calls
     assert "lingbot_map_node" in src and "rviz2" in src and "image/compressed" in src
     assert args["use_sim_time"] == "false" and args["rviz"] == "false"
+    assert args["dds_profile"] == "large_messages" and "FASTDDS_DEFAULT_PROFILES_FILE" in src
+    assert '"large_messages": "fastdds_large_messages.xml"' in src and (REPO / "config" / "fastdds_large_messages.xml").is_file()
 
 
 def test_config_lists_every_parameter_with_a_valid_value_and_a_comment():

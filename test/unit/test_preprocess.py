@@ -209,3 +209,13 @@ def test_mixed_sizes_padded_with_ones(tmp_path):
     np.testing.assert_array_equal(seq[1, :, 7:21], 0.0)
     np.testing.assert_array_equal(seq[1, :, :7], 1.0)
     np.testing.assert_array_equal(seq[1, :, 21:], 1.0)
+
+
+@pytest.mark.parametrize("height,width", [(378, 518), (294, 518), (518, 518), (380, 518), (378, 520), (600, 518)])
+def test_preprocess_array_shortcut_for_model_sized_frames_equals_the_pil_path(height, width):
+    """Frames already at the model's size skip PIL (no resize, no crop); bit-identical output."""
+    rgb = np.random.default_rng(height + width).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    fast = preprocess_array(rgb, 518)
+    reference = preprocess_pil(Image.fromarray(rgb), 518)
+    assert fast.dtype == np.float32 and fast.flags.c_contiguous
+    np.testing.assert_array_equal(fast, reference)
