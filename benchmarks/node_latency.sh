@@ -36,6 +36,10 @@
 #   --no-dds-profile (do not export FASTDDS_DEFAULT_PROFILES_FILE=config/fastdds_large_messages.xml
 #               for the node and the publisher: raw 518x378 images then exceed Fast DDS's
 #               default 512 KB shared-memory segment and travel as UDP fragments, ~10 ms more)
+#   --probe    run the node under benchmarks/node_probe.py (GIL waits, GC pauses, timed per-frame
+#               parts, CPU per thread) and keep its report as node_probe_518xH.json in $OUT
+#   --simulate MS  the real node with a simulated MS-ms model step instead of the model (no GPU:
+#               tiny preset on cpu, --probe implied): the node's own overhead and frame losses
 #   --no-bundle (use this python's own ROS/FlashInfer: no install step)
 #   --cpu-smoke (a quick local check of this script: --no-bundle, tiny preset on cpu,
 #               width 98, heights 70, 12 frames at 5 Hz, 5 warm-up poses)
@@ -51,7 +55,7 @@ cd "$ROOT"
 OUT=${OUT:-./node_latency_out}
 PYTHON=${PYTHON:-python3}
 FRAMES=300 RATE=15 HEIGHTS="378" WIDTH=518 WARMUP=80 STARTUP_TIMEOUT=420 TIMEOUT=60 DEADLINE=560 INPUT_QOS=reliable
-DEVICE=cuda BACKEND=flashinfer-fa3 DTYPE=bf16 PRESET=lingbot-map BUNDLE=1 DDS_PROFILE=1
+DEVICE=cuda BACKEND=flashinfer-fa3 DTYPE=bf16 PRESET=lingbot-map BUNDLE=1 DDS_PROFILE=1 PROBE=0 SIM_MS=""
 EXTRA=()
 while (( $# )); do
   case "$1" in
@@ -69,6 +73,8 @@ while (( $# )); do
     --input-qos) INPUT_QOS=$2; shift 2 ;;
     --no-bundle) BUNDLE=0; shift ;;
     --no-dds-profile) DDS_PROFILE=0; shift ;;
+    --probe) PROBE=1; shift ;;
+    --simulate) SIM_MS=$2 PROBE=1 PRESET=tiny DEVICE=cpu BACKEND=auto DTYPE=fp32; shift 2 ;;
     --cpu-smoke) BUNDLE=0 DEVICE=cpu BACKEND=auto DTYPE=fp32 PRESET=tiny WIDTH=98 HEIGHTS=70 FRAMES=12 RATE=5
                  WARMUP=5 STARTUP_TIMEOUT=120 DEADLINE=300; shift ;;
     --) shift; EXTRA=("$@"); break ;;
@@ -149,13 +155,20 @@ for H in $HEIGHTS; do
   say "run $name: $PRESET random weights, $DEVICE, $DTYPE, $BACKEND, $FRAMES frames at $RATE Hz after" \
       "$WARMUP warm-up poses (limit ${left} s)"
   start=$SECONDS
+  probe_args=()
+  if (( PROBE )); then
+    probe_args=(--node-script benchmarks/node_probe.py)
+    export LINGBOT_PROBE_OUT="$OUT/node_probe_$name.json"
+  fi
+  if [[ -n "$SIM_MS" ]]; then export LINGBOT_SIM_STEP_MS="$SIM_MS"; else unset LINGBOT_SIM_STEP_MS; fi
   # SIGINT first: the demo then stops the node and the publisher it started.
   timeout -s INT -k 15 "$left" "$PYTHON" -m lingbot_map_ros.cli.demo \
     --preset "$PRESET" --seed 0 --device "$DEVICE" --backend "$BACKEND" --dtype "$DTYPE" \
     --width "$WIDTH" --height "$H" --frames "$FRAMES" --rate "$RATE" --warmup-poses "$WARMUP" \
     --startup-timeout "$STARTUP_TIMEOUT" --timeout "$TIMEOUT" --no-save-map \
     --node-param map_voxel_size=0.01 --node-param input_qos="$INPUT_QOS" \
-    --domain-id "$ROS_DOMAIN_ID" --out "$RUNS/$name" --json "$OUT/node_latency_$name.json" "${EXTRA[@]}"
+    --domain-id "$ROS_DOMAIN_ID" --out "$RUNS/$name" --json "$OUT/node_latency_$name.json" \
+    "${probe_args[@]}" "${EXTRA[@]}"
   rc=$?
   last_run=$(( SECONDS - start ))
   if (( rc != 0 )); then

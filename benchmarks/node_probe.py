@@ -2,7 +2,7 @@
 
 Runs ``lingbot_map_ros.ros.node`` in this process (started by ``lingbot-map-demo
 --node-script benchmarks/node_probe.py``, which ``benchmarks/node_latency.sh --probe``
-and ``--simulate`` do) and, when ``LINGBOT_PROBE_OUT`` names a file, writes there at
+and ``--simulate MS`` do) and, when ``LINGBOT_PROBE_OUT`` names a file, writes there at
 exit what stalls the node's threads:
 
 - ``gil_wait_ms``: how late a thread that sleeps 5 ms wakes up (a Python thread
@@ -158,7 +158,7 @@ class Probe:
         while not self._stop.is_set():
             t0 = time.perf_counter()
             time.sleep(0.005)
-            self.gil_wait.append((time.perf_counter() - t0) * 1e3 - 5.0)
+            self.gil_wait.append(max(0.0, (time.perf_counter() - t0) * 1e3 - 5.0))  # a wake can be early
             if t0 - last > 1.0:  # threads end before write(): keep the latest reading
                 self.thread_cpu, last = self._thread_cpu(), t0
 

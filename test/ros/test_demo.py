@@ -199,3 +199,30 @@ def test_library_log_records_of_mixed_severity_reach_the_node_logger():
     handler = _ForwardToRos(get_logger("lingbot_map_test_forward"))
     for level in (logging.WARNING, logging.INFO, logging.ERROR, logging.DEBUG, logging.WARNING):
         handler.emit(logging.LogRecord("lingbot_map_ros.x", level, __file__, 1, "message %d", (level,), None))
+
+
+@pytest.mark.slow
+def test_node_probe_runs_the_real_node_with_a_simulated_step(tmp_path):
+    """benchmarks/node_probe.py under the demo: the node's own code around a simulated 20 ms
+    step, and a probe report that saw that step, the node's threads and the image ages."""
+    repo = Path(__file__).resolve().parents[2]
+    out, report, result_json = tmp_path / "out", tmp_path / "probe.json", tmp_path / "result.json"
+    domain = 1 + (os.getpid() * 17 + 41) % 100
+    env = {**os.environ, "LINGBOT_SIM_STEP_MS": "20", "LINGBOT_SIM_HOST_MS": "1", "LINGBOT_PROBE_OUT": str(report)}
+    result = subprocess.run([sys.executable, "-m", "lingbot_map_ros.cli.demo", "--preset", "tiny", "--width", "98",
+                             "--height", "70", "--frames", "10", "--rate", "10", "--warmup-poses", "3",
+                             "--no-save-map", "--node-script", str(repo / "benchmarks" / "node_probe.py"),
+                             "--out", str(out), "--domain-id", str(domain), "--timeout", "60",
+                             "--json", str(result_json)],
+                            capture_output=True, text=True, timeout=180, env=env, cwd=repo)
+    assert result.returncode == 0, result.stdout + result.stderr
+    measured = json.loads(result_json.read_text())
+    assert measured["setting"]["node_script"].endswith("node_probe.py")
+    assert measured["frames"]["processed"] + measured["frames"]["dropped_stale"] == 10
+    assert measured["node_ms"]["model"]["median"] >= 20.0  # the simulated step, not a model
+    assert "SIMULATED model" in (out / "node.log").read_text()
+    probe = json.loads(report.read_text())
+    assert probe["calls_ms"]["push"]["n"] >= 10 and probe["calls_ms"]["push"]["median"] >= 20.0
+    assert probe["calls_ms"]["image age at the callback (stamp -> executor)"]["n"] >= 10
+    assert probe["gil_wait_ms"]["n"] > 0 and sum(probe["gil_wait_ms"]["histogram"].values()) == probe["gil_wait_ms"]["n"]
+    assert "lingbot_map_inference" in probe["thread_cpu_s"] and "lingbot_map_outputs" in probe["thread_cpu_s"]
