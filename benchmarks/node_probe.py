@@ -126,10 +126,12 @@ class Probe:
         self.thread_cpu: dict[str, float] = {}
         self._gc_t0 = 0.0
         self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
         gc.callbacks.append(self._on_gc)
-        threading.Thread(target=self._run, name="probe", daemon=True).start()
+        self._thread = threading.Thread(target=self._run, name="probe", daemon=True)
+        self._thread.start()
 
     def time_calls(self, owner, name: str, label: str | None = None) -> None:
         """Record the duration of every call of ``owner.name`` (a class, module or instance attribute)."""
@@ -181,18 +183,22 @@ class Probe:
 
     def write(self) -> None:
         self._stop.set()
+        if self._thread is not None:
+            self._thread.join(1.0)
+        gil_wait = list(self.gil_wait)  # one snapshot for the summary and the histogram
 
         def summary(values: list[float]) -> dict:
+            values = list(values)  # other threads may still append
             v = np.array(values or [0.0])
             return {"n": len(values), "median": round(float(np.median(v)), 2),
                     "p95": round(float(np.percentile(v, 95)), 2), "max": round(float(v.max()), 2),
                     "total": round(float(v.sum()), 1)}
 
-        waits = np.array(self.gil_wait or [0.0])
+        waits = np.array(gil_wait or [0.0])
         edges = [0, 1, 5, 20, 50, 100, 200, 500, 1000, 1e9]
         hist = np.histogram(waits, bins=edges)[0]
         report = {
-            "gil_wait_ms": {**summary(self.gil_wait),
+            "gil_wait_ms": {**summary(gil_wait),
                             "histogram": {f"{edges[i]:g}-{edges[i + 1]:g}": int(n) for i, n in enumerate(hist)}},
             "gc_pause_ms": {str(g): summary(v) for g, v in sorted(self.gc_pauses.items())},
             "gc_objects_at_exit": len(gc.get_objects()),

@@ -39,9 +39,10 @@ Threads. One executor thread runs the callbacks (``main``): image callbacks only
 convert the message and put it in a depth-1 latest-frame slot (a frame still waiting
 is replaced and counted as stale); one inference thread (``engine.InferenceEngine``)
 runs the model and publishes poses and status; one output thread
-(``output_worker``) builds the clouds, depth images and the map. Service callbacks
-queue a command for the inference thread and wait for it with ``service_timeout``
-(image intake pauses meanwhile; images queue in the subscription). Skipped when nobody listens: per-frame clouds, depth; the
+(``output_worker``) builds the clouds, depth images and the map. The services are
+served by a helper node (``<name>_services``, same service names under this node)
+on a second executor thread: a call queues a command for the inference thread and
+waits for it with ``service_timeout`` without holding up image intake. Skipped when nobody listens: per-frame clouds, depth; the
 map is still accumulated when ``accumulate_map`` (``~/save_map`` needs it).
 
 Start-up. Parameters map onto ModelConfig/StreamConfig in ``params.resolve_settings``
@@ -64,7 +65,7 @@ from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import PoseStamped
 from nav_msgs.msg import Odometry, Path
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
 from rclpy.exceptions import ParameterException
 from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
 from rclpy.node import Node
@@ -235,7 +236,6 @@ class LingBotMapNode(Node):
 
         self._input_group = MutuallyExclusiveCallbackGroup()
         self._timer_group = MutuallyExclusiveCallbackGroup()
-        self._service_group = ReentrantCallbackGroup()
         self.camera_info: CameraInfo | None = None
         qos = qos_profile_sensor_data if s.input_qos == "sensor_data" else _qos(depth=5)
         if s.input_transport == "compressed":
@@ -247,15 +247,20 @@ class LingBotMapNode(Node):
         self.camera_info_sub = self.create_subscription(CameraInfo, "camera_info", self._on_camera_info,
                                                         qos_profile_sensor_data, callback_group=self._input_group)
         self.diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", _qos())
+        # The services live on a helper node that main() spins on its own executor thread: a
+        # call waits for the inference thread (one step, or up to service_timeout while the
+        # first frame compiles), and image intake, timers and diagnostics must not wait with it.
+        # Their names are this node's (~/reset is <this node>/reset whatever the helper is called).
+        self.service_node = Node(f"{self.get_name()}_services", namespace=self.get_namespace(),
+                                 context=self.context, use_global_arguments=False,
+                                 start_parameter_services=False)
+        prefix = self.get_fully_qualified_name().rstrip("/")
         self._services = [
-            self.create_service(Trigger, "~/reset", self._srv_reset, callback_group=self._service_group),
-            self.create_service(SetBool, "~/set_deferred_eviction", self._srv_set_deferred,
-                                callback_group=self._service_group),
-            self.create_service(CommitEviction, "~/commit_eviction", self._srv_commit,
-                                callback_group=self._service_group),
-            self.create_service(RollbackFrame, "~/rollback_last_frame", self._srv_rollback,
-                                callback_group=self._service_group),
-            self.create_service(SaveMap, "~/save_map", self._srv_save_map, callback_group=self._service_group),
+            self.service_node.create_service(Trigger, f"{prefix}/reset", self._srv_reset),
+            self.service_node.create_service(SetBool, f"{prefix}/set_deferred_eviction", self._srv_set_deferred),
+            self.service_node.create_service(CommitEviction, f"{prefix}/commit_eviction", self._srv_commit),
+            self.service_node.create_service(RollbackFrame, f"{prefix}/rollback_last_frame", self._srv_rollback),
+            self.service_node.create_service(SaveMap, f"{prefix}/save_map", self._srv_save_map),
         ]
         self._heartbeat: Command | None = None
         self._map_version = -1
@@ -457,12 +462,21 @@ class LingBotMapNode(Node):
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
         self.engine.stop()
+        self.service_node.destroy_node()
         logging.getLogger("lingbot_map_ros").removeHandler(self._log_handler)
 
 
 def _diag(name: str, level: bytes, message: str, values: dict) -> DiagnosticStatus:
     return DiagnosticStatus(level=level, name=name, message=message, hardware_id=NODE_NAME,
                             values=[KeyValue(key=k, value=str(v)) for k, v in values.items()])
+
+
+def _spin_quietly(executor) -> None:
+    """Spin until the context shuts down (the service thread: its end is not an error)."""
+    try:
+        executor.spin()
+    except (KeyboardInterrupt, ExternalShutdownException):
+        pass
 
 
 def main(args: list[str] | None = None) -> int:
@@ -474,18 +488,24 @@ def main(args: list[str] | None = None) -> int:
         rclpy.logging.get_logger(NODE_NAME).error(f"cannot start: {exc}")
         rclpy.try_shutdown()
         return 1
-    # One executor thread: callbacks are short (an image is converted and handed over), and a
-    # pool of executor threads only adds GIL hand-offs that delay the inference thread (the
-    # multi-threaded executor measured 2x the tail latency of this one; benchmarks/node_probe.py).
-    # A service callback blocks intake while it waits for the inference thread (one step,
-    # typically); images arriving meanwhile queue in the subscription.
+    # One executor thread for the node's callbacks: they are short (an image is converted and
+    # handed over), and a pool of executor threads only adds GIL hand-offs that delay the
+    # inference thread (the multi-threaded executor measured 2x the tail latency of this one,
+    # benchmarks/node_probe.py). The services, which wait for the inference thread, get a
+    # second executor thread of their own.
     executor = SingleThreadedExecutor()
+    services = SingleThreadedExecutor()
+    services.add_node(node.service_node)
+    service_thread = threading.Thread(target=_spin_quietly, args=(services,), name="lingbot_map_services",
+                                      daemon=True)
+    service_thread.start()
     executor.add_node(node)
     try:
         executor.spin()
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
+        services.shutdown(timeout_sec=1.0)
         node.shutdown()
         executor.shutdown(timeout_sec=1.0)
         node.destroy_node()

@@ -565,3 +565,21 @@ def test_image_folder_publisher_feeds_the_node(graph, tmp_path, transport):
         client.wait(lambda: len(client.msgs[f"{A}/odometry"]) > 0, what="odometry")
         assert client.msgs[f"{A}/odometry"][-1].child_frame_id == "folder_cam"
     assert_alive(procs)
+
+
+def test_services_are_served_by_the_helper_node_under_the_nodes_names(graph):
+    """The services run on '<node>_services' (its own executor thread, so a call that waits for
+    the inference thread does not hold up image intake) under the node's own names."""
+    client, procs, _ = graph
+    expected = {"reset", "set_deferred_eviction", "commit_eviction", "rollback_last_frame", "save_map"}
+    for node in (A, C):
+        name = node.strip("/")
+        served = client.wait(lambda: {s for s, _ in client.node.get_service_names_and_types_by_node(
+            f"{name}_services", "/")} >= {f"{node}/{e}" for e in expected} and True,
+            what=f"services of {name}_services")
+        assert served
+        main = {s for s, _ in client.node.get_service_names_and_types_by_node(name, "/")}
+        assert not main & {f"{node}/{e}" for e in expected}  # not on the main node
+    response = client.call(CommitEviction, f"{A}/commit_eviction", CommitEviction.Request())
+    assert response.success
+    assert_alive(procs)
