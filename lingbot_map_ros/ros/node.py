@@ -219,7 +219,10 @@ class RosOutputs:
 
 
 class LingBotMapNode(Node):
-    """See the module docstring. Raises StartupError when it cannot start."""
+    """See the module docstring. Raises StartupError when it cannot start.
+
+    Spin ``service_node`` as well, on an executor of its own (``main`` does): it serves
+    the node's services."""
 
     def __init__(self, node_name: str = NODE_NAME, **kwargs) -> None:
         super().__init__(node_name, **kwargs)
