@@ -13,7 +13,8 @@ exit what stalls the node's threads:
   executor), the duration of the node's per-frame parts (image conversion,
   preprocessing, ``push`` and, for the real session, its plan, graph replay,
   speculation and result copy; the cloud and status outputs);
-- ``thread_cpu_s``: CPU seconds per thread name (which threads burn the cores).
+- ``thread_cpu_s``: CPU seconds per thread name (which threads burn the cores);
+- ``rss_mb``: the process's resident memory, sampled once a second (a soak's leak check).
 
 Simulated model (``LINGBOT_SIM_STEP_MS`` set): everything but the model is the node's
 code (rclpy executor, image conversion, preprocessing, the inference and output
@@ -124,6 +125,8 @@ class Probe:
         self.gc_pauses: dict[int, list[float]] = collections.defaultdict(list)
         self.calls: dict[str, list[float]] = collections.defaultdict(list)
         self.thread_cpu: dict[str, float] = {}
+        self.rss_mb: list[tuple[float, float]] = []  # (seconds since start, resident MiB), once a second
+        self._t_start = time.perf_counter()
         self._gc_t0 = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -163,6 +166,13 @@ class Probe:
             self.gil_wait.append(max(0.0, (time.perf_counter() - t0) * 1e3 - 5.0))  # a wake can be early
             if t0 - last > 1.0:  # threads end before write(): keep the latest reading
                 self.thread_cpu, last = self._thread_cpu(), t0
+                self.rss_mb.append((round(t0 - self._t_start, 1), self._rss_mb()))
+
+    @staticmethod
+    def _rss_mb() -> float:
+        """Resident memory of this process in MiB (Linux /proc)."""
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+        return round(pages * os.sysconf("SC_PAGE_SIZE") / 2**20, 1)
 
     @staticmethod
     def _thread_cpu() -> dict[str, float]:
@@ -204,10 +214,23 @@ class Probe:
             "gc_objects_at_exit": len(gc.get_objects()),
             "calls_ms": {k: summary(v) for k, v in self.calls.items()},
             "thread_cpu_s": self.thread_cpu,
+            "rss_mb": _rss_summary(list(self.rss_mb)),
             "loadavg": Path("/proc/loadavg").read_text().split()[:3],
         }
         with open(self.out, "w") as f:
             json.dump(report, f, indent=1)
+
+
+def _rss_summary(samples: list[tuple[float, float]]) -> dict:
+    """Resident memory over the run: first/last/max, and the last half's slope (MiB per minute)."""
+    if not samples:
+        return {}
+    t = np.array([s[0] for s in samples])
+    m = np.array([s[1] for s in samples])
+    half = t >= t[-1] / 2
+    slope = float(np.polyfit(t[half], m[half], 1)[0] * 60) if half.sum() >= 3 else 0.0
+    return {"samples": len(samples), "first": float(m[0]), "last": float(m[-1]), "max": float(m.max()),
+            "last_half_slope_mb_per_min": round(slope, 2)}
 
 
 def instrument(probe: Probe, session) -> None:

@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-save-map", action="store_true", help="skip ~/save_map and the trajectory/map files")
     p.add_argument("--node-script", type=Path, default=None,
                    help="run the node from this Python script instead of lingbot_map_ros.ros.node (e.g. "
-                        "benchmarks/sim_node.py: the real node with a simulated model step)")
+                        "benchmarks/node_probe.py: the real node under probes, optionally with a simulated model step)")
     return p
 
 
@@ -308,9 +308,9 @@ def _run_graph(args: argparse.Namespace, images: Path, params: Path, out: Path, 
     spinner.start()
     try:
         t_start = time.monotonic()
-        node_cmd = [sys.executable] + ([str(args.node_script)] if args.node_script else ["-m", "lingbot_map_ros.ros.node"])
-        node_proc = start(node_cmd + ["--ros-args", "--params-file",
-                           str(params)], env, out / "node.log")
+        node = [str(args.node_script)] if args.node_script else ["-m", "lingbot_map_ros.ros.node"]
+        node_proc = start([sys.executable, *node, "--ros-args", "--params-file", str(params)], env,
+                          out / "node.log")
         deadline = time.monotonic() + startup_timeout
         while time.monotonic() < deadline and recorder.count_publishers("/lingbot_map/pose") == 0:
             if node_proc.poll() is not None:

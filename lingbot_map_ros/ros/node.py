@@ -42,8 +42,9 @@ runs the model and publishes poses and status; one output thread
 (``output_worker``) builds the clouds, depth images and the map. The services are
 served by a helper node (``<name>_services``, same service names under this node)
 on a second executor thread: a call queues a command for the inference thread and
-waits for it with ``service_timeout`` without holding up image intake. Skipped when nobody listens: per-frame clouds, depth; the
-map is still accumulated when ``accumulate_map`` (``~/save_map`` needs it).
+waits for it with ``service_timeout`` without holding up image intake. Skipped when
+nobody listens: per-frame clouds, depth; the map is still accumulated when
+``accumulate_map`` (``~/save_map`` needs it).
 
 Start-up. Parameters map onto ModelConfig/StreamConfig in ``params.resolve_settings``
 (each value logged); the model is loaded in ``_load_session``. A bad parameter,
