@@ -54,6 +54,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import sys
 import threading
 import time
@@ -276,6 +277,12 @@ class LingBotMapNode(Node):
             self._timers.append(self.create_timer(1.0 / s.map_publish_rate, self._on_map_timer,
                                                   callback_group=self._timer_group))
         self.engine.start()
+        if s.input_transport == "raw" and _fastdds_without_profile():
+            log.warning("FASTDDS_DEFAULT_PROFILES_FILE is not set: with Fast DDS a raw image over 512 KB (518x378 "
+                        "RGB and larger) travels as UDP fragments and is often lost on a best-effort subscription. "
+                        "Start the camera driver (and this node) with FASTDDS_DEFAULT_PROFILES_FILE=<share>/"
+                        "lingbot_map_ros/config/fastdds_large_messages.xml (the launch file sets it for the node), "
+                        "or use compressed input")
         log.info(f"ready: listening on {self.image_sub.topic_name} ({s.input_transport}, {s.input_qos} QoS), "
                  f"device {s.stream.device}, backend {session.backend.name}, dtype {s.stream.dtype}")
 
@@ -473,6 +480,13 @@ class LingBotMapNode(Node):
 def _diag(name: str, level: bytes, message: str, values: dict) -> DiagnosticStatus:
     return DiagnosticStatus(level=level, name=name, message=message, hardware_id=NODE_NAME,
                             values=[KeyValue(key=k, value=str(v)) for k, v in values.items()])
+
+
+def _fastdds_without_profile() -> bool:
+    """True when the RMW is Fast DDS (the default) and no XML profile is configured."""
+    rmw = os.environ.get("RMW_IMPLEMENTATION", "") or "rmw_fastrtps_cpp"
+    profile = os.environ.get("FASTDDS_DEFAULT_PROFILES_FILE") or os.environ.get("FASTRTPS_DEFAULT_PROFILES_FILE")
+    return rmw.startswith("rmw_fastrtps") and not profile
 
 
 def _spin_quietly(executor) -> None:

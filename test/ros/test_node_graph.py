@@ -583,3 +583,13 @@ def test_services_are_served_by_the_helper_node_under_the_nodes_names(graph):
     response = client.call(CommitEviction, f"{A}/commit_eviction", CommitEviction.Request())
     assert response.success
     assert_alive(procs)
+
+
+def test_a_raw_input_node_without_a_fastdds_profile_says_how_to_avoid_fragment_loss(graph):
+    client, procs, tmp = graph
+    if os.environ.get("FASTDDS_DEFAULT_PROFILES_FILE") or os.environ.get("RMW_IMPLEMENTATION", "rmw_fastrtps_cpp") \
+            not in ("", "rmw_fastrtps_cpp"):
+        pytest.skip("a Fast DDS profile (or another RMW) is configured in this environment")
+    raw, compressed = (tmp / "a.log").read_text(), (tmp / "c.log").read_text()
+    assert "FASTDDS_DEFAULT_PROFILES_FILE is not set" in raw and "fastdds_large_messages.xml" in raw
+    assert "FASTDDS_DEFAULT_PROFILES_FILE is not set" not in compressed  # compressed frames are small
