@@ -55,9 +55,11 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import asdict
 from typing import Any
 
@@ -89,6 +91,7 @@ from .tf_tools import TfOutput
 from .worker import Command
 
 NODE_NAME = "lingbot_map"
+ARRIVAL_WINDOW = 64  # images whose age on arrival /diagnostics summarises
 
 
 class StartupError(RuntimeError):
@@ -242,6 +245,7 @@ class LingBotMapNode(Node):
         self._input_group = MutuallyExclusiveCallbackGroup()
         self._timer_group = MutuallyExclusiveCallbackGroup()
         self.camera_info: CameraInfo | None = None
+        self._arrival_age_s: deque[float] = deque(maxlen=ARRIVAL_WINDOW)  # executor thread only
         qos = qos_profile_sensor_data if s.input_qos == "sensor_data" else _qos(depth=5)
         if s.input_transport == "compressed":
             self.image_sub = self.create_subscription(CompressedImage, "image/compressed", self._on_compressed, qos,
@@ -339,6 +343,9 @@ class LingBotMapNode(Node):
 
     def _accept(self, msg, convert) -> None:
         t0 = time.perf_counter()
+        # age on arrival (publisher + transport + executor), reported in /diagnostics: a
+        # transport problem (e.g. large raw images as UDP fragments) shows up here first
+        self._arrival_age_s.append(self._now() - stamp_seconds(msg.header.stamp))
         try:
             rgb = convert(msg)
         except Exception as exc:  # ImageConversionError, and anything odd a decoder raises
@@ -444,7 +451,9 @@ class LingBotMapNode(Node):
             level, message = DiagnosticStatus.OK, f"receiving images on {topic}"
         values = {"topic": topic, "input rate (Hz)": f"{e.input_rate.rate():.2f}",
                   "seconds since last image": "never" if quiet is None else f"{quiet:.1f}",
-                  "frames received": c.frames_received, "frames dropped (invalid)": c.frames_dropped_invalid}
+                  "frames received": c.frames_received, "frames dropped (invalid)": c.frames_dropped_invalid,
+                  f"image age on arrival, median of the last {ARRIVAL_WINDOW} (ms)":
+                      f"{1e3 * statistics.median(self._arrival_age_s):.1f}" if self._arrival_age_s else "n/a"}
         info = self.camera_info
         if info is not None and info.k[0] > 0 and e.last_intrinsics is not None:
             K, width, _ = e.last_intrinsics

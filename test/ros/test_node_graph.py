@@ -343,6 +343,13 @@ def test_outputs_types_frames_stamps_and_parity(graph, replay):
                                      if s.name.endswith("lingbot_map: cache") and "pages" in s.message), None),
                        what="cache diagnostics")
     assert diag.status
+    key = "image age on arrival, median of the last 64 (ms)"
+    values = client.wait(lambda: next(({kv.key: kv.value for kv in s.values} for d in client.msgs["/diagnostics"]
+                                       for s in d.status if s.name.endswith("lingbot_map: input")
+                                       and any(kv.key == key and kv.value != "n/a" for kv in s.values)), None),
+                         what="image age on /diagnostics")
+    # this client stamps its images 1 s, 2 s, ... after the epoch: the age is the wall clock minus that
+    assert abs(float(values[key]) - (time.time() - client._stamp) * 1e3) < 120_000.0
     assert_alive(procs)
 
 
