@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from random_norms import random_norms
+
 from lingbot_map_ros.cache.flashinfer_backend import auto_kv_splits, split_pages
 from lingbot_map_ros.config import SPECIAL_TOKENS, StreamConfig
 from lingbot_map_ros.kernels import available, layer_norm, merge, qk_rope
@@ -28,15 +30,7 @@ TOKENS = SPECIAL_TOKENS + GRID[0] * GRID[1]
 
 
 def norms(seed: int) -> tuple[nn.LayerNorm, nn.LayerNorm]:
-    gen = torch.Generator().manual_seed(seed)
-    out = []
-    for _ in range(2):
-        ln = nn.LayerNorm(DIM)
-        with torch.no_grad():
-            ln.weight.copy_(1 + 0.3 * torch.randn(DIM, generator=gen))
-            ln.bias.copy_(0.2 * torch.randn(DIM, generator=gen))
-        out.append(ln)
-    return out[0], out[1]
+    return random_norms(DIM, seed)
 
 
 def qkv_tensor(n: int, seed: int) -> torch.Tensor:

@@ -10,6 +10,8 @@ import pytest
 import torch
 from torch import nn
 
+from random_norms import random_norms
+
 from lingbot_map_ros.kernels import available, layer_norm, merge, qk_rope
 from lingbot_map_ros.model.rope import Rope3DTables, rope2d_tables
 
@@ -28,15 +30,8 @@ def bf16_close(a: torch.Tensor, b: torch.Tensor) -> None:
 
 
 def norms(dim: int, seed: int) -> tuple[nn.LayerNorm, nn.LayerNorm]:
-    gen = torch.Generator().manual_seed(seed)
-    lns = []
-    for _ in range(2):
-        ln = nn.LayerNorm(dim)
-        with torch.no_grad():
-            ln.weight.copy_(1 + 0.3 * torch.randn(dim, generator=gen))
-            ln.bias.copy_(0.2 * torch.randn(dim, generator=gen))
-        lns.append(ln.to("cuda", BF16))
-    return lns[0], lns[1]
+    qn, kn = random_norms(dim, seed)
+    return qn.to("cuda", BF16), kn.to("cuda", BF16)
 
 
 @pytest.mark.parametrize("heads,grid,frames", [(16, (27, 37), 1), (16, (21, 37), 2), (2, (4, 7), 3)])
