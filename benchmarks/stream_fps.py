@@ -53,6 +53,8 @@ def parse_args(argv=None):
                    help="PyTorch ops instead of the Triton kernels (LayerNorm, q/k norm + RoPE)")
     p.add_argument("--fp32-depth-head", action="store_true",
                    help="keep the depth head in float32 (default: bf16 channels-last copy)")
+    p.add_argument("--no-parallel-heads", action="store_true",
+                   help="run the camera head after the depth head on one stream")
     p.add_argument("--compare-frames", type=int, default=12,
                    help="frames of the bf16-vs-fp32 comparison (0 = skip)")
     p.add_argument("--breakdown-frames", type=int, default=10, help="steady-state frames of the stage breakdown")
@@ -78,7 +80,7 @@ def stream_config(args, dtype=None, backend=None, cuda_graphs=None):
                         keyframe_interval=args.keyframe_interval, camera_iterations=args.camera_iterations,
                         backend=backend or args.backend, dtype=dtype or args.dtype, device="cuda",
                         cuda_graphs=graphs, kv_splits=args.kv_splits, fused_kernels=not args.no_fused_kernels,
-                        bf16_depth_head=not args.fp32_depth_head)
+                        bf16_depth_head=not args.fp32_depth_head, parallel_heads=not args.no_parallel_heads)
 
 
 class ReplayTimer:
@@ -287,7 +289,8 @@ def main(argv=None):
                     "keyframe_interval": args.keyframe_interval, "depth_head": not args.no_depth,
                     "weights": f"random (seed {args.seed})", "preset": args.preset,
                     "cuda_graphs": not args.no_cuda_graphs, "kv_splits": kv_splits_used,
-                    "fused_kernels": session_fused, "bf16_depth_head": not args.fp32_depth_head},
+                    "fused_kernels": session_fused, "bf16_depth_head": not args.fp32_depth_head,
+                    "parallel_heads": not args.no_parallel_heads},
         "cuda_graph_replays": graph_replays,
         "steady_state": {"frames": len(times), "median_ms": round(median, 3),
                          "p95_ms": round(float(np.percentile(times, 95)), 3), "fps": round(1e3 / median, 2),

@@ -135,7 +135,8 @@ class StreamConfig:
     Triton kernels of ``lingbot_map_ros.kernels`` where they apply (CUDA, bf16).
     ``bf16_depth_head`` runs the DPT depth head's convolutions in bf16, channels-last,
     when the stream runs in bf16 on CUDA (the reference keeps the heads in float32;
-    the camera head always stays float32).
+    the camera head always stays float32). ``parallel_heads`` runs the camera head on a
+    second CUDA stream, concurrently with the depth head (CUDA only; same results).
     """
 
     num_scale_frames: int = 8
@@ -151,6 +152,7 @@ class StreamConfig:
     kv_splits: int = 0
     fused_kernels: bool = True
     bf16_depth_head: bool = True
+    parallel_heads: bool = True
 
     def __post_init__(self) -> None:
         _require(self.num_scale_frames >= 1, f"num_scale_frames must be >= 1, got {self.num_scale_frames}")

@@ -35,7 +35,8 @@ class LingBotMap(nn.Module):
 
     def step(self, images: Tensor, positions: Tensor, global_attend: GlobalAttend, camera_attend: CameraAttend, *,
              phase1: bool, sequence_start: bool, camera_iterations: int, autocast_dtype: torch.dtype | None = None,
-             with_depth: bool = True, fused: bool = False, depth_head: nn.Module | None = None) -> StepOutput:
+             with_depth: bool = True, fused: bool = False, depth_head: nn.Module | None = None,
+             head_stream: torch.cuda.Stream | None = None) -> StepOutput:
         """One streaming step.
 
         Args:
@@ -47,6 +48,12 @@ class LingBotMap(nn.Module):
             fused: the aggregator uses the Triton kernels (see ``Aggregator.forward``).
             depth_head: a stand-in for ``self.depth_head`` (e.g. its bf16 copy,
                 ``DepthHead.reduced_precision_copy``).
+            head_stream: a CUDA stream for the camera head, which then runs concurrently
+                with the depth head (they share only their read-only input). The camera
+                head is a chain of small, memory-bound matrix-vector products, the depth
+                head a few compute-bound convolutions: side by side they fill the GPU
+                better than one after the other. The step's outputs are ready on the
+                current stream when ``step`` returns (it waits for the side stream).
         """
         device_type = images.device.type
         # cache_enabled=False: no weight-cast cache, which CUDA-graph capture cannot keep (weights are bf16 anyway)
@@ -56,11 +63,23 @@ class LingBotMap(nn.Module):
                                      fused=fused)
         with torch.autocast(device_type, enabled=False):
             levels = [lv.float() for lv in levels]  # the heads run in float32
-            pose_enc = self.camera_head(levels[-1], camera_iterations, camera_attend)
+            parallel = head_stream is not None and with_depth
+            if parallel:
+                main = torch.cuda.current_stream(images.device)
+                head_stream.wait_stream(main)  # the levels are written
+                with torch.cuda.stream(head_stream):
+                    pose_enc = self.camera_head(levels[-1], camera_iterations, camera_attend)
+            else:
+                pose_enc = self.camera_head(levels[-1], camera_iterations, camera_attend)
             depth = conf = None
             if with_depth:
                 head = depth_head if depth_head is not None else self.depth_head
                 depth, conf = head(levels, images.shape[-2], images.shape[-1])
+            if parallel:
+                # join: everything after this on the current stream sees the pose. The
+                # levels stay referenced until here, so the allocator cannot hand their
+                # memory to the current stream while the camera head still reads it.
+                main.wait_stream(head_stream)
         return StepOutput(pose_enc, depth, conf)
 
     def head_modules(self) -> list[nn.Module]:

@@ -54,6 +54,8 @@ PARAMETERS: tuple[Param, ...] = (
           "ignored elsewhere)"),
     Param("bf16_depth_head", True, "Run the depth head's convolutions in bf16, channels-last (CUDA, bf16 "
           "only; the camera head stays float32)"),
+    Param("parallel_heads", True, "Run the camera head on a second CUDA stream beside the depth head (CUDA "
+          "only; same results)"),
     Param("seed", 0, "Seed of the random weights used when checkpoint is empty", limits=(0, 2**31 - 1, 1)),
     Param("image_width", 518, "Model input width in pixels (multiple of 14); height follows the aspect ratio",
           limits=(14, 4088, 14)),
@@ -223,7 +225,7 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
                               max_pending_evictions=v["max_pending_evictions"], backend=v["backend"],
                               dtype=v["dtype"], device=v["device"], cuda_graphs=v["cuda_graphs"],
                               kv_splits=v["kv_splits"], fused_kernels=v["fused_kernels"],
-                              bf16_depth_head=v["bf16_depth_head"])
+                              bf16_depth_head=v["bf16_depth_head"], parallel_heads=v["parallel_heads"])
         long_stream = LongStreamConfig(
             window_frames=v["window_frames"], overlap_frames=v["overlap_frames"] or None,
             keyframe_policy=v["keyframe_policy"], motion_min_translation=v["motion_min_translation"],

@@ -91,6 +91,9 @@ class StreamingSession:
         self.depth_head = model.depth_head.reduced_precision_copy() if (
             cfg.bf16_depth_head and self.dtype == torch.bfloat16 and self.device.type == "cuda") else None
         self._autocast = self.dtype if self.dtype != torch.float32 else None
+        # the camera head's stream (it runs beside the depth head; see LingBotMap.step)
+        self._head_stream = torch.cuda.Stream(self.device) if (
+            cfg.parallel_heads and with_depth and self.device.type == "cuda") else None
         self._pages: PageTable | None = None
         self._pool: KVPool | None = None
         self._camera: CameraKVCache | None = None
@@ -103,6 +106,8 @@ class StreamingSession:
         # the next graphed step, planned and loaded while the GPU ran the current one
         self._next: tuple[StepPlan, object] | None = None
         self._outputs_on_host = 0.0  # perf_counter() when the last step's outputs reached the host
+        self._pinned: Tensor | None = None  # page-locked landing buffer of the outputs (CUDA)
+        self._pinned_done: torch.cuda.Event | None = None
 
     # ------------------------------------------------------------------ state
     @property
@@ -281,7 +286,8 @@ class StreamingSession:
         return self.model.step(frames, positions, PoolAttention(pool, self.backend, dplan.write_slots), camera_attend,
                                phase1=plan.phase1, sequence_start=plan.phase1,
                                camera_iterations=self.cfg.camera_iterations, autocast_dtype=self._autocast,
-                               with_depth=self.with_depth, fused=self.fused, depth_head=self.depth_head)
+                               with_depth=self.with_depth, fused=self.fused, depth_head=self.depth_head,
+                               head_stream=self._head_stream)
 
     def _speculate(self, graphed: GraphedStep, tokens: int) -> None:
         """Plan the next frame's step as the keyframe policy predicts it and load it into the
@@ -307,19 +313,40 @@ class StreamingSession:
                                               camera_iterations=self.cfg.camera_iterations,
                                               autocast_dtype=self._autocast, with_depth=self.with_depth,
                                               fused=self.fused, depth_head=self.depth_head,
+                                              head_stream=self._head_stream,
                                               kv_splits=self.cfg.kv_splits or None,
                                               min_pages=self.cfg.num_scale_frames + 2)
         return self._graphed
+
+    def _to_host(self, parts: list[Tensor]) -> np.ndarray:
+        """Concatenate 1-D tensors into a new float32 numpy array.
+
+        On CUDA each part goes by DMA straight into a reused page-locked buffer (no
+        concatenation kernel, no staging through pageable memory), then one wait, then
+        one host copy into the array returned (the buffer is overwritten next step)."""
+        n = sum(p.numel() for p in parts)
+        if self.device.type != "cuda":
+            return torch.cat([p.float() for p in parts]).numpy()  # cat copies
+        if self._pinned is None or self._pinned.numel() < n:
+            self._pinned = torch.empty(n, dtype=torch.float32, pin_memory=True)
+            self._pinned_done = torch.cuda.Event()
+        at = 0
+        for p in parts:
+            self._pinned[at:at + p.numel()].copy_(p, non_blocking=True)
+            at += p.numel()
+        self._pinned_done.record(torch.cuda.current_stream(self.device))
+        self._pinned_done.synchronize()
+        return self._pinned[:n].numpy().copy()
 
     def _results(self, frames: Tensor, hosts: list[Tensor], out, plan: StepPlan,
                  first_frame: int) -> list[FrameResult]:
         h, w = frames.shape[-2:]
         s = frames.shape[0]
-        # one device-to-host copy (one wait) for all outputs
-        parts = [out.pose_enc.float().flatten()]
+        # all outputs in one host array, one wait
+        parts = [out.pose_enc.flatten()]
         if out.depth is not None:
-            parts += [out.depth.float().flatten(), out.depth_conf.float().flatten()]
-        host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+            parts += [out.depth.flatten(), out.depth_conf.flatten()]
+        host = self._to_host(parts)
         self._outputs_on_host = time.perf_counter()
         pose_enc = host[:s * 9].reshape(s, 9)
         depth = conf = None
