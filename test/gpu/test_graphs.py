@@ -36,13 +36,14 @@ REL_TOL = 1e-2
 FIELDS = ("pose_enc", "depth", "confidence")
 
 
-def make_session(backend: str, graphs: bool) -> StreamingSession:
+def make_session(backend: str, graphs: bool, parallel_heads: bool = True) -> StreamingSession:
     config = json.loads((FIXTURES / "config.json").read_text())
     model = load_model(ModelConfig.from_dict(config), FIXTURES / "weights.safetensors", device="cuda", dtype="bf16")
     # float32 depth head: its bf16 copy amplifies rounding differences (split-KV merge order)
     # to ~1e-2 on this tiny model, which would hide what this test compares
     cfg = StreamConfig.from_dict(config).with_overrides(keyframe_interval=2, backend=backend, dtype="bf16",
-                                                        device="cuda", cuda_graphs=graphs, bf16_depth_head=False)
+                                                        device="cuda", cuda_graphs=graphs, bf16_depth_head=False,
+                                                        parallel_heads=parallel_heads)
     return StreamingSession(model, cfg)
 
 
@@ -112,3 +113,22 @@ def test_graphed_step_matches_eager(backend):
     print(f"GRAPHS {backend} {len(graphed)} frames, {graphed_session._graphed.replays} replays, "
           + ", ".join(f"{k} rel {v:.2e}" for k, v in errors.items()))
     assert all(v <= REL_TOL for v in errors.values()), errors
+
+
+@pytest.mark.parametrize("graphs", [True, False])
+def test_parallel_heads_give_the_same_results(graphs):
+    """The camera head on its own stream (forked and joined inside the step, and inside the
+    captured graph) computes exactly what it computes after the depth head."""
+    backend = "flashinfer-fa3" if torch.cuda.get_device_capability()[0] == 9 else "flashinfer-fa2"
+    images = np.load(FIXTURES / "reference_kf2.npz")["images"]
+    runs = {}
+    for parallel in (False, True):
+        session = make_session(backend, graphs=graphs, parallel_heads=parallel)
+        assert (session._head_stream is not None) == parallel
+        runs[parallel] = script(session, images, None)
+        if graphs:
+            assert session._graphed is not None and session._graphed.replays > 12
+    for field in FIELDS:
+        a = np.stack([getattr(r, field) for r in runs[True]])
+        b = np.stack([getattr(r, field) for r in runs[False]])
+        assert np.array_equal(a, b) or float(np.abs(a - b).max() / np.abs(b).max()) < 1e-6, field
