@@ -72,7 +72,7 @@ def print_copies(prof, frames: int) -> None:
     for ev in prof.events():
         if ev.name not in COPY_OPS or ev.device_type != torch.autograd.DeviceType.CPU:
             continue
-        cuda_us = sum(k.device_time for k in ev.kernels) if ev.kernels else 0.0
+        cuda_us = sum(k.duration for k in ev.kernels) if ev.kernels else 0.0
         if cuda_us <= 0:
             continue
         stack = [f for f in (ev.stack or []) if "lingbot_map_ros" in f or "benchmarks" in f][:3]

@@ -41,6 +41,7 @@ def self_check(device: torch.device | str, heads: int, head_dim: int, widths: tu
 
     from .layer_norm import layer_norm, layer_norm_reference
     from .merge import merge_reference, merge_states
+    from .mlp import gelu_epilogue_mlp, gelu_epilogue_mlp_reference
     from .qk_rope import XOR_HALVES, XOR_INTERLEAVED, qk_norm_rope, qk_norm_rope_reference
 
     device = torch.device(device)
@@ -77,6 +78,17 @@ def self_check(device: torch.device | str, heads: int, head_dim: int, widths: tu
         out = torch.empty(n, heads, head_dim, dtype=bf16, device=device)
         if not close(merge_states(o, lse, out), merge_reference(o, lse, torch.empty_like(out))):
             return "the split-KV merge kernel disagrees with PyTorch"
+        from ..model.layers import Mlp
+
+        with torch.random.fork_rng(devices=[]):  # its default init must not move the caller's RNG
+            mlp = Mlp(widths[0], 4 * widths[0])
+        with torch.no_grad():
+            for p in mlp.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        mlp = mlp.to(device, bf16)
+        x = torch.randn(3, 5, widths[0], generator=gen).to(device, bf16)
+        if not close(gelu_epilogue_mlp(mlp, x), gelu_epilogue_mlp_reference(mlp, x)):
+            return "fc1 with the GELU epilogue disagrees with PyTorch"
     except Exception as exc:  # a compiler or driver problem: report it, the caller falls back
         return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
     return None

@@ -21,10 +21,16 @@ from torch import Tensor, nn
 AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 # norm(layer_norm_module, x) -> normalised x; lets a caller swap in a fused LayerNorm
 NormFn = Callable[[nn.LayerNorm, Tensor], Tensor]
+# mlp(mlp_module, x) -> mlp_module(x) or an equivalent (e.g. with the GELU fused into fc1)
+MlpFn = Callable[[nn.Module, Tensor], Tensor]
 
 
 def _apply_norm(norm: nn.Module, x: Tensor) -> Tensor:
     return norm(x)
+
+
+def _apply_mlp(mlp: nn.Module, x: Tensor) -> Tensor:
+    return mlp(x)
 
 
 def sdpa_nhd(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
@@ -89,7 +95,8 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.ls2 = LayerScale(dim)
 
-    def forward(self, x: Tensor, attend: AttendFn = sdpa_nhd, norm: NormFn = _apply_norm) -> Tensor:
+    def forward(self, x: Tensor, attend: AttendFn = sdpa_nhd, norm: NormFn = _apply_norm,
+                mlp: MlpFn = _apply_mlp) -> Tensor:
         # x + gamma * branch in one kernel (addcmul) instead of a multiply and an add
         x = torch.addcmul(x, self.attn(norm(self.norm1, x), attend), self.ls1.gamma)
-        return torch.addcmul(x, self.mlp(norm(self.norm2, x)), self.ls2.gamma)
+        return torch.addcmul(x, mlp(self.mlp, norm(self.norm2, x)), self.ls2.gamma)

@@ -342,18 +342,26 @@ class StreamingSession:
                  first_frame: int) -> list[FrameResult]:
         h, w = frames.shape[-2:]
         s = frames.shape[0]
-        # all outputs in one host array, one wait
+        # all outputs in one host array, one wait; inputs that came as device tensors ride along
         parts = [out.pose_enc.flatten()]
         if out.depth is not None:
             parts += [out.depth.flatten(), out.depth_conf.flatten()]
+        outputs = sum(p.numel() for p in parts)
+        parts += [im.flatten() for im in hosts if im.device.type != "cpu"]
         host = self._to_host(parts)
         self._outputs_on_host = time.perf_counter()
         pose_enc = host[:s * 9].reshape(s, 9)
         depth = conf = None
         if out.depth is not None:
             depth = host[s * 9:s * 9 + s * h * w].reshape(s, h, w)
-            conf = host[s * 9 + s * h * w:].reshape(s, h, w)
-        images = [h.float().cpu().numpy() for h in hosts]  # a no-op copy for host inputs
+            conf = host[s * 9 + s * h * w:outputs].reshape(s, h, w)
+        images, at = [], outputs
+        for im in hosts:
+            if im.device.type == "cpu":
+                images.append(im.float().numpy())  # no copy for the usual float32 host frame
+            else:
+                images.append(host[at:at + im.numel()].reshape(im.shape))
+                at += im.numel()
         c2w = pose_enc_to_c2w(pose_enc)
         intrinsics = fov_to_intrinsics(pose_enc[:, 7], pose_enc[:, 8], h, w)
         return [FrameResult(frame_index=first_frame + i, position=plan.positions[i], is_keyframe=plan.store,

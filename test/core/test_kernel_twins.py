@@ -20,6 +20,7 @@ from random_norms import random_norms
 from lingbot_map_ros.cache.flashinfer_backend import auto_kv_splits, split_pages
 from lingbot_map_ros.config import SPECIAL_TOKENS, StreamConfig
 from lingbot_map_ros.kernels import available, layer_norm, merge, qk_rope
+from lingbot_map_ros.kernels import mlp as mlp_kernels
 from lingbot_map_ros.model.rope import (Rope3DTables, apply_rope2d, apply_rope3d_complex, rope2d_tables,
                                         rope3d_rotation)
 from lingbot_map_ros.stream.session import StreamingSession
@@ -154,7 +155,7 @@ def test_fused_plumbing_with_twins_equals_plain_path(tiny_model, fixture_config,
         return out
 
     plain = run(False)
-    calls = {"qk": 0, "ln": 0}
+    calls = {"qk": 0, "ln": 0, "mlp": 0}
 
     def qk_twin(*a, **k):
         calls["qk"] += 1
@@ -164,6 +165,11 @@ def test_fused_plumbing_with_twins_equals_plain_path(tiny_model, fixture_config,
         calls["ln"] += 1
         return layer_norm.layer_norm_reference(*a, **k)
 
+    def mlp_exact(module, x):  # the GELU-epilogue stand-in, with the exact GELU to compare with
+        calls["mlp"] += 1
+        return module(x)
+
+    monkeypatch.setattr(mlp_kernels, "gelu_epilogue_mlp", mlp_exact)
     monkeypatch.setattr(qk_rope, "qk_norm_rope", qk_twin)
     monkeypatch.setattr(layer_norm, "layer_norm", ln_twin)
     fused = run(True)
@@ -171,6 +177,7 @@ def test_fused_plumbing_with_twins_equals_plain_path(tiny_model, fixture_config,
     steps = 1 + 6 - cfg.num_scale_frames  # phase 1, then one step per frame
     assert calls["qk"] == steps * 2 * cfg_model.depth  # frame and global blocks
     assert calls["ln"] == steps * 2 * (cfg_model.depth * 2 + cfg_model.dino_depth)
+    assert calls["mlp"] == steps * (cfg_model.depth * 2 + cfg_model.dino_depth)
     assert len(fused) == len(plain) == 6
     for a, b in zip(fused, plain):
         np.testing.assert_allclose(a.pose_enc, b.pose_enc, rtol=1e-4, atol=1e-5)
@@ -235,3 +242,17 @@ def test_session_falls_back_when_the_kernels_fail_their_self_check(fixture_confi
     monkeypatch.undo()
     images = torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])
     assert len(session.push(images[0]) + session.push(images[1])) == 2  # the PyTorch path runs
+
+
+def test_gelu_epilogue_mlp_twin_is_the_mlp_with_tanh_gelu_and_cpu_falls_back():
+    from lingbot_map_ros.model.layers import Mlp
+
+    torch.manual_seed(3)
+    module = Mlp(16, 64)
+    x = torch.randn(2, 5, 16)
+    exact = module(x)
+    twin = mlp_kernels.gelu_epilogue_mlp_reference(module, x)
+    # the tanh form differs from the exact GELU, but by less than 5e-4 per activation
+    assert not torch.equal(twin, exact)
+    torch.testing.assert_close(twin, exact, rtol=0, atol=5e-4 * 64 * module.fc2.weight.abs().max().item())
+    torch.testing.assert_close(mlp_kernels.gelu_epilogue_mlp(module, x), exact, rtol=0, atol=0)  # CPU: mlp(x)

@@ -89,3 +89,20 @@ def test_merge_states_matches_twin(states):
     lse = (10 * torch.randn(states, 1005, 16, generator=gen)).cuda()
     out = merge.merge_states(o, lse, torch.empty(1005, 16, 64, dtype=BF16, device="cuda"))
     bf16_close(out, merge.merge_reference(o, lse, torch.empty_like(out)))
+
+
+@pytest.mark.parametrize("rows", [1005, 8 * 1005, 7])
+def test_gelu_epilogue_mlp_matches_twin_and_the_exact_gelu(rows):
+    from lingbot_map_ros.kernels import mlp as mlp_kernels
+    from lingbot_map_ros.model.layers import Mlp
+
+    gen = torch.Generator().manual_seed(rows)
+    module = Mlp(1024, 4096)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.03)
+    module = module.to("cuda", BF16)
+    x = torch.randn(rows, 1024, generator=gen).to("cuda", BF16)
+    fused = mlp_kernels.gelu_epilogue_mlp(module, x)
+    bf16_close(fused, mlp_kernels.gelu_epilogue_mlp_reference(module, x))
+    bf16_close(fused, module(x))  # the exact GELU: the same up to bf16 rounding
