@@ -59,6 +59,10 @@ def main() -> int:
              lambda: F.interpolate(t, size=size, mode="bilinear", align_corners=True),
              lambda: F.interpolate(t.contiguous(), size=size, mode="bilinear", align_corners=True).contiguous(
                  memory_format=torch.channels_last))
+        from lingbot_map_ros.kernels.upsample import upsample_bilinear
+        line(f"upsample {c}x{hw}->{size}: NHWC  |  Triton NHWC kernel",
+             lambda: F.interpolate(t, size=size, mode="bilinear", align_corners=True),
+             lambda: upsample_bilinear(t, size))
     # camera-head matrix-vector products: float32 weights vs bf16 weights
     v = torch.randn(1, 2048, device=dev)
     w32 = torch.randn(6144, 2048, device=dev) * 0.02

@@ -89,6 +89,11 @@ def self_check(device: torch.device | str, heads: int, head_dim: int, widths: tu
         x = torch.randn(3, 5, widths[0], generator=gen).to(device, bf16)
         if not close(gelu_epilogue_mlp(mlp, x), gelu_epilogue_mlp_reference(mlp, x)):
             return "fc1 with the GELU epilogue disagrees with PyTorch"
+        from .upsample import upsample_bilinear, upsample_bilinear_reference
+
+        img = torch.randn(1, 12, 3, 5, generator=gen).to(device, bf16).contiguous(memory_format=torch.channels_last)
+        if not close(upsample_bilinear(img, (7, 9)), upsample_bilinear_reference(img, (7, 9))):
+            return "the bilinear upsampling kernel disagrees with PyTorch"
     except Exception as exc:  # a compiler or driver problem: report it, the caller falls back
         return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
     return None

@@ -71,6 +71,14 @@ def uv_embedding(channels: int, rows: int, cols: int, aspect: float) -> Tensor:
     return emb.float()
 
 
+# upsample(x [N, C, H, W], (H', W')) -> bilinear resize with align_corners=True
+Upsample = Callable[[Tensor, tuple[int, int]], Tensor]
+
+
+def _interpolate(x: Tensor, size: tuple[int, int]) -> Tensor:
+    return F.interpolate(x, size=size, mode="bilinear", align_corners=True)
+
+
 class ResidualConvUnit(nn.Module):
     """u(x) = conv2(relu(conv1(relu(x)))) + relu(x): the skip carries the rectified input,
     as the checkpoints were trained (the reference's in-place ReLU)."""
@@ -93,12 +101,12 @@ class FusionBlock(nn.Module):
         self.resConfUnit2 = ResidualConvUnit(features)
         self.out_conv = nn.Conv2d(features, features, 1)
 
-    def forward(self, path: Tensor, skip: Tensor | None, size: tuple[int, int]) -> Tensor:
+    def forward(self, path: Tensor, skip: Tensor | None, size: tuple[int, int],
+                upsample: Upsample = _interpolate) -> Tensor:
         if skip is not None:
             path = path + self.resConfUnit1(skip)
         path = self.resConfUnit2(path)
-        path = F.interpolate(path, size=size, mode="bilinear", align_corners=True)
-        return self.out_conv(path)
+        return self.out_conv(upsample(path, size))
 
 
 class Scratch(nn.Module):
@@ -133,6 +141,7 @@ class DepthHead(nn.Module):
         ])
         self.scratch = Scratch(out_ch, cfg.dpt_features)
         self._uv_cache: dict[tuple, Tensor] = {}
+        self._upsample: Upsample = _interpolate
 
     def _uv(self, channels: int, rows: int, cols: int, aspect: float, ref: Tensor) -> Tensor:
         key = (channels, rows, cols, aspect, ref.device, ref.dtype)
@@ -143,12 +152,15 @@ class DepthHead(nn.Module):
             self._uv_cache[key] = uv
         return self._uv_cache[key]
 
-    def reduced_precision_copy(self, dtype: torch.dtype = torch.bfloat16) -> "DepthHead":
+    def reduced_precision_copy(self, dtype: torch.dtype = torch.bfloat16,
+                               upsample: Upsample | None = None) -> "DepthHead":
         """A copy that runs its convolutions in ``dtype`` with channels-last tensors (the
         LayerNorm and the final exp stay float32). Not the reference's precision: the
-        session uses it only where the stream already runs in bf16."""
+        session uses it only where the stream already runs in bf16. ``upsample``: a
+        stand-in for its bilinear resizes (``kernels.upsample.upsample_bilinear``)."""
         head = copy.deepcopy(self)
         head._uv_cache = {}
+        head._upsample = upsample or _interpolate
         head.to(dtype).to(memory_format=torch.channels_last)
         head.norm.float()
         return head
@@ -166,14 +178,14 @@ class DepthHead(nn.Module):
             x = x + self._uv(x.shape[1], grid_h, grid_w, aspect, x)
             x = self.resize_layers[k](x)
             feats.append(getattr(self.scratch, f"layer{k + 1}_rn")(x))
-        sc = self.scratch
-        path = sc.refinenet4(feats[3], None, feats[2].shape[-2:])
-        path = sc.refinenet3(path, feats[2], feats[1].shape[-2:])
-        path = sc.refinenet2(path, feats[1], feats[0].shape[-2:])
+        sc, up = self.scratch, self._upsample
+        path = sc.refinenet4(feats[3], None, feats[2].shape[-2:], up)
+        path = sc.refinenet3(path, feats[2], feats[1].shape[-2:], up)
+        path = sc.refinenet2(path, feats[1], feats[0].shape[-2:], up)
         size1 = feats[0].shape[-2:]
-        path = sc.refinenet1(path, feats[0], (2 * size1[0], 2 * size1[1]))
+        path = sc.refinenet1(path, feats[0], (2 * size1[0], 2 * size1[1]), up)
         out = sc.output_conv1(path)
-        out = F.interpolate(out, size=(height, width), mode="bilinear", align_corners=True)
+        out = up(out, (height, width))
         out = out + self._uv(out.shape[1], height, width, aspect, out)
         out = sc.output_conv2(out).float()  # [S, 2, H, W]
         return out[:, 0].exp(), 1 + out[:, 1].exp()

@@ -106,3 +106,20 @@ def test_gelu_epilogue_mlp_matches_twin_and_the_exact_gelu(rows):
     fused = mlp_kernels.gelu_epilogue_mlp(module, x)
     bf16_close(fused, mlp_kernels.gelu_epilogue_mlp_reference(module, x))
     bf16_close(fused, module(x))  # the exact GELU: the same up to bf16 rounding
+
+
+@pytest.mark.parametrize("c,hw,size", [(256, (108, 148), (216, 296)), (128, (216, 296), (378, 518)),
+                                       (256, (14, 19), (27, 37)), (12, (3, 5), (7, 9)), (8, (1, 4), (5, 4)),
+                                       (70, (4, 4), (4, 4))])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_upsample_bilinear_matches_pytorch(c, hw, size, batch):
+    from lingbot_map_ros.kernels.upsample import upsample_bilinear, upsample_bilinear_reference
+
+    gen = torch.Generator().manual_seed(c + hw[0])
+    x = (torch.randn(batch, c, *hw, generator=gen) * 3).to("cuda", BF16).contiguous(memory_format=torch.channels_last)
+    out = upsample_bilinear(x, size)
+    ref = upsample_bilinear_reference(x, size)
+    assert out.shape == ref.shape and out.is_contiguous(memory_format=torch.channels_last)
+    # same coordinates and weights in float32: at most the final bf16 rounding apart, nearly always equal
+    bf16_close(out, ref)
+    assert (out != ref).float().mean().item() < 1e-2
