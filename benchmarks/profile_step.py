@@ -47,8 +47,7 @@ def main(argv=None) -> int:
     for f in frames[:full]:
         session.push(f)
     torch.cuda.synchronize()
-    activities = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if a.copies else [])
-    with profile(activities=activities, record_shapes=a.copies, with_stack=a.copies) as prof:
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for f in frames[full:]:
             session.push(f)
         torch.cuda.synchronize()
@@ -58,30 +57,40 @@ def main(argv=None) -> int:
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:a.top]:
         print(f"{e.self_device_time_total / 1e3 / a.frames:8.3f} ms {e.count / a.frames:6.0f}x  {e.key[:110]}")
     if a.copies:
-        print_copies(prof, a.frames)
+        trace_copies(session, frames[-1])
     return 0
 
 
-COPY_OPS = ("aten::copy_", "aten::cat", "aten::contiguous", "aten::clone", "aten::to", "aten::_to_copy",
-            "aten::index_copy_", "aten::fill_", "aten::zero_")
+COPY_OPS = {"aten.copy_.default", "aten._to_copy.default", "aten.clone.default", "aten.cat.default",
+            "aten.index_copy_.default", "aten.contiguous.default"}
 
 
-def print_copies(prof, frames: int) -> None:
-    """Copy-like aten ops with the device time they caused, by (op, shapes, innermost project frames)."""
-    rows = {}
-    for ev in prof.events():
-        if ev.name not in COPY_OPS or ev.device_type != torch.autograd.DeviceType.CPU:
-            continue
-        cuda_us = sum(k.duration for k in ev.kernels) if ev.kernels else 0.0
-        if cuda_us <= 0:
-            continue
-        stack = [f for f in (ev.stack or []) if "lingbot_map_ros" in f or "benchmarks" in f][:3]
-        key = (ev.name, str(ev.input_shapes)[:80], " < ".join(s.split("lingbot_map_ros/")[-1] for s in stack))
-        t, n = rows.get(key, (0.0, 0))
-        rows[key] = (t + cuda_us, n + 1)
-    print("\ncopy-like ops by device time per frame (top 30):")
-    for (name, shapes, where), (t, n) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:30]:
-        print(f"{t / 1e3 / frames:8.3f} ms {n / frames:5.0f}x  {name} {shapes}\n{'':22}{where}")
+def trace_copies(session, frame) -> None:
+    """One more step under a dispatch mode that records every copy-like aten call with its
+    shapes and the innermost lines of this project that made it."""
+    import traceback
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: Counter = Counter()
+
+    class Tracer(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func)
+            if name in COPY_OPS:
+                shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+                frames = [f for f in traceback.extract_stack()[:-1] if "lingbot_map_ros" in f.filename]
+                where = " < ".join(f"{f.filename.split('lingbot_map_ros/')[-1]}:{f.lineno}" for f in frames[::-1][:3])
+                seen[(name, str(shapes)[:70], where)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Tracer():
+        session.push(frame)
+    torch.cuda.synchronize()
+    print("\ncopy-like aten calls of one eager step (count, op, shapes, where):")
+    for (name, shapes, where), n in seen.most_common(40):
+        print(f"{n:5d}  {name} {shapes}\n       {where}")
 
 
 if __name__ == "__main__":

@@ -87,7 +87,10 @@ def self_check(device: torch.device | str, heads: int, head_dim: int, widths: tu
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
         mlp = mlp.to(device, bf16)
         x = torch.randn(3, 5, widths[0], generator=gen).to(device, bf16)
-        if not close(gelu_epilogue_mlp(mlp, x), gelu_epilogue_mlp_reference(mlp, x)):
+        # two bf16 GEMMs in a row: compare relative to the output's scale (rounding of the
+        # hidden layer differs, the epilogue applies the GELU before it rounds)
+        a, b = gelu_epilogue_mlp(mlp, x).float(), gelu_epilogue_mlp_reference(mlp, x).float()
+        if not bool((a - b).abs().max() <= 3e-2 * b.abs().max()):
             return "fc1 with the GELU epilogue disagrees with PyTorch"
         from .upsample import upsample_bilinear, upsample_bilinear_reference
 

@@ -6,6 +6,8 @@ the final bf16 rounding. Run on the GPU machine: ``pytest -m gpu test/gpu``.
 """
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -103,23 +105,14 @@ def test_gelu_epilogue_mlp_matches_twin_and_the_exact_gelu(rows):
             p.copy_(torch.randn(p.shape, generator=gen) * 0.03)
     module = module.to("cuda", BF16)
     x = torch.randn(rows, 1024, generator=gen).to("cuda", BF16)
-    fused = mlp_kernels.gelu_epilogue_mlp(module, x)
-    bf16_close(fused, mlp_kernels.gelu_epilogue_mlp_reference(module, x))
-    bf16_close(fused, module(x))  # the exact GELU: the same up to bf16 rounding
-
-
-@pytest.mark.parametrize("c,hw,size", [(256, (108, 148), (216, 296)), (128, (216, 296), (378, 518)),
-                                       (256, (14, 19), (27, 37)), (12, (3, 5), (7, 9)), (8, (1, 4), (5, 4)),
-                                       (70, (4, 4), (4, 4))])
-@pytest.mark.parametrize("batch", [1, 2])
-def test_upsample_bilinear_matches_pytorch(c, hw, size, batch):
-    from lingbot_map_ros.kernels.upsample import upsample_bilinear, upsample_bilinear_reference
-
-    gen = torch.Generator().manual_seed(c + hw[0])
-    x = (torch.randn(batch, c, *hw, generator=gen) * 3).to("cuda", BF16).contiguous(memory_format=torch.channels_last)
-    out = upsample_bilinear(x, size)
-    ref = upsample_bilinear_reference(x, size)
-    assert out.shape == ref.shape and out.is_contiguous(memory_format=torch.channels_last)
-    # same coordinates and weights in float32: at most the final bf16 rounding apart, nearly always equal
-    bf16_close(out, ref)
-    assert (out != ref).float().mean().item() < 1e-2
+    fused = mlp_kernels.gelu_epilogue_mlp(module, x).float()
+    twin = mlp_kernels.gelu_epilogue_mlp_reference(module, x).float()
+    exact32 = copy.deepcopy(module).float()(x.float())  # float32 MLP with the exact GELU
+    scale = exact32.abs().max()
+    # two bf16 GEMMs in a row: both bf16 forms sit within bf16 noise of the float32 result,
+    # and the fused one (GELU on the float32 accumulator, one rounding) is no further from it
+    err_fused = (fused - exact32).abs().max() / scale
+    err_twin = (twin - exact32).abs().max() / scale
+    assert err_fused < 1e-2 and err_twin < 1e-2, (err_fused, err_twin)
+    assert err_fused <= 1.5 * err_twin, (err_fused, err_twin)
+    assert (fused - twin).abs().max() / scale < 1e-2
