@@ -79,6 +79,14 @@ def _interpolate(x: Tensor, size: tuple[int, int]) -> Tensor:
     return F.interpolate(x, size=size, mode="bilinear", align_corners=True)
 
 
+# norm_to(x, layer_norm, dtype) -> layer_norm(x) (float32 maths) returned in dtype
+NormTo = Callable[[Tensor, nn.LayerNorm, torch.dtype], Tensor]
+
+
+def _norm_then_cast(x: Tensor, norm: nn.LayerNorm, dtype: torch.dtype) -> Tensor:
+    return norm(x).to(dtype)
+
+
 class ResidualConvUnit(nn.Module):
     """u(x) = conv2(relu(conv1(relu(x)))) + relu(x): the skip carries the rectified input,
     as the checkpoints were trained (the reference's in-place ReLU)."""
@@ -142,6 +150,7 @@ class DepthHead(nn.Module):
         self.scratch = Scratch(out_ch, cfg.dpt_features)
         self._uv_cache: dict[tuple, Tensor] = {}
         self._upsample: Upsample = _interpolate
+        self._norm_to: NormTo = _norm_then_cast
 
     def _uv(self, channels: int, rows: int, cols: int, aspect: float, ref: Tensor) -> Tensor:
         key = (channels, rows, cols, aspect, ref.device, ref.dtype)
@@ -153,14 +162,17 @@ class DepthHead(nn.Module):
         return self._uv_cache[key]
 
     def reduced_precision_copy(self, dtype: torch.dtype = torch.bfloat16,
-                               upsample: Upsample | None = None) -> "DepthHead":
+                               upsample: Upsample | None = None, norm_to: NormTo | None = None) -> "DepthHead":
         """A copy that runs its convolutions in ``dtype`` with channels-last tensors (the
         LayerNorm and the final exp stay float32). Not the reference's precision: the
         session uses it only where the stream already runs in bf16. ``upsample``: a
-        stand-in for its bilinear resizes (``kernels.upsample.upsample_bilinear``)."""
+        stand-in for its bilinear resizes (``kernels.upsample.upsample_bilinear``);
+        ``norm_to``: for its float32 LayerNorm followed by the cast to ``dtype``
+        (``kernels.layer_norm.layer_norm``, which does both in one pass)."""
         head = copy.deepcopy(self)
         head._uv_cache = {}
         head._upsample = upsample or _interpolate
+        head._norm_to = norm_to or _norm_then_cast
         head.to(dtype).to(memory_format=torch.channels_last)
         head.norm.float()
         return head
@@ -171,7 +183,7 @@ class DepthHead(nn.Module):
         dtype = self.projects[0].weight.dtype
         feats = []
         for k, tokens in enumerate(levels):
-            x = self.norm(tokens[:, SPECIAL_TOKENS:]).to(dtype)  # [S, gh*gw, 2C]
+            x = self._norm_to(tokens[:, SPECIAL_TOKENS:], self.norm, dtype)  # [S, gh*gw, 2C]
             # [S, 2C, gh, gw]: channels innermost in memory, i.e. channels-last already
             x = x.transpose(1, 2).unflatten(2, (grid_h, grid_w))
             x = self.projects[k](x)

@@ -88,10 +88,11 @@ class StreamingSession:
                 kernels.disable(problem)
                 self.fused = False
         # the depth head's bf16 channels-last copy (CUDA bf16 streams; the model's own head stays float32)
-        fast_upsample = None
+        fast_upsample = fast_norm = None
         if self.fused:
+            from ..kernels.layer_norm import layer_norm as fast_norm
             from ..kernels.upsample import upsample_bilinear as fast_upsample
-        self.depth_head = model.depth_head.reduced_precision_copy(upsample=fast_upsample) if (
+        self.depth_head = model.depth_head.reduced_precision_copy(upsample=fast_upsample, norm_to=fast_norm) if (
             cfg.bf16_depth_head and self.dtype == torch.bfloat16 and self.device.type == "cuda") else None
         self._autocast = self.dtype if self.dtype != torch.float32 else None
         # the camera head's stream (it runs beside the depth head; see LingBotMap.step)

@@ -206,6 +206,35 @@ def test_bf16_depth_head_copy_is_close_and_leaves_the_model_alone(tiny_model, fi
         assert rel < 3e-2, rel
 
 
+def test_depth_head_copy_routes_its_resizes_and_norms_through_the_stand_ins(tiny_model):
+    """The session hands the bf16 depth head the upsampling and LayerNorm kernels; with their
+    PyTorch twins standing in, the head computes exactly what it computes without them."""
+    from lingbot_map_ros.kernels.upsample import upsample_bilinear_reference
+
+    calls = {"up": 0, "norm": 0}
+
+    def up(x, size):
+        calls["up"] += 1
+        return upsample_bilinear_reference(x, size)
+
+    def norm_to(x, norm, dtype):
+        calls["norm"] += 1
+        return layer_norm.layer_norm_reference(x, norm, dtype)
+
+    head = tiny_model.depth_head
+    plain = head.reduced_precision_copy(torch.float32)
+    routed = head.reduced_precision_copy(torch.float32, upsample=up, norm_to=norm_to)
+    cfg = tiny_model.cfg
+    gen = torch.Generator().manual_seed(1)
+    levels = [torch.randn(1, SPECIAL_TOKENS + 2 * 3, 2 * cfg.embed_dim, generator=gen) for _ in range(4)]
+    with torch.no_grad():
+        a = plain(levels, 28, 42)
+        b = routed(levels, 28, 42)
+    assert calls == {"up": 5, "norm": 4}
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6)
+
+
 def test_self_check_reports_a_kernel_that_cannot_run():
     import importlib.util
 
