@@ -112,7 +112,7 @@ class SimulatedSession:
         self.frames_pushed += 1
         self._stored += 1
         return FrameResult(frame_index=i, position=i, is_keyframe=True, pose_enc=np.zeros(9), c2w=c2w,
-                           intrinsics=K, depth=depth, confidence=conf, image=image,
+                           intrinsics=K, depth=depth, confidence=conf, frame=image,
                            timings={"model_ms": model_ms, "postprocess_ms": 0.0})
 
 

@@ -136,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
         clouds = []
         for r in results:
             pts = unproject_depth(r.depth, r.intrinsics, r.c2w)
-            colors = (r.image.transpose(1, 2, 0) * 255).round().astype(np.uint8)
+            h, w = r.size
+            colors = r.colors(np.arange(h * w)).reshape(h, w, 3)
             clouds.append(select_points(pts, colors, r.confidence, conf_threshold=1.5, stride=10)[:2])
         write_ply(args.ply, np.concatenate([c[0] for c in clouds]), np.concatenate([c[1] for c in clouds]))
     log(args, f"wrote {args.out}")

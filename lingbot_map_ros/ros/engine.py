@@ -43,7 +43,7 @@ import numpy as np
 from ..config import SPECIAL_TOKENS
 from ..geometry import unproject_pixels
 from ..io.export import write_ply, write_tum
-from ..io.preprocess import PATCH_SIZE, preprocess_array, target_size
+from ..io.preprocess import PATCH_SIZE, input_size, model_input, target_size
 from ..cache.pages import CacheFullError
 from ..stream.session import FrameMismatchError, FrameResult, SessionError
 from .conversions import optical_pose_to_map, points_to_map
@@ -264,10 +264,10 @@ class InferenceEngine:
         t0 = time.perf_counter()
         try:
             _check_resize(frame.rgb.shape, s.image_width)
-            image = preprocess_array(frame.rgb, s.image_width)
+            image = model_input(frame.rgb, s.image_width)  # uint8 as it came when no resize is needed
         except ValueError as exc:
             return self._drop_invalid(frame.stamp, f"cannot preprocess the image: {exc}")
-        h, w = image.shape[1:]
+        h, w = input_size(image)
         if (h // PATCH_SIZE) * (w // PATCH_SIZE) < SPECIAL_TOKENS:
             return self._drop_invalid(frame.stamp, f"image {frame.rgb.shape[1]}x{frame.rgb.shape[0]} gives a model "
                                       f"input of {w}x{h}, fewer than {SPECIAL_TOKENS} patches")
@@ -337,7 +337,7 @@ class InferenceEngine:
         T_map_cam = optical_pose_to_map(r.c2w)
         need_points = r.depth is not None and (self.map is not None or self.sink.wants("points"))
         need_depth = r.depth is not None and self.sink.wants("depth")
-        h, w = r.image.shape[1:]
+        h, w = r.size
         self.last_intrinsics = (r.intrinsics, w, h)
         index = r.frame_index + 1
         self.trajectory.append(PoseEntry(r.frame_index, frame.stamp, frame.stamp_s, T_map_cam))
@@ -371,7 +371,7 @@ class InferenceEngine:
             # for the selected pixels only: select_points(unproject_depth(...)) at ~1/stride the work
             index = np.flatnonzero(r.confidence.reshape(-1) > s.conf_threshold)[::s.point_stride]
             pts = unproject_pixels(r.depth, r.intrinsics, r.c2w, index)  # OpenCV world
-            colors = np.clip(np.rint(r.image.reshape(3, -1)[:, index].T * 255.0), 0, 255).astype(np.uint8)
+            colors = r.colors(index)
             points = points_to_map(pts.astype(np.float32))
             conf = r.confidence.reshape(-1)[index].astype(np.float32)
             if self.map is not None:

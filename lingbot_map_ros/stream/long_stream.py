@@ -145,7 +145,7 @@ class _Keyframe:
     """A stored frame as published: what a restart re-feeds and aligns to."""
 
     index: int  # global frame index
-    image: np.ndarray  # [3, H, W] float32 model input (a private copy)
+    frame: np.ndarray  # the model input as pushed, float32 [3, H, W] or uint8 [H, W, 3] (a private copy)
     c2w: np.ndarray  # [4, 4] float64, global frame
     depth: np.ndarray | None  # [H, W] global units
     confidence: np.ndarray | None  # [H, W]
@@ -317,9 +317,9 @@ class LongStreamSession:
         s0 = self.cfg.num_scale_frames
         fed: list[FrameResult] = []
         for k in kept[:s0]:
-            fed += self.inner.push(torch.from_numpy(k.image))
+            fed += self.inner.push(k.frame)
         for k in kept[s0:]:
-            fed += self.inner.push(torch.from_numpy(k.image), keyframe=True)
+            fed += self.inner.push(k.frame, keyframe=True)
         return fed
 
     @staticmethod
@@ -360,7 +360,7 @@ class LongStreamSession:
         if out and out[0].is_keyframe:
             self._undo, self._last_stored = before, out[-1].frame_index
             for r in out:
-                self._keyframes.append(_Keyframe(r.frame_index, np.array(r.image, dtype=np.float32),
+                self._keyframes.append(_Keyframe(r.frame_index, np.array(r.frame),
                                                  r.c2w.astype(np.float64), _copy(r.depth), _copy(r.confidence)))
             self._last_keyframe_c2w = out[-1].c2w.astype(np.float64)
         return out

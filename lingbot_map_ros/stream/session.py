@@ -43,8 +43,35 @@ class FrameResult:
     intrinsics: np.ndarray  # [3, 3] at the model resolution (pixels)
     depth: np.ndarray | None  # [H, W] z-depth
     confidence: np.ndarray | None  # [H, W] >= 1
-    image: np.ndarray  # [3, H, W] float32 RGB in [0, 1], the model input
+    # the model input as pushed: float32 [3, H, W] RGB in [0, 1], or uint8 [H, W, 3] RGB
+    frame: np.ndarray
     timings: dict[str, float] = field(default_factory=dict)  # ms: model (until outputs on the host), postprocess
+
+    @property
+    def size(self) -> tuple[int, int]:
+        """(H, W) of the model input."""
+        shape = self.frame.shape
+        return (shape[0], shape[1]) if self.frame.dtype == np.uint8 else (shape[1], shape[2])
+
+    @property
+    def image(self) -> np.ndarray:
+        """The model input as float32 [3, H, W] RGB in [0, 1] (converted from a uint8 frame)."""
+        if self.frame.dtype == np.uint8:
+            return uint8_to_image(self.frame)
+        return self.frame
+
+    def colors(self, pixels: np.ndarray) -> np.ndarray:
+        """uint8 [N, 3] RGB of the input at flat pixel indices ``pixels`` (row-major, [H*W])."""
+        if self.frame.dtype == np.uint8:
+            return self.frame.reshape(-1, 3)[pixels]
+        return np.clip(np.rint(self.frame.reshape(3, -1)[:, pixels].T * 255.0), 0, 255).astype(np.uint8)
+
+
+def uint8_to_image(rgb: np.ndarray) -> np.ndarray:
+    """uint8 [H, W, 3] -> float32 [3, H, W] in [0, 1]: the float32 division of preprocessing."""
+    out = np.empty((3, *rgb.shape[:2]), np.float32)
+    np.divide(rgb.transpose(2, 0, 1), np.float32(255.0), out=out, dtype=np.float32)
+    return out
 
 
 class SessionError(RuntimeError):
@@ -112,6 +139,7 @@ class StreamingSession:
         self._outputs_on_host = 0.0  # perf_counter() when the last step's outputs reached the host
         self._pinned: Tensor | None = None  # page-locked landing buffer of the outputs (CUDA)
         self._pinned_done: torch.cuda.Event | None = None
+        self._u8_scale: Tensor | None = None  # 255 on the device (uint8 frames)
 
     # ------------------------------------------------------------------ state
     @property
@@ -173,13 +201,15 @@ class StreamingSession:
 
     # ------------------------------------------------------------------ frames
     def push(self, image: Tensor | np.ndarray, keyframe: bool | None = None) -> list[FrameResult]:
-        """Feed one frame [3, H, W] RGB float in [0, 1] (H, W multiples of the patch size).
+        """Feed one frame: float [3, H, W] RGB in [0, 1], or uint8 [H, W, 3] RGB (a camera
+        frame already at the model's size; it travels to the device as bytes and becomes
+        the same float32 values there). H, W multiples of the patch size.
 
         keyframe: None follows the interval policy; True/False forces the decision
         (ignored for the scale frames, which are always stored).
         """
         host = self._check_image(image)
-        frame = host.to(self.device, torch.float32, non_blocking=True)
+        frame = self._device_frame(host)
         if self._pages is None or self._pages.in_phase1:
             self._pending.append((frame, host))
             if len(self._pending) < self.cfg.num_scale_frames:
@@ -194,13 +224,37 @@ class StreamingSession:
         store = self.is_keyframe_index(self._frames_pushed) if keyframe is None else bool(keyframe)
         return self._run(frame[None], [host], store=store)
 
+    def _device_frame(self, host: Tensor) -> Tensor:
+        """[3, H, W] float32 on the session's device. A uint8 [H, W, 3] frame is copied as
+        bytes (4x less than float32) from page-locked memory, then divided by 255 on the
+        device with a tensor divisor: a correctly rounded division per pixel, the same
+        float32 numbers as the host's preprocessing (a scalar divisor would be turned into
+        a multiplication by its reciprocal, off by an ulp here and there)."""
+        if host.dtype != torch.uint8:
+            return host.to(self.device, torch.float32, non_blocking=True)
+        if self._u8_scale is None:
+            self._u8_scale = torch.full((1, 1, 1), 255.0, dtype=torch.float32, device=self.device)
+        src = host.pin_memory() if self.device.type == "cuda" and host.device.type == "cpu" else host
+        u8 = src.to(self.device, non_blocking=True)
+        out = torch.empty((3, u8.shape[0], u8.shape[1]), dtype=torch.float32, device=self.device)
+        out.copy_(u8.permute(2, 0, 1))
+        return out.div_(self._u8_scale)
+
     def _check_image(self, image: Tensor | np.ndarray) -> Tensor:
         """Validate one frame; returns it as a tensor where it came from (host or device)."""
         if isinstance(image, np.ndarray):
             image = torch.from_numpy(np.ascontiguousarray(image))
-        if image.ndim != 3 or image.shape[0] != 3:
-            raise ValueError(f"expected an image [3, H, W], got shape {tuple(image.shape)}")
-        h, w = int(image.shape[1]), int(image.shape[2])
+        if image.dtype == torch.uint8:
+            if image.ndim != 3 or image.shape[2] != 3:
+                raise ValueError(f"expected a uint8 RGB image [H, W, 3], got shape {tuple(image.shape)}")
+            h, w = int(image.shape[0]), int(image.shape[1])
+        else:
+            if image.ndim != 3 or image.shape[0] != 3:
+                raise ValueError(f"expected an image [3, H, W], got shape {tuple(image.shape)}")
+            if not torch.is_floating_point(image):
+                raise ValueError(f"expected a float image in [0, 1] or a uint8 image [H, W, 3], got dtype "
+                                 f"{image.dtype}")
+            h, w = int(image.shape[1]), int(image.shape[2])
         p = self.model.cfg.patch_size
         if h % p or w % p or h == 0 or w == 0:
             raise ValueError(f"image size {w}x{h} is not a positive multiple of the patch size {p}")
@@ -210,8 +264,6 @@ class StreamingSession:
         if expected is not None and (h, w) != expected:
             raise ValueError(f"image size {w}x{h} differs from the sequence's {expected[1]}x{expected[0]}; "
                              "reset the session to change resolution")
-        if not torch.is_floating_point(image):
-            raise ValueError(f"expected a float image in [0, 1], got dtype {image.dtype}")
         return image
 
     def _sequence_resolution(self) -> tuple[int, int] | None:
@@ -351,7 +403,7 @@ class StreamingSession:
         if out.depth is not None:
             parts += [out.depth.flatten(), out.depth_conf.flatten()]
         outputs = sum(p.numel() for p in parts)
-        parts += [im.flatten() for im in hosts if im.device.type != "cpu"]
+        parts += [im.flatten() for im in hosts if im.device.type != "cpu" and im.dtype != torch.uint8]
         host = self._to_host(parts)
         self._outputs_on_host = time.perf_counter()
         pose_enc = host[:s * 9].reshape(s, 9)
@@ -362,7 +414,9 @@ class StreamingSession:
         images, at = [], outputs
         for im in hosts:
             if im.device.type == "cpu":
-                images.append(im.float().numpy())  # no copy for the usual float32 host frame
+                images.append(im.numpy() if im.dtype == torch.uint8 else im.float().numpy())  # no copy usually
+            elif im.dtype == torch.uint8:
+                images.append(im.cpu().numpy())  # a uint8 frame pushed from the device (the wait is behind us)
             else:
                 images.append(host[at:at + im.numel()].reshape(im.shape))
                 at += im.numel()
@@ -371,7 +425,7 @@ class StreamingSession:
         return [FrameResult(frame_index=first_frame + i, position=plan.positions[i], is_keyframe=plan.store,
                             pose_enc=pose_enc[i], c2w=c2w[i], intrinsics=intrinsics[i],
                             depth=None if depth is None else depth[i], confidence=None if conf is None else conf[i],
-                            image=images[i]) for i in range(frames.shape[0])]
+                            frame=images[i]) for i in range(frames.shape[0])]
 
 
 __all__ = ["StreamingSession", "FrameResult", "SessionError", "FrameMismatchError", "CacheError"]

@@ -135,7 +135,7 @@ class PoseOracle:
         enc = np.zeros(9)
         return FrameResult(frame_index=index, position=plan.positions[0], is_keyframe=plan.store, pose_enc=enc,
                            c2w=c2w, intrinsics=np.eye(3), depth=self.depth[k] * sigma,
-                           confidence=np.full_like(self.depth[k], 2.0), image=image)
+                           confidence=np.full_like(self.depth[k], 2.0), frame=image)
 
 
 def oracle_images(n):

@@ -133,7 +133,9 @@ def test_failed_step_leaves_cache_unchanged(tiny_model, fixture_config, images):
     (torch.zeros(3, 56, 97), "multiple of the patch size"),
     (torch.zeros(1, 56, 98), r"\[3, H, W\]"),
     (torch.zeros(3, 14, 28), "too small"),
-    (torch.zeros(3, 56, 98, dtype=torch.uint8), "float image"),
+    (torch.zeros(3, 56, 98, dtype=torch.uint8), r"uint8 RGB image \[H, W, 3\]"),
+    (torch.zeros(3, 56, 98, dtype=torch.int32), "float image"),
+    (np.zeros((56, 97, 3), dtype=np.uint8), "multiple of the patch size"),
 ])
 def test_bad_images_are_refused_without_state_change(tiny_model, fixture_config, images, bad, needle):
     s = make(tiny_model, fixture_config)
@@ -161,3 +163,29 @@ def test_forced_keyframe_decision(tiny_model, fixture_config, images):
     assert not r.is_keyframe and s.stats().temporal_index == 2
     (r,) = s.push(images[3], keyframe=True)
     assert r.is_keyframe and s.stats().temporal_index == 3
+
+
+def test_uint8_frames_give_the_float_frames_results(tiny_model, fixture_config, images):
+    """A uint8 [H, W, 3] camera frame is converted on the session's device with the float32
+    division of preprocessing: the same model input, so the same outputs, bit for bit."""
+    from lingbot_map_ros.stream.session import uint8_to_image
+
+    rng = np.random.default_rng(0)
+    h, w = images.shape[-2:]
+    frames_u8 = [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for _ in range(5)]
+    as_float = make(tiny_model, fixture_config)
+    as_u8 = make(tiny_model, fixture_config)
+    ref = push_all(as_float, [uint8_to_image(f) for f in frames_u8])
+    got = push_all(as_u8, frames_u8)
+    assert len(got) == len(ref) == 5
+    for a, b, f in zip(got, ref, frames_u8):
+        np.testing.assert_array_equal(a.pose_enc, b.pose_enc)
+        np.testing.assert_array_equal(a.depth, b.depth)
+        assert a.frame.dtype == np.uint8 and a.frame.shape == (h, w, 3) and a.size == b.size == (h, w)
+        np.testing.assert_array_equal(a.image, b.image)  # the float view of a uint8 frame
+        pixels = np.array([0, 5, h * w - 1])
+        np.testing.assert_array_equal(a.colors(pixels), f.reshape(-1, 3)[pixels])
+        np.testing.assert_array_equal(b.colors(pixels), f.reshape(-1, 3)[pixels])
+    # the division really is per pixel and exact: every byte value
+    ramp = np.arange(256, dtype=np.uint8).reshape(1, 256, 1).repeat(3, axis=2)
+    np.testing.assert_array_equal(uint8_to_image(ramp)[0, 0], np.arange(256, dtype=np.float32) / np.float32(255))

@@ -157,3 +157,18 @@ def test_fused_kernels_match_the_pytorch_path(backend):
         errors[field] = float(np.abs(a - b).max() / np.abs(b).max())
     print(f"FUSED {backend} vs PyTorch path: " + ", ".join(f"{k} {v:.2e}" for k, v in errors.items()))
     assert all(v < 1e-2 for v in errors.values()), errors
+
+
+def test_uint8_frames_become_the_float_frames_on_the_gpu():
+    """A uint8 camera frame is copied as bytes and divided by 255 on the GPU: bit-identical to
+    the host's float32 preprocessing (a reciprocal multiplication would miss by an ulp)."""
+    from lingbot_map_ros.config import ModelConfig, StreamConfig
+    from lingbot_map_ros.io.checkpoint import load_model
+    from lingbot_map_ros.stream.session import StreamingSession, uint8_to_image
+
+    model = load_model(ModelConfig.preset("tiny"), None, device="cuda", dtype="fp32", seed=0)
+    session = StreamingSession(model, StreamConfig(backend="sdpa", device="cuda"))
+    rgb = np.random.default_rng(1).integers(0, 256, (378, 518, 3), dtype=np.uint8)
+    rgb[0, :256, 0] = np.arange(256)  # every byte value
+    on_gpu = session._device_frame(session._check_image(rgb)).cpu().numpy()
+    np.testing.assert_array_equal(on_gpu, uint8_to_image(rgb))

@@ -426,3 +426,29 @@ def test_poses_do_not_wait_for_the_map(model):
     assert len(added) == 3 and len(engine.map) > 0
     with_clouds = [o.frame_index for o in sink.frames if o.points is not None]
     assert with_clouds == [i + 1 for i in added]
+
+
+def test_model_sized_frames_go_to_the_session_as_bytes(model):
+    """A camera frame already at the model's size is pushed as uint8 (the session divides on
+    its device); the outputs equal those of the float32 preprocessing, colours included."""
+    engine, sink, _, session = make_engine(model, point_stride=1)
+    pushed = []
+    push = session.push
+
+    def spy(image, keyframe=None):
+        pushed.append((image.dtype, image.shape))
+        return push(image, keyframe)
+
+    session.push = spy
+    images = [f[:56, :WIDTH].copy() for f in frames(4)]  # 98x56: the model's size at image_width 98
+    for i, rgb in enumerate(images):
+        feed(engine, rgb, 10.0 + i)
+    assert pushed == [(np.uint8, (56, WIDTH, 3))] * 4
+    expected = replay(model, images)
+    assert len(sink.frames) == 4
+    for out, r, rgb in zip(sink.frames, expected, images):
+        np.testing.assert_array_equal(out.T_map_cam, optical_pose_to_map(r.c2w))
+        world = unproject_depth(r.depth, r.intrinsics, r.c2w)
+        pts, colors, _ = select_points(world, rgb, r.confidence, 0.0, 1)
+        np.testing.assert_allclose(out.points, points_to_map(pts), atol=1e-4)
+        np.testing.assert_array_equal(out.colors, colors)
