@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The GPU measurements behind the README's performance tables, in one device call.
+#
+#   OUT=/path bash benchmarks/gpu_batch.sh [--no-node]
+#
+# Runs, each under its own time limit, writing into $OUT (at most 7 files, as the
+# device tool returns few):
+#   nvidia_h200_fa3_378.json      stream_fps at 518x378 (300 frames, stage breakdown, bf16 vs fp32)
+#   nvidia_h200_fa3_378_seq.json  the same without parallel heads (150 frames): the A/B
+#   nvidia_h200_fa3_294.json      stream_fps at 518x294 (200 frames)
+#   gpu_tests_h200.log            pytest -m gpu test/gpu
+#   node_latency_518x{378,294}.json  benchmarks/node_latency.sh (unless --no-node)
+#   gpu_batch.log                 everything printed
+# Needs FlashInfer's wheels in .whl/fi, the fixtures in .fixtures (GPU tests) and, for the
+# node runs, the cp312 ROS bundle (.whl/ros312_bundle.tar.xz); see GPU.md and README.
+set -uo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+OUT=${OUT:-./gpu_batch_out}
+NODE=1
+[[ "${1:-}" == "--no-node" ]] && NODE=0
+mkdir -p "$OUT"
+LOG="$OUT/gpu_batch.log"
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fi/*.whl >>"$LOG" 2>&1
+export PYTHONPATH=/tmp/site:$ROOT LINGBOT_FIXTURES=$ROOT/.fixtures
+echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo n/a), $(date -u)" >>"$LOG"
+summary() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], d['steady_state'], 'peak', d['peak_gpu_memory_gib'], 'phase1', d['phase1_ms'], 'bf16_vs_fp32', d['bf16_vs_fp32'], d['stage_ms_per_frame'])" "$1"; }
+run() { local limit=$1; shift; echo "== $*" >>"$LOG"; timeout "$limit" "$@" >>"$LOG" 2>&1; echo "   exit $?" >>"$LOG"; }
+run 260 python3 benchmarks/stream_fps.py --kv-splits 8 --out "$OUT/nvidia_h200_fa3_378.json"
+run 80 python3 benchmarks/stream_fps.py --kv-splits 8 --frames 150 --breakdown-frames 0 --compare-frames 0 \
+  --no-parallel-heads --out "$OUT/nvidia_h200_fa3_378_seq.json"
+run 80 python3 benchmarks/stream_fps.py --kv-splits 8 --height 294 --frames 200 --breakdown-frames 0 \
+  --compare-frames 0 --out "$OUT/nvidia_h200_fa3_294.json"
+for f in "$OUT"/nvidia_h200_fa3_*.json; do summary "$f" | tee -a "$LOG"; done
+run 150 python3 -m pytest -m gpu test/gpu -q -p no:cacheprovider
+grep -E "passed|failed" "$LOG" | tail -1 >"$OUT/gpu_tests_h200.log"
+cat "$OUT/gpu_tests_h200.log"
+if (( NODE )); then
+  OUT=/tmp/gpu_batch_node run 330 bash benchmarks/node_latency.sh --frames 300 --rate 15 --heights "378 294" --deadline 320
+  cp /tmp/gpu_batch_node/node_latency_518x*.json "$OUT/" 2>/dev/null
+  grep "RESULT" "$LOG" | tail -2
+fi
