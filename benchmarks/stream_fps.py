@@ -54,7 +54,7 @@ def parse_args(argv=None):
     p.add_argument("--fp32-depth-head", action="store_true",
                    help="keep the depth head in float32 (default: bf16 channels-last copy)")
     p.add_argument("--no-parallel-heads", action="store_true",
-                   help="run the heads after the aggregator on one stream")
+                   help="run the camera head after the depth head on one stream")
     p.add_argument("--compare-frames", type=int, default=12,
                    help="frames of the bf16-vs-fp32 comparison (0 = skip)")
     p.add_argument("--breakdown-frames", type=int, default=10, help="steady-state frames of the stage breakdown")

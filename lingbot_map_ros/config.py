@@ -135,9 +135,8 @@ class StreamConfig:
     Triton kernels of ``lingbot_map_ros.kernels`` where they apply (CUDA, bf16).
     ``bf16_depth_head`` runs the DPT depth head's convolutions in bf16, channels-last,
     when the stream runs in bf16 on CUDA (the reference keeps the heads in float32;
-    the camera head always stays float32). ``parallel_heads`` runs the heads on their own
-    CUDA streams: the depth head's per-level work while the aggregator's later blocks
-    still run, the camera head beside the depth head (CUDA only; same results).
+    the camera head always stays float32). ``parallel_heads`` runs the camera head on a
+    second CUDA stream, concurrently with the depth head (CUDA only; same results).
     """
 
     num_scale_frames: int = 8

@@ -96,8 +96,7 @@ class Aggregator(nn.Module):
         return torch.cat([camera, registers, scale], dim=1)
 
     def forward(self, images: Tensor, positions: Tensor, global_attend: GlobalAttend, *,
-                phase1: bool, sequence_start: bool, fused: bool = False,
-                on_level: Callable[[int, Tensor], None] | None = None) -> list[Tensor]:
+                phase1: bool, sequence_start: bool, fused: bool = False) -> list[Tensor]:
         """Run one streaming step.
 
         Args:
@@ -110,8 +109,6 @@ class Aggregator(nn.Module):
                 weights): LayerNorms written in bf16, q/k norm + RoPE (+ K/V store) in one
                 kernel, the MLP's GELU in fc1's epilogue. Same maths as the PyTorch path
                 but for that GELU (tanh form, below bf16 resolution; ``kernels.mlp``).
-            on_level: called with (k, level) as soon as the k-th selected level exists
-                (e.g. to start the depth head's work on it on another CUDA stream).
         Returns:
             4 tensors [S, P, 2*embed_dim] (frame output | global output of the
             selected block pairs), P = 6 + (H/14)(W/14).
@@ -185,8 +182,6 @@ class Aggregator(nn.Module):
             x = global_block(x.reshape(1, s * tokens, -1), attend, norm, mlp).view(s, tokens, -1)
             if layer in selected:
                 outputs.append(torch.cat([frame_out, x], dim=-1))
-                if on_level is not None:
-                    on_level(len(outputs) - 1, outputs[-1])
         return outputs
 
 

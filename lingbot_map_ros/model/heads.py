@@ -84,7 +84,7 @@ NormTo = Callable[[Tensor, nn.LayerNorm, torch.dtype], Tensor]
 
 
 def _norm_then_cast(x: Tensor, norm: nn.LayerNorm, dtype: torch.dtype) -> Tensor:
-    return norm(x.to(norm.weight.dtype)).to(dtype)
+    return norm(x).to(dtype)
 
 
 class ResidualConvUnit(nn.Module):
@@ -178,24 +178,18 @@ class DepthHead(nn.Module):
         return head
 
     def forward(self, levels: list[Tensor], height: int, width: int) -> tuple[Tensor, Tensor]:
-        feats = [self.level_features(k, tokens, height, width) for k, tokens in enumerate(levels)]
-        return self.fuse(feats, height, width)
-
-    def level_features(self, k: int, tokens: Tensor, height: int, width: int) -> Tensor:
-        """Level ``k``'s tokens [S, P, 2C] -> its feature map at the level's resolution. Needs
-        only that level, so a caller may run it as soon as the level's block is done."""
         grid_h, grid_w = height // self.patch_size, width // self.patch_size
+        aspect = width / height
         dtype = self.projects[0].weight.dtype
-        x = self._norm_to(tokens[:, SPECIAL_TOKENS:], self.norm, dtype)  # [S, gh*gw, 2C]
-        # [S, 2C, gh, gw]: channels innermost in memory, i.e. channels-last already
-        x = x.transpose(1, 2).unflatten(2, (grid_h, grid_w))
-        x = self.projects[k](x)
-        x = x + self._uv(x.shape[1], grid_h, grid_w, width / height, x)
-        x = self.resize_layers[k](x)
-        return getattr(self.scratch, f"layer{k + 1}_rn")(x)
-
-    def fuse(self, feats: list[Tensor], height: int, width: int) -> tuple[Tensor, Tensor]:
-        """The four levels' feature maps -> depth [S, H, W] (exp) and confidence [S, H, W] (1 + exp)."""
+        feats = []
+        for k, tokens in enumerate(levels):
+            x = self._norm_to(tokens[:, SPECIAL_TOKENS:], self.norm, dtype)  # [S, gh*gw, 2C]
+            # [S, 2C, gh, gw]: channels innermost in memory, i.e. channels-last already
+            x = x.transpose(1, 2).unflatten(2, (grid_h, grid_w))
+            x = self.projects[k](x)
+            x = x + self._uv(x.shape[1], grid_h, grid_w, aspect, x)
+            x = self.resize_layers[k](x)
+            feats.append(getattr(self.scratch, f"layer{k + 1}_rn")(x))
         sc, up = self.scratch, self._upsample
         path = sc.refinenet4(feats[3], None, feats[2].shape[-2:], up)
         path = sc.refinenet3(path, feats[2], feats[1].shape[-2:], up)
@@ -204,6 +198,6 @@ class DepthHead(nn.Module):
         path = sc.refinenet1(path, feats[0], (2 * size1[0], 2 * size1[1]), up)
         out = sc.output_conv1(path)
         out = up(out, (height, width))
-        out = out + self._uv(out.shape[1], height, width, width / height, out)
+        out = out + self._uv(out.shape[1], height, width, aspect, out)
         out = sc.output_conv2(out).float()  # [S, 2, H, W]
         return out[:, 0].exp(), 1 + out[:, 1].exp()

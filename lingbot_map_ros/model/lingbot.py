@@ -36,7 +36,7 @@ class LingBotMap(nn.Module):
     def step(self, images: Tensor, positions: Tensor, global_attend: GlobalAttend, camera_attend: CameraAttend, *,
              phase1: bool, sequence_start: bool, camera_iterations: int, autocast_dtype: torch.dtype | None = None,
              with_depth: bool = True, fused: bool = False, depth_head: nn.Module | None = None,
-             head_streams: tuple[torch.cuda.Stream, torch.cuda.Stream] | None = None) -> StepOutput:
+             head_stream: torch.cuda.Stream | None = None) -> StepOutput:
         """One streaming step.
 
         Args:
@@ -48,53 +48,38 @@ class LingBotMap(nn.Module):
             fused: the aggregator uses the Triton kernels (see ``Aggregator.forward``).
             depth_head: a stand-in for ``self.depth_head`` (e.g. its bf16 copy,
                 ``DepthHead.reduced_precision_copy``).
-            head_streams: two CUDA streams (camera, depth) on which the heads run beside
-                the aggregator and each other. The depth head turns each selected level
-                into its feature map as soon as that level's block is done (levels 0-2 while
-                the aggregator's later blocks still run), then fuses the four; the camera
-                head, a chain of small memory-bound matrix-vector products, runs beside the
-                depth head's compute-bound convolutions. The step's outputs are ready on the
-                current stream when ``step`` returns (it waits for both). Same results.
+            head_stream: a CUDA stream for the camera head, which then runs concurrently
+                with the depth head (they share only their read-only input). The camera
+                head is a chain of small, memory-bound matrix-vector products, the depth
+                head a few compute-bound convolutions: side by side they fill the GPU
+                better than one after the other. The step's outputs are ready on the
+                current stream when ``step`` returns (it waits for the side stream).
         """
         device_type = images.device.type
-        height, width = images.shape[-2], images.shape[-1]
-        head = depth_head if depth_head is not None else self.depth_head
-        parallel = head_streams is not None and with_depth
-        feats: list[Tensor] = []
-        on_level = None
-        if parallel:
-            camera_stream, depth_stream = head_streams
-            main = torch.cuda.current_stream(images.device)
-
-            def on_level(k: int, level: Tensor) -> None:
-                depth_stream.wait_stream(main)  # the level is written
-                with torch.cuda.stream(depth_stream), torch.autocast(device_type, enabled=False):
-                    feats.append(head.level_features(k, level, height, width))
-
         # cache_enabled=False: no weight-cast cache, which CUDA-graph capture cannot keep (weights are bf16 anyway)
         with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None,
                             cache_enabled=False):
             levels = self.aggregator(images, positions, global_attend, phase1=phase1, sequence_start=sequence_start,
-                                     fused=fused, on_level=on_level)
+                                     fused=fused)
         with torch.autocast(device_type, enabled=False):
-            # the heads run in float32; the camera head reads only the camera token
-            camera_input = levels[-1][:, :1].float()
-            depth = conf = None
+            levels = [lv.float() for lv in levels]  # the heads run in float32
+            parallel = head_stream is not None and with_depth
             if parallel:
-                camera_stream.wait_stream(main)
-                with torch.cuda.stream(camera_stream):
-                    pose_enc = self.camera_head(camera_input, camera_iterations, camera_attend)
-                with torch.cuda.stream(depth_stream):
-                    depth, conf = head.fuse(feats, height, width)
-                # join: everything after this on the current stream sees the outputs. The
-                # levels stay referenced until here, so the allocator cannot hand their
-                # memory to the current stream while a head still reads them.
-                main.wait_stream(camera_stream)
-                main.wait_stream(depth_stream)
+                main = torch.cuda.current_stream(images.device)
+                head_stream.wait_stream(main)  # the levels are written
+                with torch.cuda.stream(head_stream):
+                    pose_enc = self.camera_head(levels[-1], camera_iterations, camera_attend)
             else:
-                pose_enc = self.camera_head(camera_input, camera_iterations, camera_attend)
-                if with_depth:
-                    depth, conf = head(levels, height, width)
+                pose_enc = self.camera_head(levels[-1], camera_iterations, camera_attend)
+            depth = conf = None
+            if with_depth:
+                head = depth_head if depth_head is not None else self.depth_head
+                depth, conf = head(levels, images.shape[-2], images.shape[-1])
+            if parallel:
+                # join: everything after this on the current stream sees the pose. The
+                # levels stay referenced until here, so the allocator cannot hand their
+                # memory to the current stream while the camera head still reads it.
+                main.wait_stream(head_stream)
         return StepOutput(pose_enc, depth, conf)
 
     def head_modules(self) -> list[nn.Module]:

@@ -54,8 +54,8 @@ PARAMETERS: tuple[Param, ...] = (
           "ignored elsewhere)"),
     Param("bf16_depth_head", True, "Run the depth head's convolutions in bf16, channels-last (CUDA, bf16 "
           "only; the camera head stays float32)"),
-    Param("parallel_heads", True, "Run the heads on their own CUDA streams, beside the aggregator and each "
-          "other (CUDA only; same results)"),
+    Param("parallel_heads", True, "Run the camera head on a second CUDA stream beside the depth head (CUDA "
+          "only; same results)"),
     Param("seed", 0, "Seed of the random weights used when checkpoint is empty", limits=(0, 2**31 - 1, 1)),
     Param("image_width", 518, "Model input width in pixels (multiple of 14); height follows the aspect ratio",
           limits=(14, 4088, 14)),

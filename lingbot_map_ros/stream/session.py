@@ -122,8 +122,8 @@ class StreamingSession:
         self.depth_head = model.depth_head.reduced_precision_copy(upsample=fast_upsample, norm_to=fast_norm) if (
             cfg.bf16_depth_head and self.dtype == torch.bfloat16 and self.device.type == "cuda") else None
         self._autocast = self.dtype if self.dtype != torch.float32 else None
-        # the heads' streams (camera, depth: beside the aggregator and each other; see LingBotMap.step)
-        self._head_streams = (torch.cuda.Stream(self.device), torch.cuda.Stream(self.device)) if (
+        # the camera head's stream (it runs beside the depth head; see LingBotMap.step)
+        self._head_stream = torch.cuda.Stream(self.device) if (
             cfg.parallel_heads and with_depth and self.device.type == "cuda") else None
         self._pages: PageTable | None = None
         self._pool: KVPool | None = None
@@ -343,7 +343,7 @@ class StreamingSession:
                                phase1=plan.phase1, sequence_start=plan.phase1,
                                camera_iterations=self.cfg.camera_iterations, autocast_dtype=self._autocast,
                                with_depth=self.with_depth, fused=self.fused, depth_head=self.depth_head,
-                               head_streams=self._head_streams)
+                               head_stream=self._head_stream)
 
     def _speculate(self, graphed: GraphedStep, tokens: int) -> None:
         """Plan the next frame's step as the keyframe policy predicts it and load it into the
@@ -369,7 +369,7 @@ class StreamingSession:
                                               camera_iterations=self.cfg.camera_iterations,
                                               autocast_dtype=self._autocast, with_depth=self.with_depth,
                                               fused=self.fused, depth_head=self.depth_head,
-                                              head_streams=self._head_streams,
+                                              head_stream=self._head_stream,
                                               kv_splits=self.cfg.kv_splits or None,
                                               min_pages=self.cfg.num_scale_frames + 2)
         return self._graphed

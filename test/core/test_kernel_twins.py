@@ -285,34 +285,3 @@ def test_gelu_epilogue_mlp_twin_is_the_mlp_with_tanh_gelu_and_cpu_falls_back():
     assert not torch.equal(twin, exact)
     torch.testing.assert_close(twin, exact, rtol=0, atol=5e-4 * 64 * module.fc2.weight.abs().max().item())
     torch.testing.assert_close(mlp_kernels.gelu_epilogue_mlp(module, x), exact, rtol=0, atol=0)  # CPU: mlp(x)
-
-
-def test_aggregator_reports_each_level_as_soon_as_it_exists(tiny_model, fixtures):
-    """``on_level`` (where the step starts the depth head's per-level work on its own stream)
-    sees each selected level once, in order, as the tensor the aggregator returns; and the
-    depth head's level_features + fuse is its forward."""
-    from lingbot_map_ros.cache.attention import make_backend
-    from lingbot_map_ros.cache.pool import KVPool, PoolAttention, make_device_plan
-    from lingbot_map_ros.cache.pages import PageTable
-
-    cfg = tiny_model.cfg
-    images = torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])[:2]
-    h, w = images.shape[-2:]
-    ps = (h // cfg.patch_size) * (w // cfg.patch_size)
-    pages = PageTable(ps, 2, 3, cfg.max_frame_num, 2)
-    plan = pages.plan_step(2, True)
-    dplan = make_device_plan(plan, SPECIAL_TOKENS + ps, torch.device("cpu"))
-    pool = KVPool(cfg.depth, pages.num_pages, ps, cfg.num_heads, cfg.head_dim, torch.float32, torch.device("cpu"))
-    backend = make_backend("sdpa", torch.device("cpu"), torch.float32)
-    backend.begin_step(dplan)
-    seen = []
-    with torch.no_grad():
-        levels = tiny_model.aggregator(images, torch.arange(2), PoolAttention(pool, backend, dplan.write_slots),
-                                       phase1=True, sequence_start=True,
-                                       on_level=lambda k, lv: seen.append((k, lv)))
-        assert [k for k, _ in seen] == [0, 1, 2, 3] and all(lv is levels[k] for k, lv in seen)
-        head = tiny_model.depth_head
-        split = head.fuse([head.level_features(k, lv, h, w) for k, lv in enumerate(levels)], h, w)
-        whole = head(levels, h, w)
-    for a, b in zip(split, whole):
-        torch.testing.assert_close(a, b, rtol=0, atol=0)
