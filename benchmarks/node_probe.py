@@ -246,7 +246,24 @@ def instrument(probe: Probe, session) -> None:
         return accept(self, msg, convert)
 
     node_module.LingBotMapNode._accept = aged_accept
-    probe.time_calls(engine_module, "preprocess_array")
+    # hand-over: the executor's submit_frame until the inference thread starts on the frame
+    handover = probe.calls["hand-over (submit -> inference thread)"]
+    submitted: dict[int, float] = {}
+    submit, process = engine_module.InferenceEngine.submit_frame, engine_module.InferenceEngine._process
+
+    def timed_submit(self, frame):
+        submitted[id(frame)] = time.perf_counter()
+        return submit(self, frame)
+
+    def timed_process(self, frame):
+        t = submitted.pop(id(frame), None)
+        if t is not None:
+            handover.append((time.perf_counter() - t) * 1e3)
+        return process(self, frame)
+
+    engine_module.InferenceEngine.submit_frame = timed_submit
+    engine_module.InferenceEngine._process = timed_process
+    probe.time_calls(engine_module, "model_input")
     probe.time_calls(session, "push")
     probe.time_calls(engine_module.InferenceEngine, "_publish_clouds")
     probe.time_calls(engine_module.InferenceEngine, "_publish_status")

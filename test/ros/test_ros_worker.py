@@ -187,3 +187,24 @@ def test_map_merge_keeps_one_point_per_voxel_across_frames():
     # a far-away point cannot be keyed and stays out of the consolidated map
     k, ok = voxel_keys(np.array([[1e9, 0, 0], [np.nan, 0, 0], [1.0, 2.0, 3.0]]), 0.5)
     assert ok.tolist() == [False, False, True]
+
+
+def test_gil_switch_interval_is_shortened_and_can_be_kept_or_overridden(capsys):
+    import sys
+
+    pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
+    from lingbot_map_ros.ros.node import GIL_SWITCH_ENV, set_gil_switch_interval
+
+    before = sys.getswitchinterval()
+    try:
+        sys.setswitchinterval(0.005)
+        assert set_gil_switch_interval({}) == pytest.approx(0.0005)  # the node's default
+        assert set_gil_switch_interval({GIL_SWITCH_ENV: "0.2"}) == pytest.approx(0.0002)
+        sys.setswitchinterval(0.005)
+        assert set_gil_switch_interval({GIL_SWITCH_ENV: "0"}) == pytest.approx(0.005)  # Python's own kept
+        assert set_gil_switch_interval({GIL_SWITCH_ENV: "fast"}) == pytest.approx(0.0005)  # unreadable: default
+        assert "ignoring LINGBOT_GIL_SWITCH_MS='fast'" in capsys.readouterr().err
+        assert set_gil_switch_interval({GIL_SWITCH_ENV: "-3"}) == pytest.approx(0.0005)
+        assert "ignoring" in capsys.readouterr().err
+    finally:
+        sys.setswitchinterval(before)
