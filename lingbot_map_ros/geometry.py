@@ -16,6 +16,8 @@ for them.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 _EPS = 1e-12
@@ -67,6 +69,8 @@ def matrix_to_quaternion(rot: np.ndarray) -> np.ndarray:
         [..., 4] unit quaternions (x, y, z, w) with w ≥ 0.
     """
     m = np.asarray(rot, dtype=np.float64)
+    if m.shape == (3, 3):
+        return _matrix_to_quaternion_one(m).astype(_float_dtype(np.asarray(rot)))
     m00, m01, m02 = m[..., 0, 0], m[..., 0, 1], m[..., 0, 2]
     m10, m11, m12 = m[..., 1, 0], m[..., 1, 1], m[..., 1, 2]
     m20, m21, m22 = m[..., 2, 0], m[..., 2, 1], m[..., 2, 2]
@@ -90,6 +94,22 @@ def matrix_to_quaternion(rot: np.ndarray) -> np.ndarray:
     wxyz = wxyz / np.maximum(np.linalg.norm(wxyz, axis=-1, keepdims=True), _EPS)
     wxyz = np.where(wxyz[..., :1] < 0, -wxyz, wxyz)
     return wxyz[..., [1, 2, 3, 0]].astype(_float_dtype(np.asarray(rot)))
+
+
+def _matrix_to_quaternion_one(m: np.ndarray) -> np.ndarray:
+    """``matrix_to_quaternion`` of one 3x3 matrix in Python floats: the same formulas and
+    pivot (the first largest of 4w², 4x², 4y², 4z²) without a dozen small numpy calls
+    (~5 µs instead of ~200 µs; the node converts a pose three times per frame)."""
+    (m00, m01, m02), (m10, m11, m12), (m20, m21, m22) = m.tolist()
+    four_sq = (1 + m00 + m11 + m22, 1 + m00 - m11 - m22, 1 - m00 + m11 - m22, 1 - m00 - m11 + m22)
+    best = max(range(4), key=four_sq.__getitem__)
+    w, x, y, z = ((four_sq[0], m21 - m12, m02 - m20, m10 - m01),
+                  (m21 - m12, four_sq[1], m10 + m01, m02 + m20),
+                  (m02 - m20, m10 + m01, four_sq[2], m12 + m21),
+                  (m10 - m01, m02 + m20, m12 + m21, four_sq[3]))[best]
+    norm = max(math.sqrt(w * w + x * x + y * y + z * z), _EPS)
+    sign = -1.0 if w / norm < 0 else 1.0
+    return np.array([sign * (x / norm), sign * (y / norm), sign * (z / norm), sign * (w / norm)])
 
 
 # ----------------------------------------------------------------------------- model outputs

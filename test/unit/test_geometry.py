@@ -298,3 +298,26 @@ def test_apply_sim3_to_poses():
     np.testing.assert_allclose(out[:, :3, :3], R @ c2w[:, :3, :3])
     np.testing.assert_allclose(np.linalg.det(out[:, :3, :3]), 1.0)
     np.testing.assert_array_equal(out[:, 3], np.broadcast_to([0, 0, 0, 1.0], (4, 4)))
+
+
+def test_one_matrix_quaternion_is_the_batched_one_exactly():
+    """The scalar path for a single 3x3 matrix (used per published pose) gives the batched
+    path's numbers bit for bit, including the 180-degree turns where the pivot changes."""
+    from lingbot_map_ros.geometry import matrix_to_quaternion
+
+    rng = np.random.default_rng(7)
+    q = rng.normal(size=(500, 4))
+    q /= np.linalg.norm(q, axis=1, keepdims=True)
+    x, y, z, w = q.T
+    rots = np.stack([
+        np.stack([1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w)], -1),
+        np.stack([2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w)], -1),
+        np.stack([2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)], -1)], -2)
+    special = np.stack([np.eye(3), np.diag([1.0, -1, -1]), np.diag([-1.0, 1, -1]), np.diag([-1.0, -1, 1])])
+    rots = np.concatenate([rots, special])
+    batched = matrix_to_quaternion(rots)
+    for r, b in zip(rots, batched):
+        one = matrix_to_quaternion(r)
+        assert one.shape == (4,) and np.array_equal(one, b)
+        assert one[3] >= 0
+    assert matrix_to_quaternion(rots[0].astype(np.float32)).dtype == np.float32
