@@ -14,6 +14,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
+from lingbot_map_ros.kernels.upsample import upsample_bilinear
+
 
 def timed(fn, reps=200):
     for _ in range(10):
@@ -59,7 +61,6 @@ def main() -> int:
              lambda: F.interpolate(t, size=size, mode="bilinear", align_corners=True),
              lambda: F.interpolate(t.contiguous(), size=size, mode="bilinear", align_corners=True).contiguous(
                  memory_format=torch.channels_last))
-        from lingbot_map_ros.kernels.upsample import upsample_bilinear
         line(f"upsample {c}x{hw}->{size}: NHWC  |  Triton NHWC kernel",
              lambda: F.interpolate(t, size=size, mode="bilinear", align_corners=True),
              lambda: upsample_bilinear(t, size))

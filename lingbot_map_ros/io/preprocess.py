@@ -111,19 +111,34 @@ def preprocess_array(rgb: np.ndarray, width: int = DEFAULT_WIDTH) -> np.ndarray:
     Returns:
         float32 array [3, H', W] in [0, 1], exactly as ``preprocess_pil``.
     """
+    rgb = _checked_rgb(rgb)
+    if _is_model_sized(rgb, width):
+        # already the model's size (a camera set to it): the resize would be the identity and
+        # there is no crop; one pass, the same float32 division as preprocess_pil
+        return uint8_to_image(rgb)
+    return preprocess_pil(Image.fromarray(np.ascontiguousarray(rgb)), width)
+
+
+def uint8_to_image(rgb: np.ndarray) -> np.ndarray:
+    """uint8 [H, W, 3] -> float32 [3, H, W] in [0, 1]: the float32 division of preprocessing."""
+    out = np.empty((3, *rgb.shape[:2]), np.float32)
+    np.divide(rgb.transpose(2, 0, 1), np.float32(255.0), out=out, dtype=np.float32)
+    return out
+
+
+def _checked_rgb(rgb: np.ndarray) -> np.ndarray:
     rgb = np.asarray(rgb)
     if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
         raise ValueError(
             f"expected a uint8 RGB array of shape [H, W, 3], got {rgb.dtype} {rgb.shape}"
         )
+    return rgb
+
+
+def _is_model_sized(rgb: np.ndarray, width: int) -> bool:
+    """Preprocessing would neither resize nor crop this [H, W, 3] frame."""
     height, width_in = rgb.shape[:2]
-    if target_size(width_in, height, width) == (width_in, height) and height <= width_in:
-        # already the model's size (a camera set to it): the resize would be the identity and
-        # there is no crop; one pass, the same float32 division as preprocess_pil
-        out = np.empty((3, height, width_in), np.float32)
-        np.divide(rgb.transpose(2, 0, 1), np.float32(255.0), out=out, dtype=np.float32)
-        return out
-    return preprocess_pil(Image.fromarray(np.ascontiguousarray(rgb)), width)
+    return target_size(width_in, height, width) == (width_in, height) and height <= width_in
 
 
 def model_input(rgb: np.ndarray, width: int = DEFAULT_WIDTH) -> np.ndarray:
@@ -132,15 +147,8 @@ def model_input(rgb: np.ndarray, width: int = DEFAULT_WIDTH) -> np.ndarray:
     no host conversion), else ``preprocess_array``'s float32 [3, H', W].
 
     Either gives the model the same float32 values."""
-    rgb = np.asarray(rgb)
-    if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3:
-        raise ValueError(
-            f"expected a uint8 RGB array of shape [H, W, 3], got {rgb.dtype} {rgb.shape}"
-        )
-    height, width_in = rgb.shape[:2]
-    if target_size(width_in, height, width) == (width_in, height) and height <= width_in:
-        return np.ascontiguousarray(rgb)
-    return preprocess_array(rgb, width)
+    rgb = _checked_rgb(rgb)
+    return np.ascontiguousarray(rgb) if _is_model_sized(rgb, width) else preprocess_array(rgb, width)
 
 
 def input_size(image: np.ndarray) -> tuple[int, int]:

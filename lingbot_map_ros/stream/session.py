@@ -24,6 +24,7 @@ from ..cache.pool import CameraKVCache, KVPool, PoolAttention, make_device_plan
 from .. import kernels
 from ..config import SPECIAL_TOKENS, StreamConfig
 from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
+from ..io.preprocess import input_size, uint8_to_image
 from ..model.lingbot import LingBotMap
 from .graphs import GraphedStep, make_graphed_step
 
@@ -50,8 +51,7 @@ class FrameResult:
     @property
     def size(self) -> tuple[int, int]:
         """(H, W) of the model input."""
-        shape = self.frame.shape
-        return (shape[0], shape[1]) if self.frame.dtype == np.uint8 else (shape[1], shape[2])
+        return input_size(self.frame)
 
     @property
     def image(self) -> np.ndarray:
@@ -65,13 +65,6 @@ class FrameResult:
         if self.frame.dtype == np.uint8:
             return self.frame.reshape(-1, 3)[pixels]
         return np.clip(np.rint(self.frame.reshape(3, -1)[:, pixels].T * 255.0), 0, 255).astype(np.uint8)
-
-
-def uint8_to_image(rgb: np.ndarray) -> np.ndarray:
-    """uint8 [H, W, 3] -> float32 [3, H, W] in [0, 1]: the float32 division of preprocessing."""
-    out = np.empty((3, *rgb.shape[:2]), np.float32)
-    np.divide(rgb.transpose(2, 0, 1), np.float32(255.0), out=out, dtype=np.float32)
-    return out
 
 
 class SessionError(RuntimeError):

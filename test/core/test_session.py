@@ -168,7 +168,7 @@ def test_forced_keyframe_decision(tiny_model, fixture_config, images):
 def test_uint8_frames_give_the_float_frames_results(tiny_model, fixture_config, images):
     """A uint8 [H, W, 3] camera frame is converted on the session's device with the float32
     division of preprocessing: the same model input, so the same outputs, bit for bit."""
-    from lingbot_map_ros.stream.session import uint8_to_image
+    from lingbot_map_ros.io.preprocess import uint8_to_image
 
     rng = np.random.default_rng(0)
     h, w = images.shape[-2:]

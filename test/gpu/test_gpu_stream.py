@@ -164,7 +164,8 @@ def test_uint8_frames_become_the_float_frames_on_the_gpu():
     the host's float32 preprocessing (a reciprocal multiplication would miss by an ulp)."""
     from lingbot_map_ros.config import ModelConfig, StreamConfig
     from lingbot_map_ros.io.checkpoint import load_model
-    from lingbot_map_ros.stream.session import StreamingSession, uint8_to_image
+    from lingbot_map_ros.io.preprocess import uint8_to_image
+    from lingbot_map_ros.stream.session import StreamingSession
 
     model = load_model(ModelConfig.preset("tiny"), None, device="cuda", dtype="fp32", seed=0)
     session = StreamingSession(model, StreamConfig(backend="sdpa", device="cuda"))
