@@ -58,7 +58,40 @@ def main(argv=None) -> int:
         print(f"{e.self_device_time_total / 1e3 / a.frames:8.3f} ms {e.count / a.frames:6.0f}x  {e.key[:110]}")
     if a.copies:
         trace_copies(session, frames[-1])
+        copy_kernel_sources(session, frames[-1])
     return 0
+
+
+def copy_kernel_sources(session, frame) -> None:
+    """One more step under the profiler with Python stacks: every copy kernel attributed to
+    the chain of aten ops that launched it (this sees copies made inside ops too)."""
+    from collections import Counter
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        session.push(frame)
+        torch.cuda.synchronize()
+    seen: Counter = Counter()
+    for e in prof.events():
+        kernels = [k for k in getattr(e, "kernels", []) if "copy" in k.name.lower()]
+        if not kernels or e.device_type != torch.autograd.DeviceType.CPU:
+            continue
+        chain, top = [], e
+        while top is not None and top.name.startswith("aten::"):
+            chain.append(top.name.removeprefix("aten::"))
+            top = top.cpu_parent
+        stack = next((x.stack for x in (e, *_parents(e)) if x.stack), [])
+        where = " < ".join(s.split("lingbot_map_ros/")[-1].split("(")[0] + ":" + s.split("(")[-1].split(")")[0]
+                           for s in stack if "lingbot_map_ros" in s)[:150]
+        seen[(" < ".join(chain[:4]), where)] += len(kernels)
+    print("\ncopy kernels of one eager step by launching op chain and source (count):")
+    for (chain, where), n in seen.most_common(30):
+        print(f"{n:5d}  {chain}\n       {where}")
+
+
+def _parents(e):
+    while e.cpu_parent is not None:
+        e = e.cpu_parent
+        yield e
 
 
 COPY_OPS = {"aten.copy_.default", "aten._to_copy.default", "aten.clone.default", "aten.cat.default",

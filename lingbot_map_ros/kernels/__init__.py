@@ -43,6 +43,7 @@ def self_check(device: torch.device | str, heads: int, head_dim: int, widths: tu
     from .merge import merge_reference, merge_states
     from .mlp import gelu_epilogue_mlp, gelu_epilogue_mlp_reference
     from .qk_rope import XOR_HALVES, XOR_INTERLEAVED, qk_norm_rope, qk_norm_rope_reference
+    from .residual import residual_add, residual_add_reference
 
     device = torch.device(device)
     bf16 = torch.bfloat16
@@ -57,6 +58,11 @@ def self_check(device: torch.device | str, heads: int, head_dim: int, widths: tu
             x = torch.randn(5, width, generator=gen).to(device)
             if not close(layer_norm(x, ln, bf16), layer_norm_reference(x, ln, bf16)):
                 return f"layer_norm disagrees with PyTorch at width {width}"
+            branch = torch.randn(5, width, generator=gen).to(device, bf16)
+            gamma = torch.rand(width, generator=gen).to(device, bf16)
+            got, want = residual_add(x, branch, gamma, ln, bf16), residual_add_reference(x, branch, gamma, ln, bf16)
+            if not (close(got[0], want[0]) and close(got[1], want[1])):
+                return f"the residual update + LayerNorm kernel disagrees with PyTorch at width {width}"
         n = 7
         qkv = torch.randn(n, 3 * heads * head_dim, generator=gen).to(device, bf16)
         qn, kn = nn.LayerNorm(head_dim).to(device, bf16), nn.LayerNorm(head_dim).to(device, bf16)

@@ -107,7 +107,9 @@ class Aggregator(nn.Module):
             sequence_start: the first frame of the step is the first of a sequence.
             fused: use the Triton kernels of ``lingbot_map_ros.kernels`` (CUDA, bf16
                 weights): LayerNorms written in bf16, q/k norm + RoPE (+ K/V store) in one
-                kernel, the MLP's GELU in fc1's epilogue. Same maths as the PyTorch path
+                kernel, the MLP's GELU in fc1's epilogue, each LayerScale residual update
+                together with the LayerNorm that reads its result (``kernels.residual``;
+                no float32 copies of the bf16 branch). Same maths as the PyTorch path
                 but for that GELU (tanh form, below bf16 resolution; ``kernels.mlp``).
         Returns:
             4 tensors [S, P, 2*embed_dim] (frame output | global output of the
@@ -118,7 +120,7 @@ class Aggregator(nn.Module):
         ropes = self.rope_set(grid_h, grid_w, images.device)
         cos3, sin3 = ropes.rope3d.lookup(positions)  # [S, P, 32]
         heads, head_dim = self.cfg.num_heads, self.cfg.embed_dim // self.cfg.num_heads
-        norm, mlp = _apply_norm, _apply_mlp
+        norm, mlp, residual = _apply_norm, _apply_mlp, None
         if fused:
             from ..kernels.layer_norm import layer_norm
             from ..kernels.qk_rope import XOR_HALVES, XOR_INTERLEAVED, qk_norm_rope, tables_interleaved
@@ -130,6 +132,12 @@ class Aggregator(nn.Module):
 
             norm = fused_norm
             from ..kernels.mlp import gelu_epilogue_mlp as mlp
+            from ..kernels.residual import residual_add
+
+            def fused_residual(x: Tensor, branch: Tensor, gamma: Tensor, next_norm: nn.LayerNorm | None):
+                return residual_add(x, branch, gamma, next_norm, act_dtype)
+
+            residual = fused_residual
 
             cos2h, sin2h = ropes.halves()
         global_fusable = fused and hasattr(global_attend, "destinations")
@@ -139,7 +147,7 @@ class Aggregator(nn.Module):
             rotation3 = rope3d_rotation(cos3, sin3)  # [S, P, 1, 32] complex
 
         x = (images - self._mean) / self._std
-        patches = self.patch_embed(x.to(self._mean.dtype), norm=norm, mlp=mlp)  # [S, gh*gw, C]
+        patches = self.patch_embed(x.to(self._mean.dtype), norm=norm, mlp=mlp, residual=residual)  # [S, gh*gw, C]
         x = torch.cat([self.special_tokens(s, phase1, sequence_start).to(patches.dtype), patches], dim=1)
         tokens = x.shape[1]
 
@@ -162,7 +170,7 @@ class Aggregator(nn.Module):
         outputs = []
         selected = set(self.cfg.intermediate_layer_idx)
         for layer, (frame_block, global_block) in enumerate(zip(self.frame_blocks, self.global_blocks)):
-            x = frame_block(x, frame_attend, norm, mlp)
+            x = frame_block(x, frame_attend, norm, mlp, residual)
             frame_out = x
 
             def global_plain(q: Tensor, k: Tensor, v: Tensor, layer: int = layer) -> Tensor:
@@ -179,7 +187,7 @@ class Aggregator(nn.Module):
                 return global_attend.attend_written(layer, q).unsqueeze(0)
 
             attend = _Attend(global_plain, global_fused if global_fusable else None)
-            x = global_block(x.reshape(1, s * tokens, -1), attend, norm, mlp).view(s, tokens, -1)
+            x = global_block(x.reshape(1, s * tokens, -1), attend, norm, mlp, residual).view(s, tokens, -1)
             if layer in selected:
                 outputs.append(torch.cat([frame_out, x], dim=-1))
         return outputs

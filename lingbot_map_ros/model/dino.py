@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from .layers import Block, MlpFn, NormFn, _apply_mlp, _apply_norm
+from .layers import Block, MlpFn, NormFn, ResidualFn, _apply_mlp, _apply_norm
 
 
 class PatchProjection(nn.Module):
@@ -59,7 +59,8 @@ class DinoEncoder(nn.Module):
         self._pos_cache[key] = table
         return table
 
-    def forward(self, images: Tensor, norm: NormFn = _apply_norm, mlp: MlpFn = _apply_mlp) -> Tensor:
+    def forward(self, images: Tensor, norm: NormFn = _apply_norm, mlp: MlpFn = _apply_mlp,
+                residual: ResidualFn | None = None) -> Tensor:
         s, _, h, w = images.shape
         grid_h, grid_w = h // self.patch_size, w // self.patch_size
         x = self.patch_embed(images)
@@ -68,6 +69,6 @@ class DinoEncoder(nn.Module):
         regs = self.register_tokens.expand(s, -1, -1).to(x.dtype)
         x = torch.cat([x[:, :1], regs, x[:, 1:]], dim=1)
         for block in self.blocks:
-            x = block(x, norm=norm, mlp=mlp)
+            x = block(x, norm=norm, mlp=mlp, residual=residual)
         x = self.norm(x)
         return x[:, 1 + self.num_register_tokens:]

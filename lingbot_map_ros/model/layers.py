@@ -23,6 +23,9 @@ AttendFn = Callable[[Tensor, Tensor, Tensor], Tensor]
 NormFn = Callable[[nn.LayerNorm, Tensor], Tensor]
 # mlp(mlp_module, x) -> mlp_module(x) or an equivalent (e.g. with the GELU fused into fc1)
 MlpFn = Callable[[nn.Module, Tensor], Tensor]
+# residual(x, branch, gamma, next_norm) -> (x + gamma * branch, next_norm(new x) or None): lets a
+# caller fuse the LayerScale update with the LayerNorm that reads the new stream next
+ResidualFn = Callable[[Tensor, Tensor, Tensor, "nn.LayerNorm | None"], "tuple[Tensor, Tensor | None]"]
 
 
 def _apply_norm(norm: nn.Module, x: Tensor) -> Tensor:
@@ -96,7 +99,10 @@ class Block(nn.Module):
         self.ls2 = LayerScale(dim)
 
     def forward(self, x: Tensor, attend: AttendFn = sdpa_nhd, norm: NormFn = _apply_norm,
-                mlp: MlpFn = _apply_mlp) -> Tensor:
+                mlp: MlpFn = _apply_mlp, residual: ResidualFn | None = None) -> Tensor:
+        if residual is not None:  # fused: the first update also writes norm2 of its result
+            x, h = residual(x, self.attn(norm(self.norm1, x), attend), self.ls1.gamma, self.norm2)
+            return residual(x, mlp(self.mlp, h), self.ls2.gamma, None)[0]
         # x + gamma * branch in one kernel (addcmul) instead of a multiply and an add
         x = torch.addcmul(x, self.attn(norm(self.norm1, x), attend), self.ls1.gamma)
         return torch.addcmul(x, mlp(self.mlp, norm(self.norm2, x)), self.ls2.gamma)

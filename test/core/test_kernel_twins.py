@@ -19,7 +19,7 @@ from random_norms import random_norms
 
 from lingbot_map_ros.cache.flashinfer_backend import auto_kv_splits, split_pages
 from lingbot_map_ros.config import SPECIAL_TOKENS, StreamConfig
-from lingbot_map_ros.kernels import available, layer_norm, merge, qk_rope
+from lingbot_map_ros.kernels import available, layer_norm, merge, qk_rope, residual
 from lingbot_map_ros.kernels import mlp as mlp_kernels
 from lingbot_map_ros.model.rope import (Rope3DTables, apply_rope2d, apply_rope3d_complex, rope2d_tables,
                                         rope3d_rotation)
@@ -96,6 +96,27 @@ def test_layer_norm_twin_matches_the_module_and_rounds_once():
     torch.testing.assert_close(out, ln(x).to(torch.bfloat16), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_residual_twin_is_addcmul_then_layer_norm(x_dtype):
+    gen = torch.Generator().manual_seed(5)
+    ln = nn.LayerNorm(48)
+    with torch.no_grad():
+        ln.weight.normal_(generator=gen)
+        ln.bias.normal_(generator=gen)
+    x = (3 * torch.randn(2, 7, 48, generator=gen)).to(x_dtype)
+    branch = torch.randn(2, 7, 48, generator=gen).to(torch.bfloat16)
+    gamma = torch.rand(48, generator=gen).to(torch.bfloat16)
+    new, normed = residual.residual_add_reference(x, branch, gamma, ln, torch.bfloat16)
+    # what autocast does with the addcmul: everything promoted to the widest dtype
+    expected = torch.addcmul(x.to(new.dtype), branch.to(new.dtype), gamma.to(new.dtype))
+    assert new.dtype == x_dtype
+    torch.testing.assert_close(new, expected, rtol=0, atol=0)
+    assert normed.dtype == torch.bfloat16
+    torch.testing.assert_close(normed, ln(new.float()).to(torch.bfloat16), rtol=0, atol=0)
+    only, none = residual.residual_add_reference(x, branch, gamma)
+    assert none is None and torch.equal(only, new)
+
+
 def partial_attention(q, k, v):
     """SDPA over one part of the keys, with its base-2 log-sum-exp (FlashInfer's convention)."""
     scores = torch.einsum("nhd,mhd->hnm", q, k) / math.sqrt(q.shape[-1])
@@ -155,7 +176,7 @@ def test_fused_plumbing_with_twins_equals_plain_path(tiny_model, fixture_config,
         return out
 
     plain = run(False)
-    calls = {"qk": 0, "ln": 0, "mlp": 0}
+    calls = {"qk": 0, "ln": 0, "mlp": 0, "res": 0, "res_norm": 0}
 
     def qk_twin(*a, **k):
         calls["qk"] += 1
@@ -169,6 +190,12 @@ def test_fused_plumbing_with_twins_equals_plain_path(tiny_model, fixture_config,
         calls["mlp"] += 1
         return module(x)
 
+    def residual_twin(x, branch, gamma, norm=None, norm_dtype=torch.bfloat16):
+        calls["res"] += 1
+        calls["res_norm"] += norm is not None
+        return residual.residual_add_reference(x, branch, gamma, norm, norm_dtype)
+
+    monkeypatch.setattr(residual, "residual_add", residual_twin)
     monkeypatch.setattr(mlp_kernels, "gelu_epilogue_mlp", mlp_exact)
     monkeypatch.setattr(qk_rope, "qk_norm_rope", qk_twin)
     monkeypatch.setattr(layer_norm, "layer_norm", ln_twin)
@@ -176,8 +203,10 @@ def test_fused_plumbing_with_twins_equals_plain_path(tiny_model, fixture_config,
     cfg_model = tiny_model.cfg
     steps = 1 + 6 - cfg.num_scale_frames  # phase 1, then one step per frame
     assert calls["qk"] == steps * 2 * cfg_model.depth  # frame and global blocks
-    assert calls["ln"] == steps * 2 * (cfg_model.depth * 2 + cfg_model.dino_depth)
-    assert calls["mlp"] == steps * (cfg_model.depth * 2 + cfg_model.dino_depth)
+    blocks = cfg_model.depth * 2 + cfg_model.dino_depth
+    assert calls["ln"] == steps * blocks  # norm1; norm2 comes with the first residual update
+    assert calls["res"] == steps * 2 * blocks and calls["res_norm"] == steps * blocks
+    assert calls["mlp"] == steps * blocks
     assert len(fused) == len(plain) == 6
     for a, b in zip(fused, plain):
         np.testing.assert_allclose(a.pose_enc, b.pose_enc, rtol=1e-4, atol=1e-5)

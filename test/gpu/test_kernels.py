@@ -116,3 +116,26 @@ def test_gelu_epilogue_mlp_matches_twin_and_the_exact_gelu(rows):
     assert err_fused < 1e-2 and err_twin < 1e-2, (err_fused, err_twin)
     assert err_fused <= 1.5 * err_twin, (err_fused, err_twin)
     assert (fused - twin).abs().max() / scale < 1e-2
+
+
+@pytest.mark.parametrize("rows,channels,x_dtype", [(1005, 1024, torch.float32), (8 * 1005, 1024, torch.float32),
+                                                   (1005, 1024, BF16), (7, 96, torch.float32), (34, 2048, BF16)])
+def test_residual_add_matches_twin(rows, channels, x_dtype):
+    from lingbot_map_ros.kernels import residual
+
+    gen = torch.Generator().manual_seed(rows + channels)
+    x = (4 * torch.randn(2 * rows, channels, generator=gen) + 1).to("cuda", x_dtype)[::2]  # strided rows
+    branch = torch.randn(rows, channels, generator=gen).to("cuda", BF16)
+    gamma = torch.rand(channels, generator=gen).to("cuda", BF16)
+    ln, _ = norms(channels, channels)
+    new, normed = residual.residual_add(x, branch, gamma, ln, BF16)
+    want_new, want_normed = residual.residual_add_reference(x, branch, gamma, ln, BF16)
+    assert new.dtype == x_dtype and normed.dtype == BF16 and new.shape == normed.shape == x.shape
+    # float32 stream: the same sum up to an FMA's rounding; bf16 stream: one bf16 step
+    if x_dtype == torch.float32:
+        torch.testing.assert_close(new, want_new, rtol=1e-6, atol=1e-6)
+    else:
+        bf16_close(new, want_new)
+    bf16_close(normed, want_normed)
+    alone, nothing = residual.residual_add(x, branch, gamma)
+    assert nothing is None and torch.equal(alone, new)
