@@ -1,9 +1,22 @@
-"""FlashInfer paged attention over the K/V pool (CUDA only; bf16 or fp16 pages).
+"""FlashInfer attention over the K/V pool (CUDA only; bf16 or fp16 pages).
 
 All ``qo_len`` queries of a step attend, unmasked, to the ``kv_len`` tokens of the
 plan's visible pages (all full but the last, which holds ``last_page_len`` tokens).
 The pages are used in place, whatever their size (999, 777, 28 tokens: no padding
 to a power of two).
+
+Two ways to read the pool:
+
+* paged (variants ``fa2``, ``fa3-paged``): FlashInfer's paged kernel, given the
+  visible page ids. Its FA3 form gathers K/V rows itself (no TMA; 192 x 96 tiles for
+  head_dim 64).
+* ragged (variant ``fa3``): the pool of one layer is one contiguous tensor and the
+  visible pages form a few contiguous runs of it (``cache.pages`` keeps them so:
+  ascending patch pages, the special stream in a range of its own); FlashInfer's
+  ragged FA3 kernel reads each run with TMA (192 x 128 tiles). Order does not matter
+  to unmasked attention over already-rotated keys. The keys between runs are
+  skipped by requests with no queries (``ragged_requests``). About 10% faster than
+  the paged kernel at the model's shapes (``benchmarks/attention_variants.py``).
 
 Split-KV. FlashInfer's FA3 kernel gives each (query tile, head) pair to one SM and
 walks all its keys; a one-frame step at 518x378 has ceil(1005/192) x 16 = 96 such
@@ -45,7 +58,7 @@ from .. import kernels
 from ..kernels.merge import merge_reference, merge_states
 from .pool import DevicePlan
 
-VARIANTS = ("fa2", "fa3")
+VARIANTS = ("fa2", "fa3", "fa3-paged")  # fa3: the ragged kernel over the pool's runs
 KV_DTYPES = (torch.bfloat16, torch.float16)  # FlashInfer has no float32 attention kernels
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace (split-KV partials)
 
@@ -68,9 +81,9 @@ def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_s
     the first is charged 2% of the call for the extra query copies and the merge.
     FA2 plans its own key splits: 1.
     """
-    if variant != "fa3":
+    if not variant.startswith("fa3"):
         return 1
-    tile_q = 192 if head_dim == 64 else 128  # FlashInfer's paged FA3 query tile
+    tile_q = 192 if head_dim == 64 else 128  # FlashInfer's FA3 query tile (paged and ragged)
     items = -(-qo_len // tile_q) * heads
     ideal = items / num_sms
     best, best_cost = 1, float("inf")
@@ -85,6 +98,69 @@ def split_pages(num_pages: int, splits: int) -> list[int]:
     """Pages per request when ``num_pages`` visible pages go to ``splits`` contiguous runs."""
     base, extra = divmod(num_pages, splits)
     return [base + (1 if i < extra else 0) for i in range(splits)]
+
+
+class FragmentedPool(ValueError):
+    """The visible keys form more contiguous runs of the pool than a CUDA-graph step of the
+    ragged kernel has splits for (the session then runs that step without its graph)."""
+
+
+def visible_runs(pages, last_page_len: int, page_size: int) -> list[tuple[int, int]]:
+    """Token intervals [start, end) of the pool (viewed as [pages * page_size, ...]) that the
+    visible ``pages`` cover (all full but the last listed, which holds ``last_page_len``),
+    ascending, adjacent pages merged."""
+    last = len(pages) - 1
+    spans = sorted((p * page_size, p * page_size + (last_page_len if i == last else page_size))
+                   for i, p in enumerate(pages))
+    runs: list[list[int]] = []
+    for a, b in spans:
+        if runs and runs[-1][1] == a:
+            runs[-1][1] = b
+        else:
+            runs.append([a, b])
+    return [(a, b) for a, b in runs]
+
+
+def ragged_requests(runs: list[tuple[int, int]], splits: int, qo_len: int,
+                    num_requests: int | None = None) -> tuple[list[int], list[int]]:
+    """FlashInfer ragged-batch index arrays (qo_indptr, kv_indptr) that attend ``splits``
+    copies of the queries over the ``runs`` (token intervals of one contiguous key tensor).
+
+    Every run gets at least one split (more to the longer ones, so the splits carry
+    similar numbers of keys) and is cut into equal chunks; request j with queries reads
+    query copy j. The keys before and between runs go to requests with no queries (they
+    do no work), so every key index is covered once and only visible keys are read.
+    ``num_requests`` pads with empty requests to a fixed batch size (CUDA graphs).
+    Raises FragmentedPool when there are more runs than splits, ValueError when the
+    runs hold fewer keys than splits.
+    """
+    total = sum(b - a for a, b in runs)
+    if len(runs) > splits:
+        raise FragmentedPool(f"{len(runs)} runs of visible keys for {splits} splits")
+    if total < splits:
+        raise ValueError(f"{total} visible keys cannot fill {splits} splits")
+    share = [1] * len(runs)
+    for _ in range(splits - len(runs)):  # one more split to the run with the most keys per split
+        i = max(range(len(runs)), key=lambda j: ((runs[j][1] - runs[j][0]) / share[j], -j))
+        share[i] += 1
+    qo, kv = [0], [0]
+    at = 0
+    for (a, b), n in zip(runs, share):
+        if a > at:  # skipped keys: a request without queries
+            qo.append(qo[-1])
+            kv.append(a)
+        base, extra = divmod(b - a, n)
+        for i in range(n):
+            qo.append(qo[-1] + qo_len)
+            kv.append(kv[-1] + base + (1 if i < extra else 0))
+        at = b
+    if num_requests is not None:
+        if len(qo) - 1 > num_requests:
+            raise FragmentedPool(f"{len(qo) - 1} requests for a batch of {num_requests}")
+        while len(qo) - 1 < num_requests:
+            qo.append(qo[-1])
+            kv.append(kv[-1])
+    return qo, kv
 
 
 class FlashInferBackend:
@@ -106,6 +182,8 @@ class FlashInferBackend:
         self._flashinfer = flashinfer
         self.name = f"flashinfer-{variant}"
         self.variant = variant
+        self.ragged = variant == "fa3"
+        self._kernel = variant.split("-")[0]  # FlashInfer's backend argument
         self.device = device
         self.kv_splits = kv_splits
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
@@ -113,8 +191,14 @@ class FlashInferBackend:
         self.graph_mode = graph_pages is not None
         self._graph_pages = graph_pages
         self._min_graph_pages = max(1, min_graph_pages)
-        self._wrapper = None if self.graph_mode else flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self._workspace, kv_layout="NHD", backend=variant)
+        if self.graph_mode:
+            self._wrapper = None
+        elif self.ragged:
+            self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, kv_layout="NHD",
+                                                                           backend=self._kernel)
+        else:
+            self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
+                                                                          backend=self._kernel)
         self._merge = None  # chosen on first use (after a session's kernel self-check)
         self._buffers: dict[tuple, Tensor] = {}
         # plan() fills a pinned host buffer and copies it to the device asynchronously; the
@@ -147,16 +231,18 @@ class FlashInferBackend:
         if not self._planned:
             self._plan(k_pages)
         s, dtype = self.splits, k_pages.dtype
+        kv = (k_pages.view(-1, *k_pages.shape[2:]), v_pages.view(-1, *v_pages.shape[2:])) if self.ragged \
+            else ((k_pages, v_pages),)
         if s == 1:
             q = q[0] if q.dim() == 4 else q
-            return self._wrapper.run(q.to(dtype).contiguous(), (k_pages, v_pages))
+            return self._wrapper.run(q.to(dtype).contiguous(), *kv)
         qo, heads, dim = self._step.qo_len, k_pages.shape[-2], k_pages.shape[-1]
         q_rep = self._buffer("q", (s, qo, heads, dim), dtype)
         if q.data_ptr() != q_rep.data_ptr():
             q_rep.copy_(q.unsqueeze(0).expand(s, -1, -1, -1))
         o = self._buffer("o", (s, qo, heads, dim), dtype)
         lse = self._buffer("lse", (s, qo, heads), torch.float32)
-        self._wrapper.run(q_rep.view(s * qo, heads, dim), (k_pages, v_pages), out=o.view(s * qo, heads, dim),
+        self._wrapper.run(q_rep.view(s * qo, heads, dim), *kv, out=o.view(s * qo, heads, dim),
                           lse=lse.view(s * qo, heads), return_lse=True)
         if self._merge is None:
             self._merge = merge_states if kernels.available(self.device) else merge_reference
@@ -186,10 +272,14 @@ class FlashInferBackend:
             return torch.zeros(n, dtype=torch.int32, device=self.device)
 
         # CUDA-graph mode: plan() copies into these buffers, a captured run() reads them
+        if self.ragged:  # at most one skipped range before each of at most ``splits`` runs
+            return self._flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+                self._workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=i32(2 * splits + 1),
+                kv_indptr_buf=i32(2 * splits + 1), backend=self._kernel)
         return self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=i32(splits + 1),
             paged_kv_indptr_buf=i32(splits + 1), paged_kv_indices_buf=i32(self._graph_pages),
-            paged_kv_last_page_len_buf=i32(splits), backend=self.variant)
+            paged_kv_last_page_len_buf=i32(splits), backend=self._kernel)
 
     def _plan(self, k_pages: Tensor) -> None:
         step = self._step
@@ -201,9 +291,24 @@ class FlashInferBackend:
             raise ValueError(f"pages hold {page_size} tokens but the step was planned for {step.plan.page_size}")
         num_pages = len(step.plan.read_pages)
         splits = self._choose_splits(step.qo_len, heads, head_dim, num_pages)
+        if self.ragged:
+            runs = visible_runs(step.plan.read_pages, step.plan.last_page_len, page_size)
+            if not self.graph_mode:
+                splits = max(splits, len(runs))  # a run per split at least
+            qo_list, kv_list = ragged_requests(runs, splits, step.qo_len,
+                                               2 * splits if self.graph_mode else None)
         if self.graph_mode and self._wrapper is None:
             self._wrapper = self._make_graph_wrapper(splits)
         self.splits = splits
+        if self.ragged:
+            if not self._plan_copied.query():
+                self._plan_copied.synchronize()
+            self._wrapper.plan(torch.tensor(qo_list, dtype=torch.int32), torch.tensor(kv_list, dtype=torch.int32),
+                               heads, heads, head_dim, causal=False, q_data_type=k_pages.dtype,
+                               kv_data_type=k_pages.dtype)
+            self._plan_copied.record(torch.cuda.current_stream(self.device))
+            self._planned = True
+            return
         counts = split_pages(num_pages, splits)
         qo_indptr = torch.arange(splits + 1, dtype=torch.int32) * step.qo_len
         kv_indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)

@@ -9,7 +9,8 @@ pools share these page ids.
   ``sliding_window`` frames (the newest included) and their pages return to the
   free list when they leave it.
 * Special stream: 6 tokens per stored frame packed densely into append-only
-  pages drawn from the same pool.
+  pages. They have their own range of page ids at the end of the pool, taken in
+  order, so the stream's tokens are one contiguous run of the pool.
 * Two scratch pages take the K/V of an attend-only (non-keyframe) step: its
   patch tokens, and the part of its special tokens that does not fit into the
   special stream's last page. Nothing of such a step is kept.
@@ -20,6 +21,12 @@ when the step succeeded is the plan applied (``apply``). A failed step therefore
 leaves the bookkeeping exactly as it was. The visible page list is ordered patch
 pages first, then special pages, so every page is full but the last, which is
 what paged-attention kernels expect.
+
+Page ids: 0 and 1 scratch, then the patch pages (a free stack that hands out
+ascending ids until pages come back), then the special range. The visible tokens
+are therefore a few contiguous runs of the pool (kernels that read keys as
+contiguous ranges rely on that, ``cache.flashinfer_backend.visible_runs``): the
+window's pages are the patch range but for the pages that are free.
 """
 from __future__ import annotations
 
@@ -49,9 +56,10 @@ class StepPlan:
     special_slots: tuple[int, ...]  # 6 * num_frames slots for the special tokens, frame-major
     read_pages: tuple[int, ...]  # visible pages: patch pages, then special pages
     last_page_len: int  # tokens used in read_pages[-1]
-    new_pages: tuple[int, ...]  # pages taken from the free list when applied (top of the stack first)
+    new_pages: tuple[int, ...]  # patch pages taken from the free list when applied (top of the stack first)
     evict: int  # window frames that leave the cache when applied
     page_size: int
+    new_special_pages: tuple[int, ...] = ()  # special pages the stream grows by when applied
 
     @property
     def kv_len(self) -> int:
@@ -70,7 +78,7 @@ class CacheStats:
     resident_frames: int  # frames whose patch pages are in the cache
     scale_pages: int
     window_pages: int
-    free_pages: int
+    free_pages: int  # patch pages
     special_tokens: int
     special_pages: int
     pending_evictions: int
@@ -80,7 +88,7 @@ class CacheStats:
 
 @dataclass
 class _State:
-    free: list[int]  # stack: pop() gives the next page
+    free: list[int]  # patch pages, a stack: pop() gives the next page
     scale: list[tuple[int, int]] = field(default_factory=list)  # (temporal index, page)
     window: deque = field(default_factory=deque)  # (temporal index, page), oldest first
     special_pages: list[int] = field(default_factory=list)
@@ -111,13 +119,14 @@ class PageTable:
         patch_pages = num_scale_frames + sliding_window + max_pending_evictions + 1  # +1: stored before evicting
         self.scratch_patch_page = 0
         self.scratch_special_page = 1
+        self.first_special_page = 2 + patch_pages
         self.num_pages = 2 + patch_pages + special_pages
         self.deferred = False
         self._undo: _State | None = None
         self._state = self._fresh()
 
     def _fresh(self) -> _State:
-        return _State(free=list(range(self.num_pages - 1, 1, -1)))
+        return _State(free=list(range(self.first_special_page - 1, 1, -1)))
 
     # ------------------------------------------------------------------ queries
     @property
@@ -204,6 +213,7 @@ class PageTable:
 
         # special stream: slots for the step's 6*S tokens after the current tail
         special_pages = list(st.special_pages)
+        new_special: list[int] = []
         start = st.special_count
         end = start + SPECIAL_TOKENS * num_frames
         overflow_page = None
@@ -212,7 +222,12 @@ class PageTable:
             index, offset = divmod(pos, ps)
             if index >= len(special_pages):
                 if store:
-                    special_pages.append(take())
+                    page = self.first_special_page + len(special_pages)
+                    if page >= self.num_pages:  # unreachable below the horizon checked above
+                        raise CacheFullError(f"the special stream's {self.num_pages - self.first_special_page} "
+                                             "pages are full")
+                    special_pages.append(page)
+                    new_special.append(page)
                 else:
                     overflow_page = self.scratch_special_page
                     slots.append(overflow_page * ps + pos - len(special_pages) * ps)
@@ -223,7 +238,8 @@ class PageTable:
         last_len = (end - 1) % ps + 1 if overflow_page is None else end - len(special_pages) * ps
         return StepPlan(num_frames=num_frames, store=store, phase1=phase1, first_position=st.stored,
                         frame_pages=frame_pages, special_slots=tuple(slots), read_pages=tuple(read_pages),
-                        last_page_len=last_len, new_pages=tuple(taken), evict=evict, page_size=ps)
+                        last_page_len=last_len, new_pages=tuple(taken), evict=evict, page_size=ps,
+                        new_special_pages=tuple(new_special))
 
     # ------------------------------------------------------------------ transitions
     def apply(self, plan: StepPlan) -> None:
@@ -241,7 +257,7 @@ class PageTable:
             st.scale.extend(zip(positions, plan.frame_pages))
         else:
             st.window.extend(zip(positions, plan.frame_pages))
-        st.special_pages.extend(p for p in plan.new_pages if p not in plan.frame_pages)
+        st.special_pages.extend(plan.new_special_pages)
         st.special_count += SPECIAL_TOKENS * plan.num_frames
         st.stored += plan.num_frames
         self._evict(plan.evict)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from ..cache.attention import AttentionBackend, make_backend
+from ..cache.flashinfer_backend import FragmentedPool  # importable without FlashInfer
 from ..cache.pages import CacheError, CacheStats, PageTable, StepPlan
 from ..cache.pool import CameraKVCache, KVPool, PoolAttention, make_device_plan
 from .. import kernels
@@ -300,9 +301,14 @@ class StreamingSession:
         prepared = speculated is not None and speculated[0] == plan
         dplan = speculated[1] if prepared else make_device_plan(plan, tokens, self.device)
         graphed = self._graphed_step() if s == 1 and not plan.phase1 else None
+        out = None
         if graphed is not None:
-            out = graphed(frames, dplan, prepared=prepared)
-        else:
+            try:
+                out = graphed(frames, dplan, prepared=prepared)
+            except FragmentedPool as exc:  # nothing ran yet: this step goes without the graph
+                log.warning("step without its CUDA graph: %s", exc)
+                graphed = None
+        if out is None:
             out = self._eager_step(frames, plan, dplan, pool, camera)
         pages.apply(plan)  # only now does the step become part of the cache
 
@@ -349,7 +355,10 @@ class StreamingSession:
         except CacheError:
             return
         dplan = make_device_plan(plan, tokens, self.device)
-        graphed.prepare(dplan)
+        try:
+            graphed.prepare(dplan)
+        except FragmentedPool:
+            return  # the step will say so and run without the graph
         self._next = (plan, dplan)
 
     def _graphed_step(self) -> GraphedStep | None:

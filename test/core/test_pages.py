@@ -25,32 +25,34 @@ def test_pool_size_and_initial_free_list():
     # 2 scratch + (2 scale + 3 window + 2 pending + 1) patch + ceil(6*64/8)=48 special
     assert t.num_pages == 2 + 8 + 48
     s = t.stats()
-    assert (s.free_pages, s.temporal_index, s.special_tokens) == (t.num_pages - 2, 0, 0)
+    assert (s.free_pages, s.temporal_index, s.special_tokens) == (8, 0, 0)  # patch pages
+    assert t.first_special_page == 2 + 8
 
 
 def test_phase1_pins_scale_pages_and_packs_specials():
     t = table()
     plan = step(t)
     assert plan.phase1 and plan.frame_pages == (2, 3)
-    # 12 special tokens: page 4 full (8), page 5 holds 4
-    assert plan.read_pages == (2, 3, 4, 5) and plan.last_page_len == 4
-    assert plan.special_slots == tuple([4 * PS + i for i in range(8)] + [5 * PS + i for i in range(4)])
+    # 12 special tokens: the special range's first page (10) full (8), page 11 holds 4
+    assert plan.read_pages == (2, 3, 10, 11) and plan.last_page_len == 4
+    assert plan.special_slots == tuple([10 * PS + i for i in range(8)] + [11 * PS + i for i in range(4)])
+    assert plan.new_special_pages == (10, 11) and plan.new_pages == (2, 3)
     assert plan.kv_len == 2 * PS + 12
     assert t.resident_positions() == [0, 1]
 
 
 def test_fifo_eviction_order_and_page_reuse():
     t = table()
-    step(t)  # pages 2,3 scale; specials in 4,5
+    step(t)  # pages 2,3 scale; specials in 10,11
     pages = [step(t).frame_pages[0] for _ in range(3)]  # window frames 2,3,4
-    assert pages == [6, 8, 9]  # page 7 went to the special stream with frame 2's tokens
+    assert pages == [4, 5, 6]  # ascending: the special stream has its own range
     assert t.resident_positions() == [0, 1, 2, 3, 4]
-    plan = step(t)  # frame 5 stored, frame 2 (page 6) evicted
-    assert plan.evict == 1 and plan.frame_pages == (11,)
+    plan = step(t)  # frame 5 stored, frame 2 (page 4) evicted
+    assert plan.evict == 1 and plan.frame_pages == (7,)
     assert t.resident_positions() == [0, 1, 3, 4, 5]
-    assert plan.read_pages[:5] == (2, 3, 8, 9, 11) and 6 not in plan.read_pages
-    plan = step(t)  # frame 6 reuses the freed page 6
-    assert plan.frame_pages == (6,) and t.resident_positions() == [0, 1, 4, 5, 6]
+    assert plan.read_pages[:5] == (2, 3, 5, 6, 7) and 4 not in plan.read_pages
+    plan = step(t)  # frame 6 reuses the freed page 4
+    assert plan.frame_pages == (4,) and t.resident_positions() == [0, 1, 4, 5, 6]
 
 
 def test_scale_pages_never_evicted():
@@ -71,9 +73,11 @@ def test_special_stream_crosses_page_boundaries():
     # 12 + 5*6 = 42 tokens -> 6 pages, last holds 2
     s = t.stats()
     assert s.special_tokens == 42 and s.special_pages == 6
-    # frame 2's tokens 12..17 land at offsets 4..7 of page 5 and 0..1 of the next special page
-    assert specials[0][:4] == tuple(5 * PS + i for i in range(4, 8))
-    assert all(slot // PS not in (2, 3) for slots in specials for slot in slots)
+    # frame 2's tokens 12..17 land at offsets 4..7 of page 11 and 0..1 of page 12: the
+    # stream is one contiguous run of slots
+    assert specials[0] == tuple(11 * PS + i for i in range(4, 10))
+    flat = [slot for slots in specials for slot in slots]
+    assert flat == list(range(10 * PS + 12, 10 * PS + 42))
 
 
 def test_attend_only_step_changes_nothing():
@@ -84,7 +88,7 @@ def test_attend_only_step_changes_nothing():
     plan = t.plan_step(1, store=False)
     assert plan.frame_pages == (t.scratch_patch_page,)
     assert plan.positions == (3,)
-    assert plan.read_pages[:4] == (2, 3, 6, t.scratch_patch_page)
+    assert plan.read_pages[:4] == (2, 3, 4, t.scratch_patch_page)
     # 18 stored specials + 6 own = 24 tokens = 3 full pages exactly
     assert plan.kv_len == 4 * PS + 24
     t.apply(plan)

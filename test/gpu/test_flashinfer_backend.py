@@ -1,4 +1,5 @@
-"""FlashInfer paged attention (FA2 and FA3) against the SDPA reference, one layer at a time.
+"""FlashInfer attention (FA2 paged, FA3 ragged over the pool's runs, FA3 paged) against the
+SDPA reference, one layer at a time.
 
 Every case draws a pool of bf16 pages, lists the visible pages in a shuffled,
 non-contiguous order, and fills every slot that is NOT visible (other pages, the tail
@@ -24,7 +25,7 @@ pytestmark = [
                        reason="flashinfer is not installed (carry its wheels to the GPU machine, see GPU.md)"),
 ]
 
-VARIANTS = ["fa2", "fa3"]
+VARIANTS = ["fa2", "fa3", "fa3-paged"]
 ABS_TOL = 2e-2
 MIN_COSINE = 0.999
 GARBAGE = 1e3  # in every slot the plan does not make visible
@@ -119,17 +120,24 @@ def test_float32_pool_is_refused_with_a_clear_error(variant):
         backend.attend(q, k.float(), v.float())
 
 
+@pytest.mark.parametrize("variant", ["fa3", "fa3-paged"])
 @pytest.mark.parametrize("splits", [2, 3, 8])
 @pytest.mark.parametrize("case", CASES[:4], ids=[f"ps{c[0]}-n{c[1]}-last{c[2]}-q{c[3]}" for c in CASES[:4]])
-def test_split_kv_matches_sdpa(case, splits):
-    """FA3 with the keys split over ``splits`` runs of pages (at most one per page), merged by LSE."""
-    from lingbot_map_ros.cache.flashinfer_backend import FlashInferBackend
+def test_split_kv_matches_sdpa(case, splits, variant):
+    """FA3 with the keys split over ``splits`` requests, merged by LSE: runs of pages (at most
+    one per page) for the paged kernel; for the ragged one at least one split per run of
+    adjacent visible pages, the keys between runs skipped (they hold garbage here)."""
+    from lingbot_map_ros.cache.flashinfer_backend import FlashInferBackend, visible_runs
 
-    backend = FlashInferBackend(torch.device("cuda"), "fa3", torch.bfloat16, kv_splits=splits)
+    backend = FlashInferBackend(torch.device("cuda"), variant, torch.bfloat16, kv_splits=splits)
     plan, q, k, v = make_step(*case, seed=sum(case) + splits)
     backend.begin_step(plan)
     out = backend.attend(q, k, v)
-    assert backend.splits == min(splits, case[1])
+    if variant == "fa3":
+        runs = visible_runs(plan.plan.read_pages, plan.plan.last_page_len, plan.plan.page_size)
+        assert backend.splits == max(min(splits, case[1]), len(runs))
+    else:
+        assert backend.splits == min(splits, case[1])
     ref = reference(plan, q, k, v)
     err = (out.float() - ref).abs().max().item()
     cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0).item()
@@ -141,10 +149,11 @@ def test_split_kv_matches_sdpa(case, splits):
     torch.testing.assert_close(backend.attend(buf, k, v), out, rtol=0, atol=0)
 
 
-def test_auto_split_is_used_for_a_full_window_step():
+@pytest.mark.parametrize("variant", ["fa3", "fa3-paged"])
+def test_auto_split_is_used_for_a_full_window_step(variant):
     from lingbot_map_ros.cache.flashinfer_backend import FlashInferBackend
 
-    backend = FlashInferBackend(torch.device("cuda"), "fa3", torch.bfloat16)
+    backend = FlashInferBackend(torch.device("cuda"), variant, torch.bfloat16)
     plan, q, k, v = make_step(999, 74, 300, 1005, 16, seed=5)
     backend.begin_step(plan)
     out = backend.attend(q, k, v)
@@ -153,3 +162,37 @@ def test_auto_split_is_used_for_a_full_window_step():
     assert backend.splits >= (2 if sms > 96 else 1)
     ref = reference(plan, q, k, v)
     assert (out.float() - ref).abs().max().item() < ABS_TOL
+
+
+def test_ragged_graph_wrapper_pads_to_its_batch_and_refuses_a_fragmented_pool():
+    """CUDA-graph mode: a fixed batch of 2 x splits requests, whatever the runs; more runs than
+    splits raise FragmentedPool before anything is launched."""
+    from lingbot_map_ros.cache.flashinfer_backend import FlashInferBackend, FragmentedPool
+
+    backend = FlashInferBackend(torch.device("cuda"), "fa3", torch.bfloat16, graph_pages=64, kv_splits=2,
+                                min_graph_pages=2)
+    read = (3, 4, 5, 9, 10)  # two runs
+    k = torch.full((12, 28, 2, 64), GARBAGE)
+    v = torch.full((12, 28, 2, 64), GARBAGE)
+    gen = torch.Generator().manual_seed(3)
+    for p in read:
+        k[p], v[p] = torch.randn(28, 2, 64, generator=gen), torch.randn(28, 2, 64, generator=gen)
+    k, v = k.to("cuda", torch.bfloat16), v.to("cuda", torch.bfloat16)
+    q = torch.randn(34, 2, 64, generator=gen).cuda()
+
+    def plan_of(pages):
+        step = StepPlan(num_frames=1, store=False, phase1=False, first_position=0, frame_pages=(), special_slots=(),
+                        read_pages=pages, last_page_len=28, new_pages=(), evict=0, page_size=28)
+        slots = torch.cat([torch.arange(p * 28, p * 28 + 28) for p in pages])
+        return DevicePlan(plan=step, write_slots=torch.empty(0, dtype=torch.long, device="cuda"),
+                          read_pages=torch.tensor(pages, dtype=torch.int32).cuda(), read_slots=slots.cuda(),
+                          tokens_per_frame=34)
+
+    plan = plan_of(read)
+    backend.begin_step(plan)
+    backend.prepare(k)
+    out = backend.attend(q, k, v)
+    assert (out.float() - reference(plan, q, k, v)).abs().max().item() < ABS_TOL
+    backend.begin_step(plan_of((3, 5, 9)))  # three runs for two splits
+    with pytest.raises(FragmentedPool):
+        backend.prepare(k)
