@@ -26,10 +26,10 @@ export PYTHONPATH=/tmp/site:$ROOT LINGBOT_FIXTURES=$ROOT/.fixtures
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo n/a), $(date -u)" >>"$LOG"
 summary() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], d['steady_state'], 'peak', d['peak_gpu_memory_gib'], 'phase1', d['phase1_ms'], 'bf16_vs_fp32', d['bf16_vs_fp32'], d['stage_ms_per_frame'])" "$1"; }
 run() { local limit=$1; shift; echo "== $*" >>"$LOG"; timeout "$limit" "$@" >>"$LOG" 2>&1; echo "   exit $?" >>"$LOG"; }
-run 260 python3 benchmarks/stream_fps.py --kv-splits 8 --out "$OUT/nvidia_h200_fa3_378.json"
-run 80 python3 benchmarks/stream_fps.py --kv-splits 8 --frames 150 --breakdown-frames 0 --compare-frames 0 \
+run 260 python3 benchmarks/stream_fps.py --out "$OUT/nvidia_h200_fa3_378.json"
+run 80 python3 benchmarks/stream_fps.py --frames 150 --breakdown-frames 0 --compare-frames 0 \
   --no-parallel-heads --out "$OUT/nvidia_h200_fa3_378_seq.json"
-run 80 python3 benchmarks/stream_fps.py --kv-splits 8 --height 294 --frames 200 --breakdown-frames 0 \
+run 80 python3 benchmarks/stream_fps.py --height 294 --frames 200 --breakdown-frames 0 \
   --compare-frames 0 --out "$OUT/nvidia_h200_fa3_294.json"
 for f in "$OUT"/nvidia_h200_fa3_*.json; do summary "$f" | tee -a "$LOG"; done
 run 150 python3 -m pytest -m gpu test/gpu -q -p no:cacheprovider
