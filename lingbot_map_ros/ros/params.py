@@ -48,10 +48,10 @@ PARAMETERS: tuple[Param, ...] = (
     Param("dtype", "fp32", "Aggregator dtype and K/V cache dtype (heads stay fp32)", choices=DTYPES),
     Param("cuda_graphs", True, "Replay the one-frame step from a CUDA graph (CUDA with a FlashInfer backend "
           "only; ignored elsewhere)"),
-    Param("kv_splits", 0, "Split each global-attention call over this many runs of pages (FlashInfer FA3) "
-          "so that every SM has work; 0 = chosen from the GPU's SM count", limits=(0, 64, 1)),
-    Param("fused_kernels", True, "Triton kernels for LayerNorm and q/k norm + RoPE + K/V store (CUDA, bf16; "
-          "ignored elsewhere)"),
+    Param("kv_splits", 0, "Split each global-attention call over this many parts of the keys (FlashInfer "
+          "FA3) so that every SM has work; 0 = about 7 work items per SM, at most 10", limits=(0, 64, 1)),
+    Param("fused_kernels", True, "Triton kernels for LayerNorm, residual update + LayerNorm, q/k norm + RoPE + "
+          "K/V store (CUDA, bf16; ignored elsewhere)"),
     Param("bf16_depth_head", True, "Run the depth head's convolutions in bf16, channels-last (CUDA, bf16 "
           "only; the camera head stays float32)"),
     Param("parallel_heads", True, "Run the camera head on a second CUDA stream beside the depth head (CUDA "
