@@ -22,21 +22,26 @@ Split-KV. FlashInfer's FA3 kernel gives each (query tile, head) pair to one SM a
 walks all its keys; a one-frame step at 518x378 has ceil(1005/192) x 16 = 96 such
 pairs for the H200's 132 SMs, so a quarter of the GPU idles for the whole call. The
 backend therefore issues the step as a batch of ``S`` requests that share the same
-queries (copied S times) and each read a contiguous run of the visible pages, and
-merges the S partial results with their log-sum-exps (``kernels.merge``). ``S`` is
-chosen per step from the SM count (``auto_kv_splits``) unless fixed.
+queries (copied S times) and each read a disjoint part of the visible keys (a run of
+pages for the paged kernel, a chunk of a run for the ragged one), and merges the S
+partial results with their log-sum-exps (``kernels.merge``). ``S`` is chosen per
+step from the SM count (``auto_kv_splits``) unless fixed; the ragged kernel takes at
+least one split per run when not in CUDA-graph mode.
 
 Interface (the ``AttentionBackend`` protocol plus two optional methods):
 
-* ``FlashInferBackend(device, variant="fa3" | "fa2", dtype=None, graph_pages=None,
-  kv_splits=None, min_graph_pages=1)``: ``dtype``, when given, is the pool's dtype and
-  is checked here, so an unsupported one (float32) fails at construction rather than
-  mid-step. ``graph_pages`` (the pool's page count) puts the wrapper in FlashInfer's
-  CUDA-graph mode: its indptr/indices/last-page buffers are preallocated and stay at
-  fixed addresses, every step must have the same query length (the first plan's)
-  and the same split count (chosen at the first plan, at most ``min_graph_pages``,
-  the fewest pages a graphed step can see), and ``prepare`` must run ``plan()``
-  before a capture or replay (a captured ``attend`` only launches kernels).
+* ``FlashInferBackend(device, variant="fa3" | "fa3-paged" | "fa2", dtype=None,
+  graph_pages=None, kv_splits=None, min_graph_pages=1)``: ``dtype``, when given, is
+  the pool's dtype and is checked here, so an unsupported one (float32) fails at
+  construction rather than mid-step. ``graph_pages`` (the pool's page count) puts the
+  wrapper in FlashInfer's CUDA-graph mode: its index buffers are preallocated and
+  stay at fixed addresses (the ragged kernel's batch is always 2 x splits requests,
+  padded with empty ones), every step must have the same query length (the first
+  plan's) and the same split count (chosen at the first plan, at most
+  ``min_graph_pages``, the fewest pages a graphed step can see), and ``prepare`` must
+  run ``plan()`` before a capture or replay (a captured ``attend`` only launches
+  kernels). A step whose visible keys form more runs than that split count raises
+  ``FragmentedPool`` from ``prepare`` (the session then runs it without the graph).
 * ``begin_step(plan)``: remembers the step's plan (no device work).
 * ``query_buffer(k_pages)``: the [S, qo_len, H, D] tensor that ``attend`` reads its
   queries from when handed it, so a producer can write the S copies directly.

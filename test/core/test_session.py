@@ -189,3 +189,37 @@ def test_uint8_frames_give_the_float_frames_results(tiny_model, fixture_config, 
     # the division really is per pixel and exact: every byte value
     ramp = np.arange(256, dtype=np.uint8).reshape(1, 256, 1).repeat(3, axis=2)
     np.testing.assert_array_equal(uint8_to_image(ramp)[0, 0], np.arange(256, dtype=np.float32) / np.float32(255))
+
+
+def test_a_step_its_graph_cannot_take_runs_eagerly_with_the_same_results(tiny_model, fixture_config, images,
+                                                                         caplog):
+    """A graphed step whose visible keys fall into more runs than its splits raises
+    FragmentedPool before launching anything; the session runs that step without the graph
+    with the same results (and does not prepare the next step in that graph)."""
+    from lingbot_map_ros.cache.flashinfer_backend import FragmentedPool
+
+    class Fragmented:
+        calls = prepares = 0
+
+        def __call__(self, frames, dplan, prepared=False):
+            Fragmented.calls += 1
+            raise FragmentedPool("9 runs of visible keys for 8 splits")
+
+        def prepare(self, dplan):
+            Fragmented.prepares += 1
+            raise FragmentedPool("9 runs of visible keys for 8 splits")
+
+    plain = push_all(make(tiny_model, fixture_config), images[:6])
+    s = make(tiny_model, fixture_config)
+    s._graphed_step = lambda: Fragmented()
+    with caplog.at_level("WARNING"):
+        fallback = push_all(s, images[:6])
+    steps = 6 - s.cfg.num_scale_frames
+    assert Fragmented.calls == steps and Fragmented.prepares == 0 and s._next is None
+    assert sum("without its CUDA graph" in r.message for r in caplog.records) == steps
+    for a, b in zip(fallback, plain, strict=True):
+        np.testing.assert_array_equal(a.pose_enc, b.pose_enc)
+        np.testing.assert_array_equal(a.depth, b.depth)
+    # preparing the next step in a graph that cannot take it is skipped, not an error
+    s._speculate(Fragmented(), s.model.cfg.tokens_per_frame(*s._resolution))
+    assert Fragmented.prepares == 1 and s._next is None
