@@ -128,6 +128,7 @@ class StreamingSession:
         self._deferred = cfg.deferred_eviction
         self._last_stored_frame: int | None = None
         self._graphed: GraphedStep | None = None  # the one-frame step as a CUDA graph (see graphs.py)
+        self.graph_fallbacks = 0  # one-frame steps that ran without their graph (FragmentedPool)
         # the next graphed step, planned and loaded while the GPU ran the current one
         self._next: tuple[StepPlan, object] | None = None
         self._outputs_on_host = 0.0  # perf_counter() when the last step's outputs reached the host
@@ -306,7 +307,9 @@ class StreamingSession:
             try:
                 out = graphed(frames, dplan, prepared=prepared)
             except FragmentedPool as exc:  # nothing ran yet: this step goes without the graph
-                log.warning("step without its CUDA graph: %s", exc)
+                self.graph_fallbacks += 1
+                if self.graph_fallbacks == 1 or self.graph_fallbacks % 1000 == 0:
+                    log.warning("step without its CUDA graph (%d so far): %s", self.graph_fallbacks, exc)
                 graphed = None
         if out is None:
             out = self._eager_step(frames, plan, dplan, pool, camera)

@@ -216,7 +216,8 @@ def test_a_step_its_graph_cannot_take_runs_eagerly_with_the_same_results(tiny_mo
         fallback = push_all(s, images[:6])
     steps = 6 - s.cfg.num_scale_frames
     assert Fragmented.calls == steps and Fragmented.prepares == 0 and s._next is None
-    assert sum("without its CUDA graph" in r.message for r in caplog.records) == steps
+    assert s.graph_fallbacks == steps  # counted; warned about once, not at the frame rate
+    assert sum("without its CUDA graph" in r.message for r in caplog.records) == 1
     for a, b in zip(fallback, plain, strict=True):
         np.testing.assert_array_equal(a.pose_enc, b.pose_enc)
         np.testing.assert_array_equal(a.depth, b.depth)
