@@ -78,7 +78,6 @@ def check_kv_dtype(dtype: torch.dtype) -> None:
 
 
 WAVES = 7  # work items per SM that auto_kv_splits aims for
-MAX_SPLITS = 64  # StreamConfig.kv_splits' bound
 
 
 def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_sms: int, variant: str,
@@ -265,14 +264,11 @@ class FlashInferBackend:
 
     def _choose_splits(self, qo_len: int, heads: int, head_dim: int, num_pages: int) -> int:
         if self.graph_mode and self._wrapper is not None:
-            if num_pages < self.splits and not self.ragged:
+            if num_pages < self.splits:
                 raise ValueError(f"this CUDA-graph step was captured with {self.splits} KV splits but the "
                                  f"step sees only {num_pages} pages")
             return self.splits
-        if self.ragged:  # splits cut runs of tokens, not pages: any count up to the config's bound
-            limit = MAX_SPLITS
-        else:
-            limit = min(num_pages, self._min_graph_pages) if self.graph_mode else num_pages
+        limit = min(num_pages, self._min_graph_pages) if self.graph_mode else num_pages
         s = self.kv_splits or auto_kv_splits(qo_len, heads, head_dim, limit, self._num_sms, self.variant)
         return max(1, min(s, limit))
 
