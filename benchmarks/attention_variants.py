@@ -15,30 +15,15 @@ from an fp32 reference. A benchmark aid for deciding what to build; nothing is a
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 
 from lingbot_map_ros.kernels.merge import merge_states
+from micro_levers import timed  # benchmarks/ is the script's directory
 
 H, D, PS = 16, 64, 999
-
-
-def timed(fn, reps=100):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        times.append((s, e))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in times) * 1e3  # us
 
 
 def reference(q, k, v):

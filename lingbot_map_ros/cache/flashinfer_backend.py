@@ -300,28 +300,21 @@ class FlashInferBackend:
             runs = visible_runs(step.plan.read_pages, step.plan.last_page_len, page_size)
             if not self.graph_mode:
                 splits = max(splits, len(runs))  # a run per split at least
-            qo_list, kv_list = ragged_requests(runs, splits, step.qo_len,
-                                               2 * splits if self.graph_mode else None)
+            qo_list, kv_list = ragged_requests(runs, splits, step.qo_len, 2 * splits if self.graph_mode else None)
+            args = (torch.tensor(qo_list, dtype=torch.int32), torch.tensor(kv_list, dtype=torch.int32), heads, heads,
+                    head_dim)
+        else:
+            counts = split_pages(num_pages, splits)
+            qo_indptr = torch.arange(splits + 1, dtype=torch.int32) * step.qo_len
+            kv_indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            last_page_len = torch.full((splits,), page_size, dtype=torch.int32)
+            last_page_len[-1] = step.plan.last_page_len
+            args = (qo_indptr, kv_indptr, step.read_pages, last_page_len, heads, heads, head_dim, page_size)
         if self.graph_mode and self._wrapper is None:
             self._wrapper = self._make_graph_wrapper(splits)
         self.splits = splits
-        if self.ragged:
-            if not self._plan_copied.query():
-                self._plan_copied.synchronize()
-            self._wrapper.plan(torch.tensor(qo_list, dtype=torch.int32), torch.tensor(kv_list, dtype=torch.int32),
-                               heads, heads, head_dim, causal=False, q_data_type=k_pages.dtype,
-                               kv_data_type=k_pages.dtype)
-            self._plan_copied.record(torch.cuda.current_stream(self.device))
-            self._planned = True
-            return
-        counts = split_pages(num_pages, splits)
-        qo_indptr = torch.arange(splits + 1, dtype=torch.int32) * step.qo_len
-        kv_indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
-        last_page_len = torch.full((splits,), page_size, dtype=torch.int32)
-        last_page_len[-1] = step.plan.last_page_len
         if not self._plan_copied.query():
             self._plan_copied.synchronize()
-        self._wrapper.plan(qo_indptr, kv_indptr, step.read_pages, last_page_len, heads, heads, head_dim, page_size,
-                           causal=False, q_data_type=k_pages.dtype, kv_data_type=k_pages.dtype)
+        self._wrapper.plan(*args, causal=False, q_data_type=k_pages.dtype, kv_data_type=k_pages.dtype)
         self._plan_copied.record(torch.cuda.current_stream(self.device))
         self._planned = True
