@@ -54,13 +54,166 @@ def splits_of(total, s):
     return [base + (1 if i < extra else 0) for i in range(s)]
 
 
+def quantize_per_head(x):
+    """bf16 [N, H, D] -> (e4m3 [N, H, D], float32 scale [H]) with amax / 448 per head."""
+    scale = (x.float().abs().amax(dim=(0, 2)) / 448.0).clamp_min(1e-12)
+    return (x.float() / scale[None, :, None]).to(torch.float8_e4m3fn), scale
+
+
+def tail_rows(flashinfer, ws, q, k_pool, v_pool, kv, pages, last, ref, split_list):
+    """FA3 computes whole 192-query tiles: 1005 queries cost 6 tiles (1152 rows). Here the
+    first 960 (5 tiles) go to FA3 ragged with S key splits and the last 45 to FlashInfer's
+    FA2 kernel (16/64-query tiles, its own key splits), each writing its rows of one output."""
+    bf16, dev = torch.bfloat16, q.device
+    qo = q.shape[0]
+    main = qo // 192 * 192
+    t = qo - main
+    kc, vc = k_pool[:kv], v_pool[:kv]
+    k_pages, v_pages = k_pool.view(pages, PS, H, D), v_pool.view(pages, PS, H, D)
+    ws2 = torch.empty(64 * 2**20, dtype=torch.uint8, device=dev)
+    out = torch.empty(qo, H, D, device=dev, dtype=bf16)
+    q_tail = q[main:].contiguous()
+    fa2 = flashinfer.BatchPrefillWithPagedKVCacheWrapper(ws2, kv_layout="NHD", backend="fa2")
+    fa2.plan(torch.tensor([0, t], dtype=torch.int32), torch.tensor([0, pages], dtype=torch.int32),
+             torch.arange(pages, dtype=torch.int32, device=dev), torch.tensor([last], dtype=torch.int32), H, H, D,
+             PS, causal=False, q_data_type=bf16, kv_data_type=bf16)
+
+    def run_fa2_paged():
+        return fa2.run(q_tail, (k_pages, v_pages), out=out[main:])
+
+    report(f"FA2 paged, the {t} tail queries alone", timed(run_fa2_paged), run_fa2_paged(), ref[main:])
+    fa2r = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws2, kv_layout="NHD", backend="fa2")
+    fa2r.plan(torch.tensor([0, t], dtype=torch.int32), torch.tensor([0, kv], dtype=torch.int32), H, H, D,
+              causal=False, q_data_type=bf16, kv_data_type=bf16)
+
+    def run_fa2_ragged():
+        return fa2r.run(q_tail, kc, vc, out=out[main:])
+
+    report(f"FA2 ragged, the {t} tail queries alone", timed(run_fa2_ragged), run_fa2_ragged(), ref[main:])
+    ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout="NHD", backend="fa3")
+    for s in split_list:
+        counts = splits_of(kv, s)
+        kv_indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        o = torch.empty(s, qo, H, D, device=dev, dtype=bf16)
+        lse = torch.empty(s, qo, H, device=dev)
+        q_rep = q.unsqueeze(0).expand(s, -1, -1, -1).contiguous()
+        # (a) now: all qo queries per split
+        ragged.plan(torch.arange(s + 1, dtype=torch.int32) * qo, kv_indptr, H, H, D, causal=False,
+                    q_data_type=bf16, kv_data_type=bf16)
+
+        def run_all():
+            ragged.run(q_rep.view(-1, H, D), kc, vc, out=o.view(-1, H, D), lse=lse.view(-1, H), return_lse=True)
+            return merge_states(o, lse, out)
+
+        report(f"FA3 ragged, {qo} queries, {s} splits + merge (now)", timed(run_all), run_all(), ref)
+        # (b) the same query buffer; request j reads queries [j*qo, j*qo+main), then a request
+        # with the tail queries and no keys; FA2 does the tail
+        qo_l, kv_l = [0], [0]
+        for c in kv_indptr[1:].tolist():
+            qo_l += [qo_l[-1] + main, qo_l[-1] + qo]
+            kv_l += [c, c]
+        try:
+            ragged.plan(torch.tensor(qo_l, dtype=torch.int32), torch.tensor(kv_l, dtype=torch.int32), H, H, D,
+                        causal=False, q_data_type=bf16, kv_data_type=bf16)
+
+            def run_split_tail():
+                ragged.run(q_rep.view(-1, H, D), kc, vc, out=o.view(-1, H, D), lse=lse.view(-1, H),
+                           return_lse=True)
+                merge_states(o, lse, out[:main])
+                fa2.run(q_rep[0, main:], (k_pages, v_pages), out=out[main:])
+                return out
+
+            report(f"FA3 {main} + keyless tail requests, {s} splits + merge + FA2 paged tail",
+                   timed(run_split_tail), run_split_tail(), ref)
+        except Exception as exc:  # noqa: BLE001 - a probe
+            print(f"keyless tail requests: {type(exc).__name__}: {exc}")
+        # (c) main queries only (contiguous copies), FA2 tail
+        qm = q[:main].unsqueeze(0).expand(s, -1, -1, -1).contiguous()
+        om = torch.empty(s, main, H, D, device=dev, dtype=bf16)
+        lm = torch.empty(s, main, H, device=dev)
+        ragged.plan(torch.arange(s + 1, dtype=torch.int32) * main, kv_indptr, H, H, D, causal=False,
+                    q_data_type=bf16, kv_data_type=bf16)
+
+        def run_main_only():
+            ragged.run(qm.view(-1, H, D), kc, vc, out=om.view(-1, H, D), lse=lm.view(-1, H), return_lse=True)
+            return merge_states(om, lm, out[:main])
+
+        report(f"FA3 ragged, {main} queries only, {s} splits + merge", timed(run_main_only), run_main_only(),
+               ref[:main])
+
+        def run_main_fa2():
+            run_main_only()
+            fa2.run(q_tail, (k_pages, v_pages), out=out[main:])
+            return out
+
+        report(f"  + FA2 paged tail (same stream)", timed(run_main_fa2), run_main_fa2(), ref)
+
+
+def fp8_rows(flashinfer, ws, q, k, v, ref, split_list):
+    """FA3 ragged with e4m3 q/k/v (P quantised in the kernel too); errors against the fp32
+    attention of the unquantised bf16 inputs, also relative to the output's largest value.
+    Then the same with 4x sharper attention logits (q x 4), where quantisation bites more."""
+    bf16 = torch.bfloat16
+    qo, kv = q.shape[0], k.shape[0]
+    kq, sk = quantize_per_head(k)
+    vq, sv = quantize_per_head(v)
+    ragged = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(ws, kv_layout="NHD", backend="fa3")
+    for sharp in (1.0, 4.0):
+        qs = (q.float() * sharp).to(bf16)
+        qq, sq = quantize_per_head(qs)
+        ref_s = ref if sharp == 1.0 else reference(qs, k, v)
+        top = ref_s.abs().max().item()
+        for s in split_list:
+            counts = splits_of(kv, s)
+            qo_indptr = torch.arange(s + 1, dtype=torch.int32) * qo
+            kv_indptr = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            try:
+                ragged.plan(qo_indptr, kv_indptr, H, H, D, causal=False, q_data_type=torch.float8_e4m3fn,
+                            kv_data_type=torch.float8_e4m3fn, o_data_type=bf16)
+            except Exception as exc:  # noqa: BLE001 - a probe
+                print(f"FP8 ragged plan: {type(exc).__name__}: {exc}")
+                return
+            q_rep = qq.unsqueeze(0).expand(s, -1, -1, -1).contiguous()
+            o = torch.empty(s, qo, H, D, device=q.device, dtype=bf16)
+            lse = torch.empty(s, qo, H, device=q.device)
+            out = torch.empty(qo, H, D, device=q.device, dtype=bf16)
+
+            def run_fp8():
+                ragged.run(q_rep.view(-1, H, D), kq, vq, sq, sk, sv, out=o.view(-1, H, D), lse=lse.view(-1, H),
+                           return_lse=True)
+                return merge_states(o, lse, out) if s > 1 else o[0]
+
+            try:
+                res = run_fp8()
+            except Exception as exc:  # noqa: BLE001 - a probe
+                print(f"FP8 ragged run: {type(exc).__name__}: {exc}")
+                return
+            err = (res.float() - ref_s).abs().max().item()
+            print(f"{f'FP8 FA3 ragged, q x{sharp:g}, {s} splits + merge':64s} {timed(run_fp8):8.1f} us   "
+                  f"max |diff| vs fp32 {err:.3g} ({err / top:.3g} of max |out| {top:.3g})", flush=True)
+        # the bf16 kernel on the same inputs, for the relative error
+        ragged.plan(torch.tensor([0, qo], dtype=torch.int32), torch.tensor([0, kv], dtype=torch.int32), H, H, D,
+                    causal=False, q_data_type=bf16, kv_data_type=bf16)
+        ob = ragged.run(qs, k, v)
+        err = (ob.float() - ref_s).abs().max().item()
+        print(f"{f'bf16 FA3 ragged, q x{sharp:g}, 1 split':64s} {timed(lambda: ragged.run(qs, k, v)):8.1f} us   "
+              f"max |diff| vs fp32 {err:.3g} ({err / top:.3g} of max |out| {top:.3g})", flush=True)
+
+
 def main() -> int:
+    global PS
     ap = argparse.ArgumentParser()
     ap.add_argument("--kv-frames", type=int, default=73)
     ap.add_argument("--special", type=int, default=1800)
     ap.add_argument("--splits", default="1,4,6,8,11,12,16")
     ap.add_argument("--skip-ragged", action="store_true")
+    ap.add_argument("--page", type=int, default=PS, help="tokens per frame (999 at 518x378, 777 at 518x294)")
+    ap.add_argument("--tail-only", action="store_true",
+                    help="only the query-tail rows: FA3 on whole 192-query tiles, FA2 on the rest")
+    ap.add_argument("--fp8-only", action="store_true",
+                    help="only the FP8 (e4m3) ragged FA3 rows: q/k/v quantised with per-head scales")
     args = ap.parse_args()
+    PS = args.page
     if not torch.cuda.is_available():
         print("attention_variants: CUDA required", file=sys.stderr)
         return 2
@@ -110,6 +263,12 @@ def main() -> int:
 
             report(f"FA3 paged (page 999), {s} splits + merge", timed(run_paged), run_paged(), ref)
 
+    if args.tail_only:
+        tail_rows(flashinfer, ws, q, k_pool, v_pool, kv, pages, last, ref, split_list)
+        return 0
+    if args.fp8_only:
+        fp8_rows(flashinfer, ws, q, k_pool[:kv], v_pool[:kv], ref, split_list)
+        return 0
     paged_set(split_list)
 
     # ---- FA3 ragged (contiguous K/V, TMA loads)

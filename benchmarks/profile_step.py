@@ -32,6 +32,7 @@ def main(argv=None) -> int:
     p.add_argument("--kv-splits", type=int, default=0)
     p.add_argument("--no-fused-kernels", action="store_true")
     p.add_argument("--fp32-depth-head", action="store_true")
+    p.add_argument("--fp32-camera-head", action="store_true")
     p.add_argument("--no-parallel-heads", action="store_true")
     p.add_argument("--copies", action="store_true",
                    help="also list which Python lines launch copy/cast/cat kernels (with shapes)")
@@ -39,7 +40,7 @@ def main(argv=None) -> int:
     args = argparse.Namespace(num_scale_frames=8, sliding_window=64, keyframe_interval=1, camera_iterations=4,
                               backend=a.backend, dtype="bf16", no_cuda_graphs=True, kv_splits=a.kv_splits,
                               no_fused_kernels=a.no_fused_kernels, fp32_depth_head=a.fp32_depth_head,
-                              no_parallel_heads=a.no_parallel_heads)
+                              fp32_camera_head=a.fp32_camera_head, no_parallel_heads=a.no_parallel_heads)
     model = load_model(ModelConfig.preset("lingbot-map"), None, "cuda", "bf16", seed=0)
     session = StreamingSession(model, stream_config(args))
     full = 8 + 64

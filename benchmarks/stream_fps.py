@@ -53,6 +53,8 @@ def parse_args(argv=None):
                    help="PyTorch ops instead of the Triton kernels (LayerNorm, q/k norm + RoPE)")
     p.add_argument("--fp32-depth-head", action="store_true",
                    help="keep the depth head in float32 (default: bf16 channels-last copy)")
+    p.add_argument("--fp32-camera-head", action="store_true",
+                   help="keep the camera head's weights float32 (default: bf16 weights, kernels.gemv)")
     p.add_argument("--no-parallel-heads", action="store_true",
                    help="run the camera head after the depth head on one stream")
     p.add_argument("--compare-frames", type=int, default=12,
@@ -80,7 +82,9 @@ def stream_config(args, dtype=None, backend=None, cuda_graphs=None):
                         keyframe_interval=args.keyframe_interval, camera_iterations=args.camera_iterations,
                         backend=backend or args.backend, dtype=dtype or args.dtype, device="cuda",
                         cuda_graphs=graphs, kv_splits=args.kv_splits, fused_kernels=not args.no_fused_kernels,
-                        bf16_depth_head=not args.fp32_depth_head, parallel_heads=not args.no_parallel_heads)
+                        bf16_depth_head=not args.fp32_depth_head,
+                        bf16_camera_head=not getattr(args, "fp32_camera_head", False),
+                        parallel_heads=not args.no_parallel_heads)
 
 
 class ReplayTimer:
@@ -290,6 +294,7 @@ def main(argv=None):
                     "weights": f"random (seed {args.seed})", "preset": args.preset,
                     "cuda_graphs": not args.no_cuda_graphs, "kv_splits": kv_splits_used,
                     "fused_kernels": session_fused, "bf16_depth_head": not args.fp32_depth_head,
+                    "bf16_camera_head": not args.fp32_camera_head,
                     "parallel_heads": not args.no_parallel_heads},
         "cuda_graph_replays": graph_replays,
         "steady_state": {"frames": len(times), "median_ms": round(median, 3),

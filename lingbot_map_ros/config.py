@@ -134,8 +134,10 @@ class StreamConfig:
     (FlashInfer FA3; 0 = chosen from the GPU's SM count). ``fused_kernels`` runs the
     Triton kernels of ``lingbot_map_ros.kernels`` where they apply (CUDA, bf16).
     ``bf16_depth_head`` runs the DPT depth head's convolutions in bf16, channels-last,
-    when the stream runs in bf16 on CUDA (the reference keeps the heads in float32;
-    the camera head always stays float32). ``parallel_heads`` runs the camera head on a
+    when the stream runs in bf16 on CUDA (the reference keeps the heads in float32).
+    ``bf16_camera_head`` likewise gives the camera head bf16 weights (its activations
+    and sums stay float32), read by the ``kernels.gemv`` kernel (so only where
+    ``fused_kernels`` applies). ``parallel_heads`` runs the camera head on a
     second CUDA stream, concurrently with the depth head (CUDA only; same results).
     """
 
@@ -152,6 +154,7 @@ class StreamConfig:
     kv_splits: int = 0
     fused_kernels: bool = True
     bf16_depth_head: bool = True
+    bf16_camera_head: bool = True
     parallel_heads: bool = True
 
     def __post_init__(self) -> None:

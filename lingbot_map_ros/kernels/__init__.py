@@ -98,6 +98,17 @@ def self_check(device: torch.device | str, heads: int, head_dim: int, widths: tu
         a, b = gelu_epilogue_mlp(mlp, x).float(), gelu_epilogue_mlp_reference(mlp, x).float()
         if not bool((a - b).abs().max() <= 3e-2 * b.abs().max()):
             return "fc1 with the GELU epilogue disagrees with PyTorch"
+        from .gemv import gemv, gemv_reference
+
+        lin = nn.Linear(2 * widths[0], 3 * widths[0]).to(device)
+        lin.weight.data = lin.weight.data.to(bf16)
+        ln32 = nn.LayerNorm(2 * widths[0]).to(device)
+        x = torch.randn(2, 2 * widths[0], generator=gen).to(device)
+        res = torch.randn(2, 3 * widths[0], generator=gen).to(device)
+        for kw in ({"norm": ln32, "gelu": True}, {"silu": True}, {"residual": res, "gamma": res[0]}):
+            a, b = gemv(x, lin, **kw), gemv_reference(x, lin, **kw)
+            if not bool((a - b).abs().max() <= 1e-3 * b.abs().max()):
+                return f"the camera head's matrix-vector kernel disagrees with PyTorch ({sorted(kw)})"
         from .upsample import upsample_bilinear, upsample_bilinear_reference
 
         img = torch.randn(1, 12, 3, 5, generator=gen).to(device, bf16).contiguous(memory_format=torch.channels_last)

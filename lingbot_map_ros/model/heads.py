@@ -36,8 +36,31 @@ class CameraHead(nn.Module):
         self.adaln_norm = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.pose_branch = Mlp(dim, dim // 2, 9)
 
+    _gemv: "Gemv | None" = None  # set on the reduced-precision copy only
+
+    def reduced_precision_copy(self, gemv: "Gemv | None" = None, dtype: torch.dtype = torch.bfloat16) -> "CameraHead":
+        """A copy whose large matrix-vector products read ``dtype`` weights (the trunk's qkv,
+        proj, fc1, fc2, the pose modulation and the pose branch: 99.9% of the head's weights)
+        through ``gemv`` (``kernels.gemv.gemv``, or its PyTorch twin by default), with the
+        LayerNorm / SiLU before and the GELU / LayerScale residual after each product folded
+        in. Activations, LayerNorm statistics and sums stay float32; only the weights are
+        rounded. Not the reference's precision: the session uses it where the stream already
+        runs in bf16. The model's own head is left as it is."""
+        from ..kernels.gemv import gemv_reference
+
+        head = copy.deepcopy(self)
+        linears = [head.poseLN_modulation[1], head.pose_branch.fc1, head.pose_branch.fc2]
+        for block in head.trunk:
+            linears += [block.attn.qkv, block.attn.proj, block.mlp.fc1, block.mlp.fc2]
+        for linear in linears:
+            linear.weight.data = linear.weight.data.to(dtype).contiguous()
+        head._gemv = gemv or gemv_reference
+        return head
+
     def forward(self, head_input: Tensor, iterations: int, attend: CameraAttend) -> Tensor:
         """head_input [S, P, camera_dim] -> pose_enc [S, 9] (last iteration, FoVs through ReLU)."""
+        if self._gemv is not None:
+            return self._forward_gemv(head_input, iterations, attend)
         c = self.token_norm(head_input[:, 0])  # [S, C]
         raw = torch.zeros(c.shape[0], 9, dtype=c.dtype, device=c.device)
         normed = self.adaln_norm(c)
@@ -51,6 +74,36 @@ class CameraHead(nn.Module):
             raw = raw + self.pose_branch(self.trunk_norm(x))
             pose = torch.cat([raw[:, :7], F.relu(raw[:, 7:])], dim=-1)
         return pose
+
+    def _forward_gemv(self, head_input: Tensor, iterations: int, attend: CameraAttend) -> Tensor:
+        """``forward`` with the products through ``self._gemv`` (same maths, other rounding)."""
+        g = self._gemv
+        c = self.token_norm(head_input[:, 0].float())  # [S, C]
+        s = c.shape[0]
+        raw = torch.zeros(s, 9, dtype=c.dtype, device=c.device)
+        normed = self.adaln_norm(c)
+        pose = raw
+        for it in range(iterations):
+            embed_in = self.empty_pose_tokens[0].expand(s, -1) if it == 0 else raw
+            shift, scale, gate = g(self.embed_pose(embed_in), self.poseLN_modulation[1], silu=True).chunk(3, dim=-1)
+            x = gate * (normed * (1 + scale) + shift) + c
+            for b, block in enumerate(self.trunk):
+                x = self._block_gemv(block, x, it, b, attend)
+            raw = raw + g(g(x, self.pose_branch.fc1, norm=self.trunk_norm, gelu=True), self.pose_branch.fc2)
+            pose = torch.cat([raw[:, :7], F.relu(raw[:, 7:])], dim=-1)
+        return pose
+
+    def _block_gemv(self, block: Block, x: Tensor, it: int, b: int, attend: CameraAttend) -> Tensor:
+        g, attn = self._gemv, block.attn
+        s, width = x.shape
+        q, k, v = g(x, attn.qkv, norm=block.norm1).view(s, 3, attn.num_heads, attn.head_dim).unbind(1)
+        a = attend(it, b, q, k, v).reshape(s, width)  # the trunk has no q/k norms
+        x = g(a, attn.proj, residual=x, gamma=block.ls1.gamma)
+        return g(g(x, block.mlp.fc1, norm=block.norm2, gelu=True), block.mlp.fc2, residual=x, gamma=block.ls2.gamma)
+
+
+# gemv(x, linear, *, norm=None, silu=False, gelu=False, residual=None, gamma=None) -> [M, N] float32
+Gemv = Callable[..., Tensor]
 
 
 def uv_embedding(channels: int, rows: int, cols: int, aspect: float) -> Tensor:

@@ -36,7 +36,7 @@ class LingBotMap(nn.Module):
     def step(self, images: Tensor, positions: Tensor, global_attend: GlobalAttend, camera_attend: CameraAttend, *,
              phase1: bool, sequence_start: bool, camera_iterations: int, autocast_dtype: torch.dtype | None = None,
              with_depth: bool = True, fused: bool = False, depth_head: nn.Module | None = None,
-             head_stream: torch.cuda.Stream | None = None) -> StepOutput:
+             camera_head: nn.Module | None = None, head_stream: torch.cuda.Stream | None = None) -> StepOutput:
         """One streaming step.
 
         Args:
@@ -48,6 +48,7 @@ class LingBotMap(nn.Module):
             fused: the aggregator uses the Triton kernels (see ``Aggregator.forward``).
             depth_head: a stand-in for ``self.depth_head`` (e.g. its bf16 copy,
                 ``DepthHead.reduced_precision_copy``).
+            camera_head: likewise for ``self.camera_head`` (``CameraHead.reduced_precision_copy``).
             head_stream: a CUDA stream for the camera head, which then runs concurrently
                 with the depth head (they share only their read-only input). The camera
                 head is a chain of small, memory-bound matrix-vector products, the depth
@@ -64,13 +65,14 @@ class LingBotMap(nn.Module):
         with torch.autocast(device_type, enabled=False):
             levels = [lv.float() for lv in levels]  # the heads run in float32
             parallel = head_stream is not None and with_depth
+            cam = camera_head if camera_head is not None else self.camera_head
             if parallel:
                 main = torch.cuda.current_stream(images.device)
                 head_stream.wait_stream(main)  # the levels are written
                 with torch.cuda.stream(head_stream):
-                    pose_enc = self.camera_head(levels[-1], camera_iterations, camera_attend)
+                    pose_enc = cam(levels[-1], camera_iterations, camera_attend)
             else:
-                pose_enc = self.camera_head(levels[-1], camera_iterations, camera_attend)
+                pose_enc = cam(levels[-1], camera_iterations, camera_attend)
             depth = conf = None
             if with_depth:
                 head = depth_head if depth_head is not None else self.depth_head

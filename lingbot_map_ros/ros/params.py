@@ -53,7 +53,9 @@ PARAMETERS: tuple[Param, ...] = (
     Param("fused_kernels", True, "Triton kernels for LayerNorm, residual update + LayerNorm, q/k norm + RoPE + "
           "K/V store (CUDA, bf16; ignored elsewhere)"),
     Param("bf16_depth_head", True, "Run the depth head's convolutions in bf16, channels-last (CUDA, bf16 "
-          "only; the camera head stays float32)"),
+          "only)"),
+    Param("bf16_camera_head", True, "Give the camera head bf16 weights, activations and sums stay float32 "
+          "(CUDA, bf16, with fused_kernels only)"),
     Param("parallel_heads", True, "Run the camera head on a second CUDA stream beside the depth head (CUDA "
           "only; same results)"),
     Param("seed", 0, "Seed of the random weights used when checkpoint is empty", limits=(0, 2**31 - 1, 1)),
@@ -225,7 +227,8 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
                               max_pending_evictions=v["max_pending_evictions"], backend=v["backend"],
                               dtype=v["dtype"], device=v["device"], cuda_graphs=v["cuda_graphs"],
                               kv_splits=v["kv_splits"], fused_kernels=v["fused_kernels"],
-                              bf16_depth_head=v["bf16_depth_head"], parallel_heads=v["parallel_heads"])
+                              bf16_depth_head=v["bf16_depth_head"], bf16_camera_head=v["bf16_camera_head"],
+                              parallel_heads=v["parallel_heads"])
         long_stream = LongStreamConfig(
             window_frames=v["window_frames"], overlap_frames=v["overlap_frames"] or None,
             keyframe_policy=v["keyframe_policy"], motion_min_translation=v["motion_min_translation"],

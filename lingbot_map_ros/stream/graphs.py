@@ -46,7 +46,8 @@ class GraphedStep:
 
     def __init__(self, model: LingBotMap, pool: KVPool, camera: CameraKVCache, backend, resolution: tuple[int, int],
                  *, camera_iterations: int, autocast_dtype: torch.dtype | None, with_depth: bool,
-                 capture: bool = True, fused: bool = False, depth_head=None, head_stream=None) -> None:
+                 capture: bool = True, fused: bool = False, depth_head=None, camera_head=None,
+                 head_stream=None) -> None:
         self.model, self.pool, self.camera, self.backend = model, pool, camera, backend
         self.resolution = resolution
         self.camera_iterations = camera_iterations
@@ -55,6 +56,7 @@ class GraphedStep:
         self.capture = capture
         self.fused = fused
         self.depth_head = depth_head
+        self.camera_head = camera_head
         self.head_stream = head_stream  # the camera head's stream (forked and joined inside the graph)
         device = pool.k.device
         h, w = resolution
@@ -112,7 +114,8 @@ class GraphedStep:
         return self.model.step(self.image, positions, global_attend, camera_attend, phase1=False,
                                sequence_start=False, camera_iterations=self.camera_iterations,
                                autocast_dtype=self.autocast_dtype, with_depth=self.with_depth, fused=self.fused,
-                               depth_head=self.depth_head, head_stream=self.head_stream)
+                               depth_head=self.depth_head, camera_head=self.camera_head,
+                               head_stream=self.head_stream)
 
     def _capture(self) -> None:
         # Warm-up on a side stream (as torch.cuda.graph wants), then capture. Both run the
@@ -134,7 +137,7 @@ class GraphedStep:
 def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, num_pages: int,
                       resolution: tuple[int, int], variant: str, dtype: torch.dtype, *, camera_iterations: int,
                       autocast_dtype: torch.dtype | None, with_depth: bool, fused: bool = False,
-                      depth_head=None, head_stream=None, kv_splits: int | None = None,
+                      depth_head=None, camera_head=None, head_stream=None, kv_splits: int | None = None,
                       min_pages: int = 1) -> GraphedStep:
     """A GraphedStep with its own FlashInfer wrapper in CUDA-graph mode (sized for ``num_pages``;
     ``min_pages``, the fewest visible pages of a phase-2 step, bounds its KV split count)."""
@@ -142,7 +145,7 @@ def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, nu
                                 min_graph_pages=min_pages)
     return GraphedStep(model, pool, camera, backend, resolution, camera_iterations=camera_iterations,
                        autocast_dtype=autocast_dtype, with_depth=with_depth, fused=fused, depth_head=depth_head,
-                       head_stream=head_stream)
+                       camera_head=camera_head, head_stream=head_stream)
 
 
 __all__ = ["GraphedStep", "make_graphed_step"]

@@ -115,6 +115,13 @@ class StreamingSession:
             from ..kernels.upsample import upsample_bilinear as fast_upsample
         self.depth_head = model.depth_head.reduced_precision_copy(upsample=fast_upsample, norm_to=fast_norm) if (
             cfg.bf16_depth_head and self.dtype == torch.bfloat16 and self.device.type == "cuda") else None
+        # the camera head's copy with bf16 weights, read by one matrix-vector kernel per product
+        # (only with the kernels: the PyTorch twin would convert the weights on every call)
+        self.camera_head = None
+        if cfg.bf16_camera_head and self.fused:
+            from ..kernels.gemv import gemv
+
+            self.camera_head = model.camera_head.reduced_precision_copy(gemv=gemv)
         self._autocast = self.dtype if self.dtype != torch.float32 else None
         # the camera head's stream (it runs beside the depth head; see LingBotMap.step)
         self._head_stream = torch.cuda.Stream(self.device) if (
@@ -345,7 +352,7 @@ class StreamingSession:
                                phase1=plan.phase1, sequence_start=plan.phase1,
                                camera_iterations=self.cfg.camera_iterations, autocast_dtype=self._autocast,
                                with_depth=self.with_depth, fused=self.fused, depth_head=self.depth_head,
-                               head_stream=self._head_stream)
+                               camera_head=self.camera_head, head_stream=self._head_stream)
 
     def _speculate(self, graphed: GraphedStep, tokens: int) -> None:
         """Plan the next frame's step as the keyframe policy predicts it and load it into the
@@ -374,7 +381,7 @@ class StreamingSession:
                                               camera_iterations=self.cfg.camera_iterations,
                                               autocast_dtype=self._autocast, with_depth=self.with_depth,
                                               fused=self.fused, depth_head=self.depth_head,
-                                              head_stream=self._head_stream,
+                                              camera_head=self.camera_head, head_stream=self._head_stream,
                                               kv_splits=self.cfg.kv_splits or None,
                                               min_pages=self.cfg.num_scale_frames + 2)
         return self._graphed

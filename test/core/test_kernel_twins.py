@@ -316,3 +316,84 @@ def test_gelu_epilogue_mlp_twin_is_the_mlp_with_tanh_gelu_and_cpu_falls_back():
     assert not torch.equal(twin, exact)
     torch.testing.assert_close(twin, exact, rtol=0, atol=5e-4 * 64 * module.fc2.weight.abs().max().item())
     torch.testing.assert_close(mlp_kernels.gelu_epilogue_mlp(module, x), exact, rtol=0, atol=0)  # CPU: mlp(x)
+
+
+def _camera_poses(head, cfg, head_inputs, iterations=3):
+    """Pose encodings of a camera head over a few one-frame steps (its own camera cache)."""
+    from lingbot_map_ros.cache.pool import CameraKVCache
+
+    cache = CameraKVCache(iterations, cfg.camera_trunk_depth, len(head_inputs), cfg.camera_num_heads,
+                          cfg.camera_dim // cfg.camera_num_heads, torch.float32, torch.device("cpu"))
+    poses = []
+    with torch.no_grad():
+        for start, x in enumerate(head_inputs):
+            poses.append(head(x, iterations, lambda it, b, q, k, v, s=start: cache.attend(it, b, q, k, v, s)))
+    return torch.cat(poses)
+
+
+def _trained_like(head, seed):
+    """The tiny model's camera head with LayerScale, LayerNorm affines and pose tokens away
+    from their identity initialisation, so every folded-in term matters."""
+    head = __import__("copy").deepcopy(head)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if "gamma" in name or "norm" in name or "empty_pose" in name:
+                p.copy_(p + 0.3 * torch.randn(p.shape, generator=gen))
+    return head
+
+
+def test_camera_head_copy_in_float32_computes_what_the_head_computes(tiny_model):
+    """The copy's restructured forward (LayerNorm / SiLU folded before each product, GELU and
+    the LayerScale residual after) with the PyTorch twin and float32 weights: the head's poses."""
+    from lingbot_map_ros.kernels.gemv import gemv_reference
+
+    calls = {"n": 0}
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return gemv_reference(*a, **k)
+
+    cfg = tiny_model.cfg
+    head = _trained_like(tiny_model.camera_head, 0)
+    copy = head.reduced_precision_copy(gemv=counting, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(3)
+    inputs = [torch.randn(1, 7, cfg.camera_dim, generator=gen) for _ in range(4)]
+    want, got = _camera_poses(head, cfg, inputs), _camera_poses(copy, cfg, inputs)
+    assert got.shape == (4, 9)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    # per iteration: the modulation, 4 per trunk block, the pose branch's two layers
+    assert calls["n"] == 4 * 3 * (1 + 4 * cfg.camera_trunk_depth + 2)
+
+
+def test_camera_head_bf16_copy_is_close_and_leaves_the_model_alone(tiny_model):
+    cfg = tiny_model.cfg
+    head = _trained_like(tiny_model.camera_head, 1)
+    copy = head.reduced_precision_copy()
+    assert head.trunk[0].attn.qkv.weight.dtype == torch.float32  # the model keeps its float32 head
+    assert copy.trunk[0].attn.qkv.weight.dtype == torch.bfloat16
+    assert copy.trunk[0].attn.qkv.bias.dtype == torch.float32 and copy.embed_pose.weight.dtype == torch.float32
+    gen = torch.Generator().manual_seed(4)
+    inputs = [torch.randn(1, 7, cfg.camera_dim, generator=gen) for _ in range(3)]
+    want, got = _camera_poses(head, cfg, inputs), _camera_poses(copy, cfg, inputs)
+    rel = float((got - want).abs().max() / want.abs().max())
+    assert 0 < rel < 1e-2, rel  # rounded weights: close, not equal
+
+
+def test_gemv_rejects_what_it_cannot_compute():
+    """Argument checks come before any kernel is built (so they run on CPU)."""
+    from lingbot_map_ros.kernels.gemv import gemv
+
+    lin = nn.Linear(8, 4)
+    ln = nn.LayerNorm(8)
+    x = torch.randn(2, 8)
+    with pytest.raises(ValueError, match="one prologue"):
+        gemv(x, lin, norm=ln, silu=True)
+    with pytest.raises(ValueError, match="go together"):
+        gemv(x, lin, residual=torch.zeros(2, 4))
+    with pytest.raises(ValueError, match="float32"):
+        gemv(x.double(), lin)
+    with pytest.raises(ValueError, match="contiguous rows"):
+        gemv(torch.randn(8, 2).t(), lin)
+    with pytest.raises(ValueError, match="residual"):
+        gemv(x, lin, residual=torch.zeros(3, 4), gamma=torch.ones(4))

@@ -139,3 +139,61 @@ def test_residual_add_matches_twin(rows, channels, x_dtype):
     bf16_close(normed, want_normed)
     alone, nothing = residual.residual_add(x, branch, gamma)
     assert nothing is None and torch.equal(alone, new)
+
+
+@pytest.mark.parametrize("k,n", [(2048, 6144), (2048, 2048), (8192, 2048), (2048, 8192), (1024, 9), (100, 37)])
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("extra", ["plain", "norm", "norm_gelu", "silu", "residual"])
+def test_gemv_matches_twin(k, n, rows, extra):
+    """bf16 weights, float32 activations: the kernel against the twin (same weights), for every
+    prologue / epilogue the camera head uses, at its shapes and odd ones; strided input rows."""
+    from lingbot_map_ros.kernels.gemv import gemv, gemv_reference
+
+    gen = torch.Generator().manual_seed(k + n + rows)
+    lin = nn.Linear(k, n)
+    ln = nn.LayerNorm(k)
+    with torch.no_grad():
+        ln.weight.copy_(1 + 0.3 * torch.randn(k, generator=gen))
+        ln.bias.copy_(0.2 * torch.randn(k, generator=gen))
+    lin, ln = lin.cuda(), ln.cuda()
+    lin.weight.data = lin.weight.data.to(BF16)
+    x = (2 * torch.randn(rows, k + 5, generator=gen) + 0.5).cuda()[:, :k]  # rows strided by k + 5
+    kw = {}
+    if extra.startswith("norm"):
+        kw["norm"] = ln
+    if extra == "norm_gelu":
+        kw["gelu"] = True
+    if extra == "silu":
+        kw["silu"] = True
+    if extra == "residual":
+        kw["residual"] = torch.randn(rows, n, generator=gen).cuda()
+        kw["gamma"] = torch.rand(n, generator=gen).cuda()
+    got, want = gemv(x, lin, **kw), gemv_reference(x, lin, **kw)
+    assert got.dtype == torch.float32 and got.shape == (rows, n)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * float(want.abs().max()))
+
+
+def test_camera_head_copy_with_the_kernel_matches_the_twin():
+    """The released width (2048, 16 heads): the bf16 camera head with the Triton gemv against
+    the same copy with the PyTorch twin, and both close to the float32 head."""
+    from lingbot_map_ros.cache.pool import CameraKVCache
+    from lingbot_map_ros.config import ModelConfig
+    from lingbot_map_ros.kernels.gemv import gemv
+    from lingbot_map_ros.model.heads import CameraHead
+
+    cfg = ModelConfig.preset("lingbot-map")
+    torch.manual_seed(0)
+    head = CameraHead(cfg).cuda().eval()
+    fast, twin = head.reduced_precision_copy(gemv=gemv), head.reduced_precision_copy()
+    x = [torch.randn(1, 6, cfg.camera_dim, device="cuda") for _ in range(3)]
+
+    def poses(h):
+        cache = CameraKVCache(4, cfg.camera_trunk_depth, 3, cfg.camera_num_heads,
+                              cfg.camera_dim // cfg.camera_num_heads, torch.float32, torch.device("cuda"))
+        with torch.no_grad():
+            return torch.cat([h(t, 4, lambda it, b, q, k, v, s=i: cache.attend(it, b, q, k, v, s))
+                              for i, t in enumerate(x)])
+
+    a, b, ref = poses(fast), poses(twin), poses(head)
+    torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+    assert float((a - ref).abs().max() / ref.abs().max()) < 1e-2
