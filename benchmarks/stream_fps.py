@@ -57,6 +57,9 @@ def parse_args(argv=None):
                    help="keep the camera head's weights float32 (default: bf16 weights, kernels.gemv)")
     p.add_argument("--no-parallel-heads", action="store_true",
                    help="run the camera head after the depth head on one stream")
+    p.add_argument("--uint8-frames", action="store_true",
+                   help="push uint8 [H, W, 3] frames from host memory, as the ROS node does (default: float "
+                        "[3, H, W] tensors already on the GPU, which also travel back with the results)")
     p.add_argument("--compare-frames", type=int, default=12,
                    help="frames of the bf16-vs-fp32 comparison (0 = skip)")
     p.add_argument("--breakdown-frames", type=int, default=10, help="steady-state frames of the stage breakdown")
@@ -67,13 +70,19 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def frames_iter(n, h, w, seed, device):
+def frames_iter(n, h, w, seed, device, uint8=False):
+    """n frames: float [3, H, W] in [0, 1] on ``device``, or (``uint8``) [H, W, 3] uint8 numpy
+    arrays in host memory, as a camera driver hands them over."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     base = torch.rand(3, h, w, generator=gen)
     for i in range(n):
         # a smooth drift so frames differ but stay image-like
         shift = torch.roll(base, shifts=(i % h, (3 * i) % w), dims=(1, 2))
-        yield (0.7 * shift + 0.3 * torch.rand(3, h, w, generator=gen)).to(device)
+        frame = 0.7 * shift + 0.3 * torch.rand(3, h, w, generator=gen)
+        if uint8:
+            yield (frame * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous().numpy()
+        else:
+            yield frame.to(device)
 
 
 def stream_config(args, dtype=None, backend=None, cuda_graphs=None):
@@ -121,7 +130,8 @@ def timed_stream(session, args, replay_timer=None):
     phase-2 step's time (ms; it includes the CUDA-graph capture when graphs are on)."""
     times, phase1_ms, first_ms = [], None, None
     full_from = args.num_scale_frames + args.sliding_window * args.keyframe_interval
-    for i, frame in enumerate(frames_iter(args.frames, args.height, args.width, args.seed, "cuda")):
+    for i, frame in enumerate(frames_iter(args.frames, args.height, args.width, args.seed, "cuda",
+                                          uint8=getattr(args, "uint8_frames", False))):
         t = time.perf_counter()
         out = session.push(frame)
         torch.cuda.synchronize()
@@ -295,6 +305,7 @@ def main(argv=None):
                     "cuda_graphs": not args.no_cuda_graphs, "kv_splits": kv_splits_used,
                     "fused_kernels": session_fused, "bf16_depth_head": not args.fp32_depth_head,
                     "bf16_camera_head": not args.fp32_camera_head,
+                    "input": "uint8 host frames" if args.uint8_frames else "float32 frames on the GPU",
                     "parallel_heads": not args.no_parallel_heads},
         "cuda_graph_replays": graph_replays,
         "steady_state": {"frames": len(times), "median_ms": round(median, 3),

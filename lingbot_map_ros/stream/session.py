@@ -28,6 +28,9 @@ from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
 from ..io.preprocess import input_size, uint8_to_image
 from ..model.lingbot import LingBotMap
 from .graphs import GraphedStep, make_graphed_step
+from .landing import LandingRing
+
+LANDING_BUFFERS = 4  # outputs of this many recent steps can be held by callers without a copy
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +142,7 @@ class StreamingSession:
         # the next graphed step, planned and loaded while the GPU ran the current one
         self._next: tuple[StepPlan, object] | None = None
         self._outputs_on_host = 0.0  # perf_counter() when the last step's outputs reached the host
-        self._pinned: Tensor | None = None  # page-locked landing buffer of the outputs (CUDA)
+        self._landing: LandingRing | None = None  # page-locked landing buffers of the outputs (CUDA)
         self._pinned_done: torch.cuda.Event | None = None
         self._u8_scale: Tensor | None = None  # 255 on the device (uint8 frames)
 
@@ -389,22 +392,24 @@ class StreamingSession:
     def _to_host(self, parts: list[Tensor]) -> np.ndarray:
         """Concatenate 1-D tensors into a new float32 numpy array.
 
-        On CUDA each part goes by DMA straight into a reused page-locked buffer (no
-        concatenation kernel, no staging through pageable memory), then one wait, then
-        one host copy into the array returned (the buffer is overwritten next step)."""
+        On CUDA each part goes by DMA straight into a page-locked buffer (no concatenation
+        kernel, no staging through pageable memory), then one wait; the array returned is
+        a view of that buffer, which is not reused while any array of it is alive
+        (``LandingRing``; it copies only when all its buffers are still in use)."""
         n = sum(p.numel() for p in parts)
         if self.device.type != "cuda":
             return torch.cat([p.float() for p in parts]).numpy()  # cat copies
-        if self._pinned is None or self._pinned.numel() < n:
-            self._pinned = torch.empty(n, dtype=torch.float32, pin_memory=True)
+        if self._landing is None:
+            self._landing = LandingRing(LANDING_BUFFERS)
             self._pinned_done = torch.cuda.Event()
+        buf, _ = self._landing.acquire(n)
         at = 0
         for p in parts:
-            self._pinned[at:at + p.numel()].copy_(p, non_blocking=True)
+            buf[at:at + p.numel()].copy_(p, non_blocking=True)
             at += p.numel()
         self._pinned_done.record(torch.cuda.current_stream(self.device))
         self._pinned_done.synchronize()
-        return self._pinned[:n].numpy().copy()
+        return self._landing.array(n)
 
     def _results(self, frames: Tensor, hosts: list[Tensor], out, plan: StepPlan,
                  first_frame: int) -> list[FrameResult]:
