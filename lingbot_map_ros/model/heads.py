@@ -1,6 +1,9 @@
 """Prediction heads (SPEC §4): the iterative camera head and the DPT depth head.
 
-Both run in float32 (the reference keeps them out of bf16).
+Both run in float32, as in the reference. Each offers ``reduced_precision_copy``: a
+copy with bf16 weights that bf16 streams on CUDA use instead (the depth head's
+convolutions in bf16; the camera head's matrix-vector products reading bf16 weights
+with float32 activations).
 """
 from __future__ import annotations
 

@@ -44,7 +44,7 @@ class LingBotMap(nn.Module):
             positions: [S] long temporal indices of the frames.
             global_attend / camera_attend: cache-backed attention (see Aggregator, CameraHead).
             autocast_dtype: run the aggregator under autocast in this dtype (bf16); the heads
-                always run in float32.
+                run in float32 (or as their reduced-precision copies, below).
             fused: the aggregator uses the Triton kernels (see ``Aggregator.forward``).
             depth_head: a stand-in for ``self.depth_head`` (e.g. its bf16 copy,
                 ``DepthHead.reduced_precision_copy``).
