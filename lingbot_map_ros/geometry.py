@@ -41,6 +41,9 @@ def quaternion_to_matrix(quat: np.ndarray) -> np.ndarray:
         [..., 3, 3] rotation matrices (float64 if the input is float64, else float32).
     """
     q = np.asarray(quat, dtype=np.float64)
+    if q.size == 4:  # one quaternion (a frame's pose): Python floats, same numbers
+        return np.array(_quaternion_to_matrix_one(q), dtype=_float_dtype(np.asarray(quat))).reshape(
+            q.shape[:-1] + (3, 3))
     with np.errstate(invalid="ignore", divide="ignore"):
         q = q / np.linalg.norm(q, axis=-1, keepdims=True)
     x, y, z, w = np.moveaxis(q, -1, 0)
@@ -53,6 +56,19 @@ def quaternion_to_matrix(quat: np.ndarray) -> np.ndarray:
         axis=-1,
     ).reshape(q.shape[:-1] + (3, 3))
     return rot.astype(_float_dtype(np.asarray(quat)))
+
+
+def _quaternion_to_matrix_one(q: np.ndarray) -> list[float]:
+    """``quaternion_to_matrix`` of one float64 quaternion as 9 Python floats (row-major): the
+    same operations in the same order (~10 µs instead of ~130 µs of small numpy calls)."""
+    x, y, z, w = q.reshape(4).tolist()
+    norm = math.sqrt(x * x + y * y + z * z + w * w)
+    if norm == 0.0:
+        return [math.nan] * 9
+    x, y, z, w = x / norm, y / norm, z / norm, w / norm
+    return [1 - 2 * (y * y + z * z), 2 * (x * y - z * w), 2 * (x * z + y * w),
+            2 * (x * y + z * w), 1 - 2 * (x * x + z * z), 2 * (y * z - x * w),
+            2 * (x * z - y * w), 2 * (y * z + x * w), 1 - 2 * (x * x + y * y)]
 
 
 def matrix_to_quaternion(rot: np.ndarray) -> np.ndarray:

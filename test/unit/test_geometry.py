@@ -321,3 +321,28 @@ def test_one_matrix_quaternion_is_the_batched_one_exactly():
         assert one.shape == (4,) and np.array_equal(one, b)
         assert one[3] >= 0
     assert matrix_to_quaternion(rots[0].astype(np.float32)).dtype == np.float32
+
+
+def test_one_quaternion_matrix_is_the_batched_one_exactly():
+    """The scalar path for one quaternion (every frame's pose) gives the batched path's
+    numbers bit for bit, in both dtypes and shapes [4] / [1, 4]; a zero quaternion gives NaN
+    (as the batched path) rather than raising."""
+    from lingbot_map_ros.geometry import pose_enc_to_c2w, quaternion_to_matrix
+
+    rng = np.random.default_rng(11)
+    quats = np.concatenate([rng.normal(size=(300, 4)) * rng.uniform(0.01, 100, size=(300, 1)),
+                            [[0, 0, 0, 1.0], [1.0, 0, 0, 0], [0, 0, 0, -3.0]]])
+    for dtype in (np.float64, np.float32):
+        qs = quats.astype(dtype)
+        batched = quaternion_to_matrix(qs)
+        assert batched.dtype == dtype
+        for q, b in zip(qs, batched):
+            one = quaternion_to_matrix(q)
+            assert one.shape == (3, 3) and one.dtype == dtype and np.array_equal(one, b)
+            assert np.array_equal(quaternion_to_matrix(q[None]), b[None])
+    assert np.isnan(quaternion_to_matrix(np.zeros(4))).all()
+    assert np.isnan(quaternion_to_matrix(np.zeros((2, 4)))).all()
+    enc = rng.normal(size=(5, 9)).astype(np.float32)
+    both = pose_enc_to_c2w(enc)
+    for e, b in zip(enc, both):
+        np.testing.assert_array_equal(pose_enc_to_c2w(e[None])[0], b)
