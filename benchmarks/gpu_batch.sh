@@ -6,7 +6,7 @@
 # Runs, each under its own time limit, writing into $OUT (at most 7 files, as the
 # device tool returns few):
 #   nvidia_h200_fa3_378.json      stream_fps at 518x378 (300 frames, stage breakdown, bf16 vs fp32)
-#   nvidia_h200_fa3_378_seq.json  the same without parallel heads (150 frames): the A/B
+#   nvidia_h200_fa3_378_uint8.json  the same with uint8 host frames, as the node gets them (150 frames)
 #   nvidia_h200_fa3_294.json      stream_fps at 518x294 (200 frames)
 #   gpu_tests_h200.log            pytest -m gpu test/gpu
 #   node_latency_518x{378,294}.json  benchmarks/node_latency.sh (unless --no-node)
@@ -28,7 +28,7 @@ summary() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(s
 run() { local limit=$1; shift; echo "== $*" >>"$LOG"; timeout "$limit" "$@" >>"$LOG" 2>&1; echo "   exit $?" >>"$LOG"; }
 run 260 python3 benchmarks/stream_fps.py --out "$OUT/nvidia_h200_fa3_378.json"
 run 80 python3 benchmarks/stream_fps.py --frames 150 --breakdown-frames 0 --compare-frames 0 \
-  --no-parallel-heads --out "$OUT/nvidia_h200_fa3_378_seq.json"
+  --uint8-frames --out "$OUT/nvidia_h200_fa3_378_uint8.json"
 run 80 python3 benchmarks/stream_fps.py --height 294 --frames 200 --breakdown-frames 0 \
   --compare-frames 0 --out "$OUT/nvidia_h200_fa3_294.json"
 for f in "$OUT"/nvidia_h200_fa3_*.json; do summary "$f" | tee -a "$LOG"; done
