@@ -5,8 +5,8 @@ into page-locked memory. Copying them out into fresh arrays cost ~0.3-0.8 ms per
 frame on the GPU machine, on the critical path between two steps. Instead, the
 results are numpy views of one of a few page-locked buffers, and a buffer is reused
 only when no array of an earlier step still views it. numpy views keep their base
-array alive, so the base's reference count tells: the ring's own reference and the
-one ``sys.getrefcount`` adds, nothing else. When every buffer is still viewed (a
+array alive, so the base's reference count tells: no more than right after the
+buffer was made. When every buffer is still viewed (a
 caller that keeps all its results), the outputs land in a staging buffer that is
 never handed out and are copied from there, as before.
 """
@@ -20,14 +20,17 @@ from torch import Tensor
 
 
 class _Buffer:
-    __slots__ = ("tensor", "array")
+    __slots__ = ("tensor", "array", "_idle_refs")
 
     def __init__(self, n: int, pin: bool) -> None:
         self.tensor = torch.empty(n, dtype=torch.float32, pin_memory=pin)
         self.array = self.tensor.numpy()  # the base of every view handed out
+        # the count with no view alive, taken the way ``free`` takes it (what getrefcount
+        # itself adds differs between Python versions)
+        self._idle_refs = sys.getrefcount(self.array)
 
     def free(self) -> bool:
-        return sys.getrefcount(self.array) <= 2  # this attribute + getrefcount's argument
+        return sys.getrefcount(self.array) <= self._idle_refs
 
 
 class LandingRing:
