@@ -106,28 +106,7 @@ def tail_rows(flashinfer, ws, q, k_pool, v_pool, kv, pages, last, ref, split_lis
             return merge_states(o, lse, out)
 
         report(f"FA3 ragged, {qo} queries, {s} splits + merge (now)", timed(run_all), run_all(), ref)
-        # (b) the same query buffer; request j reads queries [j*qo, j*qo+main), then a request
-        # with the tail queries and no keys; FA2 does the tail
-        qo_l, kv_l = [0], [0]
-        for c in kv_indptr[1:].tolist():
-            qo_l += [qo_l[-1] + main, qo_l[-1] + qo]
-            kv_l += [c, c]
-        try:
-            ragged.plan(torch.tensor(qo_l, dtype=torch.int32), torch.tensor(kv_l, dtype=torch.int32), H, H, D,
-                        causal=False, q_data_type=bf16, kv_data_type=bf16)
-
-            def run_split_tail():
-                ragged.run(q_rep.view(-1, H, D), kc, vc, out=o.view(-1, H, D), lse=lse.view(-1, H),
-                           return_lse=True)
-                merge_states(o, lse, out[:main])
-                fa2.run(q_rep[0, main:], (k_pages, v_pages), out=out[main:])
-                return out
-
-            report(f"FA3 {main} + keyless tail requests, {s} splits + merge + FA2 paged tail",
-                   timed(run_split_tail), run_split_tail(), ref)
-        except Exception as exc:  # noqa: BLE001 - a probe
-            print(f"keyless tail requests: {type(exc).__name__}: {exc}")
-        # (c) main queries only (contiguous copies), FA2 tail
+        # main queries only (contiguous copies), FA2 tail
         qm = q[:main].unsqueeze(0).expand(s, -1, -1, -1).contiguous()
         om = torch.empty(s, main, H, D, device=dev, dtype=bf16)
         lm = torch.empty(s, main, H, device=dev)
@@ -146,7 +125,7 @@ def tail_rows(flashinfer, ws, q, k_pool, v_pool, kv, pages, last, ref, split_lis
             fa2.run(q_tail, (k_pages, v_pages), out=out[main:])
             return out
 
-        report(f"  + FA2 paged tail (same stream)", timed(run_main_fa2), run_main_fa2(), ref)
+        report("  + FA2 paged tail (same stream)", timed(run_main_fa2), run_main_fa2(), ref)
 
 
 def fp8_rows(flashinfer, ws, q, k, v, ref, split_list):

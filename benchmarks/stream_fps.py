@@ -92,7 +92,7 @@ def stream_config(args, dtype=None, backend=None, cuda_graphs=None):
                         backend=backend or args.backend, dtype=dtype or args.dtype, device="cuda",
                         cuda_graphs=graphs, kv_splits=args.kv_splits, fused_kernels=not args.no_fused_kernels,
                         bf16_depth_head=not args.fp32_depth_head,
-                        bf16_camera_head=not getattr(args, "fp32_camera_head", False),
+                        bf16_camera_head=not args.fp32_camera_head,
                         parallel_heads=not args.no_parallel_heads)
 
 
@@ -131,7 +131,7 @@ def timed_stream(session, args, replay_timer=None):
     times, phase1_ms, first_ms = [], None, None
     full_from = args.num_scale_frames + args.sliding_window * args.keyframe_interval
     for i, frame in enumerate(frames_iter(args.frames, args.height, args.width, args.seed, "cuda",
-                                          uint8=getattr(args, "uint8_frames", False))):
+                                          uint8=args.uint8_frames)):
         t = time.perf_counter()
         out = session.push(frame)
         torch.cuda.synchronize()

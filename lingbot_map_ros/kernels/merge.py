@@ -11,10 +11,7 @@ from torch import Tensor
 
 
 def merge_reference(o: Tensor, lse: Tensor, out: Tensor) -> Tensor:
-    """o [S, N, H, D], lse [S, N, H] (base 2) -> out [M, H, D] (PyTorch twin of ``merge_states``):
-    the first M <= N tokens of every state are merged."""
-    rows = out.shape[0]
-    o, lse = o[:, :rows], lse[:, :rows]
+    """o [S, N, H, D], lse [S, N, H] (base 2) -> out [N, H, D] (PyTorch twin of ``merge_states``)."""
     m = lse.amax(dim=0, keepdim=True)
     w = torch.exp2(lse - m)
     merged = (o.float() * w[..., None]).sum(0) / w.sum(0)[..., None]
@@ -29,23 +26,21 @@ def _build_kernel():
     import triton.language as tl
 
     @triton.jit
-    def merge_kernel(o_ptr, lse_ptr, out_ptr, rows_total, state_rows, states, D: tl.constexpr,
-                     BLOCK_R: tl.constexpr):
-        # rows_total (token, head) rows merged; each state holds state_rows >= rows_total
+    def merge_kernel(o_ptr, lse_ptr, out_ptr, rows_total, states, D: tl.constexpr, BLOCK_R: tl.constexpr):
         pid = tl.program_id(0)
         rows = pid * BLOCK_R + tl.arange(0, BLOCK_R)  # (token, head) pairs
         valid = rows < rows_total
         d = tl.arange(0, D)
         m = tl.full((BLOCK_R,), float("-inf"), tl.float32)
         for i in range(states):
-            m = tl.maximum(m, tl.load(lse_ptr + i * state_rows + rows, mask=valid, other=0.0))
+            m = tl.maximum(m, tl.load(lse_ptr + i * rows_total + rows, mask=valid, other=0.0))
         acc = tl.zeros((BLOCK_R, D), tl.float32)
         den = tl.zeros((BLOCK_R,), tl.float32)
         offs = rows[:, None].to(tl.int64) * D + d[None, :]
         for i in range(states):
-            w = tl.exp2(tl.load(lse_ptr + i * state_rows + rows, mask=valid, other=0.0) - m)
+            w = tl.exp2(tl.load(lse_ptr + i * rows_total + rows, mask=valid, other=0.0) - m)
             den += w
-            o = tl.load(o_ptr + i * state_rows * D + offs, mask=valid[:, None], other=0.0).to(tl.float32)
+            o = tl.load(o_ptr + i * rows_total * D + offs, mask=valid[:, None], other=0.0).to(tl.float32)
             acc += w[:, None] * o
         tl.store(out_ptr + offs, (acc / den[:, None]).to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
@@ -53,18 +48,15 @@ def _build_kernel():
 
 
 def merge_states(o: Tensor, lse: Tensor, out: Tensor) -> Tensor:
-    """o [S, N, H, D] (contiguous), lse [S, N, H] float32 (contiguous, base 2) -> out [M, H, D]
-    (contiguous): the first M <= N tokens of every state merged (the rest are not read)."""
+    """o [S, N, H, D] (contiguous), lse [S, N, H] float32 (contiguous, base 2) -> out [N, H, D]."""
     global _kernel
     if _kernel is None:
         _kernel = _build_kernel()
     s, n, h, d = o.shape
-    m = out.shape[0]
-    if not (o.is_contiguous() and lse.is_contiguous() and out.is_contiguous()) or lse.shape != (s, n, h) \
-            or out.shape[1:] != (h, d) or m > n:
-        raise ValueError("merge_states: contiguous o [S,N,H,D], lse [S,N,H] and out [M<=N,H,D] expected")
+    if not (o.is_contiguous() and lse.is_contiguous() and out.is_contiguous()) or lse.shape != (s, n, h):
+        raise ValueError("merge_states: contiguous o [S,N,H,D], lse [S,N,H] and out [N,H,D] expected")
     block_r = 32
-    _kernel[(-(-(m * h) // block_r),)](o, lse, out, m * h, n * h, s, D=d, BLOCK_R=block_r, num_warps=4)
+    _kernel[(-(-(n * h) // block_r),)](o, lse, out, n * h, s, D=d, BLOCK_R=block_r, num_warps=4)
     return out
 
 

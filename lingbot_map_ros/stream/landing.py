@@ -42,27 +42,28 @@ class LandingRing:
         self.size, self.pin = size, pin
         self._ring: list[_Buffer] = []
         self._staging: _Buffer | None = None
+        self._current: _Buffer | None = None  # the buffer last acquired
         self.copies = 0  # steps that had to copy (every buffer still in use)
 
-    def acquire(self, n: int) -> tuple[Tensor, bool]:
-        """A float32 tensor of >= n elements to land outputs in, and whether arrays made from
-        it by ``arrays`` may be handed out as they are (False: the staging buffer, copy out)."""
+    def acquire(self, n: int) -> Tensor:
+        """A float32 tensor of >= n elements to land outputs in (a free ring buffer, or the
+        staging buffer when none is free)."""
         for i, buf in enumerate(self._ring):
             if buf.free():
                 if buf.tensor.numel() < n:  # too small for this resolution: replace it
                     buf = self._ring[i] = _Buffer(n, self.pin)
                 self._current = buf
-                return buf.tensor, True
+                return buf.tensor
         if len(self._ring) < self.size:
             buf = _Buffer(n, self.pin)
             self._ring.append(buf)
             self._current = buf
-            return buf.tensor, True
+            return buf.tensor
         if self._staging is None or self._staging.tensor.numel() < n:
             self._staging = _Buffer(n, self.pin)
         self._current = self._staging
         self.copies += 1
-        return self._staging.tensor, False
+        return self._staging.tensor
 
     def array(self, n: int) -> np.ndarray:
         """The first n floats of the buffer last acquired, as numpy: a view of a ring buffer, or

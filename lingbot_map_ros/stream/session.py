@@ -402,7 +402,7 @@ class StreamingSession:
         if self._landing is None:
             self._landing = LandingRing(LANDING_BUFFERS)
             self._pinned_done = torch.cuda.Event()
-        buf, _ = self._landing.acquire(n)
+        buf = self._landing.acquire(n)
         at = 0
         for p in parts:
             buf[at:at + p.numel()].copy_(p, non_blocking=True)

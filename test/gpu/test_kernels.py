@@ -91,9 +91,6 @@ def test_merge_states_matches_twin(states):
     lse = (10 * torch.randn(states, 1005, 16, generator=gen)).cuda()
     out = merge.merge_states(o, lse, torch.empty(1005, 16, 64, dtype=BF16, device="cuda"))
     bf16_close(out, merge.merge_reference(o, lse, torch.empty_like(out)))
-    # the first 960 tokens only (the query-tail probe of benchmarks/attention_variants.py)
-    head = merge.merge_states(o, lse, torch.empty(960, 16, 64, dtype=BF16, device="cuda"))
-    torch.testing.assert_close(head, out[:960], rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("rows", [1005, 8 * 1005, 7])

@@ -10,7 +10,7 @@ from lingbot_map_ros.stream.landing import LandingRing
 
 
 def land(ring: LandingRing, values: np.ndarray) -> np.ndarray:
-    buf, _ = ring.acquire(values.size)
+    buf = ring.acquire(values.size)
     buf[:values.size] = __import__("torch").from_numpy(values)
     return ring.array(values.size)
 
