@@ -1,10 +1,15 @@
-"""Kernel-time table of steady-state one-frame steps (torch.profiler, eager step).
+"""Kernel-time table of steady-state one-frame steps (torch.profiler).
 
     python benchmarks/profile_step.py --backend flashinfer-fa3 --frames 5
+    python benchmarks/profile_step.py --graphs [--queued] --frames 20
 
-Streams until the window is full, then profiles ``--frames`` eager steps (graphs off,
-so every kernel is attributed) and prints the CUDA kernels by total time per frame,
-plus the sum of kernel time per frame (gap-free GPU work). A benchmark aid, not a test.
+Streams until the window is full, then profiles ``--frames`` steps and prints the CUDA
+kernels by total time per frame, plus the sum of kernel time per frame (gap-free GPU
+work). By default the steps are eager (graphs off); ``--graphs`` profiles the CUDA-graph
+replays as the session runs them (``--queued``: frame t+1 submitted before frame t's
+results are taken) and adds the GPU's busy time per frame (the union of kernel
+intervals; kernels of two streams at once count once) and its idle time. A benchmark
+aid, not a test.
 """
 from __future__ import annotations
 
@@ -34,11 +39,13 @@ def main(argv=None) -> int:
     p.add_argument("--fp32-depth-head", action="store_true")
     p.add_argument("--fp32-camera-head", action="store_true")
     p.add_argument("--no-parallel-heads", action="store_true")
+    p.add_argument("--graphs", action="store_true", help="profile the CUDA-graph replays (kernels inside graphs)")
+    p.add_argument("--queued", action="store_true", help="with --graphs: submit frame t+1 before frame t's results")
     p.add_argument("--copies", action="store_true",
                    help="also list which Python lines launch copy/cast/cat kernels (with shapes)")
     a = p.parse_args(argv)
     args = argparse.Namespace(num_scale_frames=8, sliding_window=64, keyframe_interval=1, camera_iterations=4,
-                              backend=a.backend, dtype="bf16", no_cuda_graphs=True, kv_splits=a.kv_splits,
+                              backend=a.backend, dtype="bf16", no_cuda_graphs=not a.graphs, kv_splits=a.kv_splits,
                               no_fused_kernels=a.no_fused_kernels, fp32_depth_head=a.fp32_depth_head,
                               fp32_camera_head=a.fp32_camera_head, no_parallel_heads=a.no_parallel_heads)
     model = load_model(ModelConfig.preset("lingbot-map"), None, "cuda", "bf16", seed=0)
@@ -49,18 +56,45 @@ def main(argv=None) -> int:
         session.push(f)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for f in frames[full:]:
-            session.push(f)
+        if a.queued:
+            pending = [session.submit(f) for f in frames[full:full + 1]]
+            for f in frames[full + 1:]:
+                pending.append(session.submit(f))
+                pending[-2].result()
+            pending[-1].result()
+        else:
+            for f in frames[full:]:
+                session.push(f)
         torch.cuda.synchronize()
     events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     total = sum(e.self_device_time_total for e in events) / 1e3 / a.frames
     print(f"kernel time per frame: {total:.2f} ms ({sum(e.count for e in events) / a.frames:.0f} kernels)")
+    busy_window(prof, a.frames)
     for e in sorted(events, key=lambda e: -e.self_device_time_total)[:a.top]:
         print(f"{e.self_device_time_total / 1e3 / a.frames:8.3f} ms {e.count / a.frames:6.0f}x  {e.key[:110]}")
     if a.copies:
         trace_copies(session, frames[-1])
         copy_kernel_sources(session, frames[-1])
     return 0
+
+
+def busy_window(prof, frames: int) -> None:
+    """GPU busy time (union of kernel and copy intervals) and the profiled window, per frame."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    if not spans:
+        return
+    busy, start, end = 0.0, spans[0][0], spans[0][1]
+    for s0, s1 in spans[1:]:
+        if s0 > end:
+            busy += end - start
+            start, end = s0, s1
+        else:
+            end = max(end, s1)
+    busy += end - start
+    window = spans[-1][1] - spans[0][0]
+    print(f"GPU busy per frame: {busy / 1e3 / frames:.2f} ms of a {window / 1e3 / frames:.2f} ms window "
+          f"(idle {(window - busy) / 1e3 / frames:.2f} ms)")
 
 
 def copy_kernel_sources(session, frame) -> None:

@@ -5,7 +5,11 @@
 Streams ``--frames`` random frames (seeded) at the given resolution through a
 StreamingSession with the camera head (``--camera-iterations``) and the depth
 head, after a separate warm-up session that absorbs JIT compilation. Reports the
-median and p95 wall time per frame once the window is full (steady state), the
+median and p95 wall time per frame once the window is full (steady state), twice:
+frames queued (``StreamingSession.submit`` of frame t+1 before taking frame t's
+results: the throughput of a stream that keeps up, e.g. a bag replay or a camera
+faster than the model) and one frame at a time (``push``: each frame's results before
+the next frame is given; its median is the step time a live frame waits for), the
 phase-1 time, a per-stage GPU-time breakdown (CUDA events on module hooks, in a
 separate short pass, always eager: module hooks cannot time inside a CUDA
 graph), peak GPU memory, and the deviation of bf16 outputs from an
@@ -60,6 +64,8 @@ def parse_args(argv=None):
     p.add_argument("--uint8-frames", action="store_true",
                    help="push uint8 [H, W, 3] frames from host memory, as the ROS node does (default: float "
                         "[3, H, W] tensors already on the GPU, which also travel back with the results)")
+    p.add_argument("--one-at-a-time-frames", type=int, default=300,
+                   help="frames of the second timed run, with push() (0: skip it)")
     p.add_argument("--compare-frames", type=int, default=12,
                    help="frames of the bf16-vs-fp32 comparison (0 = skip)")
     p.add_argument("--breakdown-frames", type=int, default=10, help="steady-state frames of the stage breakdown")
@@ -97,8 +103,10 @@ def stream_config(args, dtype=None, backend=None, cuda_graphs=None):
 
 
 class ReplayTimer:
-    """CUDA events around every CUDA-graph replay of a session: the GPU time of the step
-    itself, without the host work of a push (planning, result conversion)."""
+    """CUDA events from the start of every trunk-graph replay to the end of its heads-graph
+    replay: the GPU time of the step itself, without the host work of a push (planning,
+    result conversion). Meaningful one frame at a time (queued, a step's heads share the
+    GPU with the next trunk)."""
 
     def __init__(self):
         self.pairs = []
@@ -107,16 +115,22 @@ class ReplayTimer:
         graphed = session._graphed
         if graphed is None or getattr(graphed, "_bench_timed", False) or graphed.graph is None:
             return
-        replay = graphed.graph.replay
+        trunk, heads = graphed.graph.replay, graphed.heads_graph.replay
+        started = []
 
-        def timed_replay():
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        def timed_trunk():  # on the caller's stream
+            start = torch.cuda.Event(enable_timing=True)
             start.record()
-            replay()
-            end.record()
-            self.pairs.append((start, end))
+            started.append(start)
+            trunk()
 
-        graphed.graph.replay = timed_replay
+        def timed_heads():  # on the heads' stream, after the hand-over
+            heads()
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self.pairs.append((started.pop(), end))
+
+        graphed.graph.replay, graphed.heads_graph.replay = timed_trunk, timed_heads
         graphed._bench_timed = True
 
     def median_ms(self, skip):
@@ -125,25 +139,48 @@ class ReplayTimer:
         return statistics.median(times) if times else None
 
 
-def timed_stream(session, args, replay_timer=None):
+def timed_stream(session, args, replay_timer=None, queued=False, frames=None):
     """Per-frame wall times (ms) once the window is full, the phase-1 time and the first
-    phase-2 step's time (ms; it includes the CUDA-graph capture when graphs are on)."""
+    phase-2 step's time (ms; it includes the CUDA-graph capture when graphs are on).
+
+    One at a time (``queued`` False): each frame is pushed and its results taken before the
+    next, a frame's time is that push. Queued: frame t+1 is submitted before frame t's
+    results are taken; a frame's time is the interval between its results and the
+    previous frame's (throughput)."""
     times, phase1_ms, first_ms = [], None, None
     full_from = args.num_scale_frames + args.sliding_window * args.keyframe_interval
-    for i, frame in enumerate(frames_iter(args.frames, args.height, args.width, args.seed, "cuda",
-                                          uint8=args.uint8_frames)):
-        t = time.perf_counter()
-        out = session.push(frame)
-        torch.cuda.synchronize()
-        ms = (time.perf_counter() - t) * 1e3
-        if replay_timer is not None:
-            replay_timer.attach(session)
+    n = args.frames if frames is None else frames
+    pending, last = None, None  # queued: (frame index, PendingResults) of the previous frame
+
+    def record(i, out, ms):
+        nonlocal phase1_ms, first_ms
         if len(out) > 1:
             phase1_ms = ms
         elif out and first_ms is None:
             first_ms = ms
         elif out and i >= full_from:
             times.append(ms)
+
+    for i, frame in enumerate(frames_iter(n, args.height, args.width, args.seed, "cuda", uint8=args.uint8_frames)):
+        if not queued:
+            t = time.perf_counter()
+            out = session.push(frame)
+            torch.cuda.synchronize()
+            record(i, out, (time.perf_counter() - t) * 1e3)
+        else:
+            t = time.perf_counter() if last is None else last
+            submitted = session.submit(frame)
+            if pending is not None:
+                out = pending[1].result()
+                last = time.perf_counter()
+                record(pending[0], out, (last - t) * 1e3)
+            pending = (i, submitted)
+        if replay_timer is not None:
+            replay_timer.attach(session)
+    if pending is not None:
+        out = pending[1].result()
+        record(pending[0], out, (time.perf_counter() - last) * 1e3 if last is not None else 0.0)
+    torch.cuda.synchronize()
     return times, phase1_ms, first_ms
 
 
@@ -276,10 +313,20 @@ def main(argv=None):
     torch.cuda.reset_peak_memory_stats()
 
     session = StreamingSession(model, stream_config(args), with_depth=not args.no_depth)
-    replay_timer = ReplayTimer()
-    times, phase1_ms, first_step_ms = timed_stream(session, args, replay_timer)
+    times, phase1_ms, first_step_ms = timed_stream(session, args, queued=True)
     full_from = args.num_scale_frames + args.sliding_window * args.keyframe_interval
-    graph_gpu_ms = replay_timer.median_ms(skip=max(0, full_from - args.num_scale_frames - 1))
+    one_at_a_time = graph_gpu_ms = None
+    if args.one_at_a_time_frames:  # the same session, reset: graphs and buffers are reused
+        session.reset()
+        replay_timer = ReplayTimer()
+        # phase 1 and the first (capturing) step are timed here, where a push is one step
+        single, phase1_ms, first_step_ms = timed_stream(session, args, replay_timer, queued=False,
+                                                        frames=args.one_at_a_time_frames)
+        graph_gpu_ms = replay_timer.median_ms(skip=max(0, full_from - args.num_scale_frames - 1))
+        if single:
+            one_at_a_time = {"frames": len(single), "median_ms": round(statistics.median(single), 3),
+                             "p95_ms": round(float(np.percentile(single, 95)), 3),
+                             "fps": round(1e3 / statistics.median(single), 2)}
     kv_splits_used = getattr(session._graphed.backend if session._graphed else session.backend, "splits", None)
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     stats = session.stats()
@@ -310,7 +357,9 @@ def main(argv=None):
         "cuda_graph_replays": graph_replays,
         "steady_state": {"frames": len(times), "median_ms": round(median, 3),
                          "p95_ms": round(float(np.percentile(times, 95)), 3), "fps": round(1e3 / median, 2),
-                         "graph_gpu_median_ms": None if graph_gpu_ms is None else round(graph_gpu_ms, 3)},
+                         "mode": "queued: submit(t+1) before frame t's results"},
+        "one_at_a_time": one_at_a_time,
+        "graph_gpu_median_ms": None if graph_gpu_ms is None else round(graph_gpu_ms, 3),
         "phase1_ms": None if phase1_ms is None else round(phase1_ms, 1),
         "first_phase2_step_ms": None if first_step_ms is None else round(first_step_ms, 1),
         "stage_breakdown_note": "eager step (module-hook CUDA events cannot time inside a graph); eager Python "

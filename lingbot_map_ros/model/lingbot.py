@@ -56,18 +56,33 @@ class LingBotMap(nn.Module):
                 better than one after the other. The step's outputs are ready on the
                 current stream when ``step`` returns (it waits for the side stream).
         """
-        device_type = images.device.type
+        levels = self.trunk(images, positions, global_attend, phase1=phase1, sequence_start=sequence_start,
+                            autocast_dtype=autocast_dtype, fused=fused)
+        return self.heads(levels, images.shape[-2], images.shape[-1], camera_attend,
+                          camera_iterations=camera_iterations, with_depth=with_depth, depth_head=depth_head,
+                          camera_head=camera_head, head_stream=head_stream)
+
+    def trunk(self, images: Tensor, positions: Tensor, global_attend: GlobalAttend, *, phase1: bool,
+              sequence_start: bool, autocast_dtype: torch.dtype | None = None, fused: bool = False) -> list[Tensor]:
+        """The aggregator part of ``step`` (it writes the cache): the 4 selected levels
+        [S, P, 2*embed_dim] in the aggregator's dtype. Nothing in it depends on the heads, so
+        a step's heads may run while the next step's trunk does."""
         # cache_enabled=False: no weight-cast cache, which CUDA-graph capture cannot keep (weights are bf16 anyway)
-        with torch.autocast(device_type, dtype=autocast_dtype or torch.float32, enabled=autocast_dtype is not None,
-                            cache_enabled=False):
-            levels = self.aggregator(images, positions, global_attend, phase1=phase1, sequence_start=sequence_start,
-                                     fused=fused)
-        with torch.autocast(device_type, enabled=False):
+        with torch.autocast(images.device.type, dtype=autocast_dtype or torch.float32,
+                            enabled=autocast_dtype is not None, cache_enabled=False):
+            return self.aggregator(images, positions, global_attend, phase1=phase1, sequence_start=sequence_start,
+                                   fused=fused)
+
+    def heads(self, levels: list[Tensor], height: int, width: int, camera_attend: CameraAttend, *,
+              camera_iterations: int, with_depth: bool = True, depth_head: nn.Module | None = None,
+              camera_head: nn.Module | None = None, head_stream: torch.cuda.Stream | None = None) -> StepOutput:
+        """The heads part of ``step`` on ``trunk``'s levels (read only) for frames of height x width."""
+        with torch.autocast(levels[0].device.type, enabled=False):
             levels = [lv.float() for lv in levels]  # the heads run in float32
             parallel = head_stream is not None and with_depth
             cam = camera_head if camera_head is not None else self.camera_head
             if parallel:
-                main = torch.cuda.current_stream(images.device)
+                main = torch.cuda.current_stream(levels[0].device)
                 head_stream.wait_stream(main)  # the levels are written
                 with torch.cuda.stream(head_stream):
                     pose_enc = cam(levels[-1], camera_iterations, camera_attend)
@@ -76,7 +91,7 @@ class LingBotMap(nn.Module):
             depth = conf = None
             if with_depth:
                 head = depth_head if depth_head is not None else self.depth_head
-                depth, conf = head(levels, images.shape[-2], images.shape[-1])
+                depth, conf = head(levels, height, width)
             if parallel:
                 # join: everything after this on the current stream sees the pose. The
                 # levels stay referenced until here, so the allocator cannot hand their

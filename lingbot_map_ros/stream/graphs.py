@@ -17,6 +17,14 @@ What changes from frame to frame lives in static device buffers that the graph r
   the device from ``positions`` (``CameraKVCache.attend_at``), so no Python int sets a
   shape or an offset inside the graph.
 
+The step is captured as two graphs: the trunk (DINO and the aggregator, which write the
+cache) on the caller's stream, and the heads on a stream of their own
+(``output_stream``). A replay hands the trunk's 4 levels and the frame's position over
+to buffers that only the heads graph reads (a ~16 MB device copy), so the next frame's
+trunk can start as soon as that copy ran, while this frame's heads still run: with
+frames queued (``StreamingSession.submit``), the heads of frame t overlap the trunk of
+frame t+1 instead of adding to every frame's time.
+
 Everything else (phase 1, attend steps of other shapes, the SDPA backend, CPU) stays
 eager. Replaying writes the same slots an eager step would, so the cache bookkeeping
 (``PageTable``) is unaware of graphs; the graph stays valid across ``reset``,
@@ -57,13 +65,22 @@ class GraphedStep:
         self.fused = fused
         self.depth_head = depth_head
         self.camera_head = camera_head
-        self.head_stream = head_stream  # the camera head's stream (forked and joined inside the graph)
+        self.head_stream = head_stream  # the camera head's stream (forked and joined inside the heads graph)
         device = pool.k.device
         h, w = resolution
         self.image = torch.zeros(1, 3, h, w, dtype=torch.float32, device=device)
         self.positions = torch.zeros(1, dtype=torch.long, device=device)
         self.write_slots = torch.zeros(model.cfg.tokens_per_frame(h, w), dtype=torch.long, device=device)
-        self.graph: torch.cuda.CUDAGraph | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None  # the trunk
+        self.heads_graph: torch.cuda.CUDAGraph | None = None
+        # the heads' inputs: the trunk's levels and the frame's position, handed over per replay
+        self.head_positions = torch.zeros(1, dtype=torch.long, device=device)
+        self._head_levels: list[Tensor] | None = None
+        self._levels: list[Tensor] | None = None  # the trunk graph's outputs
+        # where the heads graph runs and the outputs are ready (None: the caller's stream)
+        self.output_stream = torch.cuda.Stream(device) if capture else None
+        self._handed = torch.cuda.Event() if capture else None
+        self._handed_once = False
         self._out: StepOutput | None = None
         self._prepared = None  # the StepPlan whose slots and FlashInfer plan are loaded
         self.replays = 0
@@ -82,14 +99,25 @@ class GraphedStep:
         self._prepared = plan
 
     def __call__(self, frame: Tensor, dplan: DevicePlan, prepared: bool = False) -> StepOutput:
+        """``launch``, then the caller's stream waits for the outputs."""
+        out = self.launch(frame, dplan, prepared)
+        if self.output_stream is not None:
+            torch.cuda.current_stream(self.image.device).wait_stream(self.output_stream)
+        return out
+
+    def launch(self, frame: Tensor, dplan: DevicePlan, prepared: bool = False) -> StepOutput:
         """frame [1, 3, H, W] float32 on the device; dplan of a one-frame phase-2 step
         (``prepared``: ``prepare(dplan)`` already ran for it). Returns the step's outputs in
-        static tensors (overwritten by the next call)."""
+        static tensors (overwritten by the next launch), complete in the order of
+        ``output_stream`` (the caller's stream when that is None); the cache writes are
+        ordered on the caller's stream."""
         plan = dplan.plan
         if tuple(frame.shape[-2:]) != self.resolution:
             raise ValueError("GraphedStep takes one phase-2 frame at its own resolution")
         if not prepared or self._prepared is not plan:
             self.prepare(dplan)
+        if self._handed_once:  # the previous heads have taken their inputs (position, levels)
+            torch.cuda.current_stream(self.image.device).wait_event(self._handed)
         self.image.copy_(frame, non_blocking=True)
         self.positions.fill_(plan.first_position)  # == plan.positions[0] for stored and attend-only frames
         self._prepared = None
@@ -98,24 +126,40 @@ class GraphedStep:
         if self.graph is None:
             self._capture()
         self.graph.replay()
+        current, heads = torch.cuda.current_stream(self.image.device), self.output_stream
+        heads.wait_stream(current)
+        with torch.cuda.stream(heads):
+            self._hand_over(self._levels)
+            self._handed.record(heads)
+            self.heads_graph.replay()
+        self._handed_once = True
         self.replays += 1
         return self._out
 
-    def _forward(self) -> StepOutput:
-        pool, camera, backend = self.pool, self.camera, self.backend
-        slots, positions = self.write_slots, self.positions
+    def _trunk(self) -> list[Tensor]:
+        return self.model.trunk(self.image, self.positions, PoolAttention(self.pool, self.backend, self.write_slots),
+                                phase1=False, sequence_start=False, autocast_dtype=self.autocast_dtype,
+                                fused=self.fused)
 
-        global_attend = PoolAttention(pool, backend, slots)
+    def _heads(self, levels: list[Tensor], positions: Tensor) -> StepOutput:
+        camera = self.camera
         bias = camera.visible_bias(positions)
 
         def camera_attend(it: int, block: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
             return camera.attend_at(it, block, q, k, v, positions, bias)
 
-        return self.model.step(self.image, positions, global_attend, camera_attend, phase1=False,
-                               sequence_start=False, camera_iterations=self.camera_iterations,
-                               autocast_dtype=self.autocast_dtype, with_depth=self.with_depth, fused=self.fused,
-                               depth_head=self.depth_head, camera_head=self.camera_head,
-                               head_stream=self.head_stream)
+        h, w = self.resolution
+        return self.model.heads(levels, h, w, camera_attend, camera_iterations=self.camera_iterations,
+                                with_depth=self.with_depth, depth_head=self.depth_head,
+                                camera_head=self.camera_head, head_stream=self.head_stream)
+
+    def _forward(self) -> StepOutput:
+        return self._heads(self._trunk(), self.positions)
+
+    def _hand_over(self, levels: list[Tensor]) -> None:
+        for dst, src in zip(self._head_levels, levels):
+            dst.copy_(src)
+        self.head_positions.copy_(self.positions)
 
     def _capture(self) -> None:
         # Warm-up on a side stream (as torch.cuda.graph wants), then capture. Both run the
@@ -125,13 +169,25 @@ class GraphedStep:
         side = torch.cuda.Stream()
         side.wait_stream(current)
         with torch.cuda.stream(side):
-            self._forward()
+            levels = self._trunk()
+            if self._head_levels is None:
+                self._head_levels = [torch.empty_like(lv) for lv in levels]
+            self._hand_over(levels)
+            self._heads(self._head_levels, self.head_positions)
         current.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may use CUDA
-            out = self._forward()
-        self.graph, self._out = graph, out
-        log.info("captured the one-frame step at %dx%d in a CUDA graph", self.resolution[1], self.resolution[0])
+        del levels
+        trunk = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(trunk, capture_error_mode="thread_local"):  # other threads may use CUDA
+            levels = self._trunk()
+        heads = torch.cuda.CUDAGraph()
+        self.output_stream.wait_stream(current)
+        # a pool of its own: it runs beside the trunk graph, so their memory must not overlap
+        with torch.cuda.graph(heads, stream=self.output_stream, capture_error_mode="thread_local"):
+            out = self._heads(self._head_levels, self.head_positions)
+        current.wait_stream(self.output_stream)
+        self.graph, self.heads_graph, self._levels, self._out = trunk, heads, levels, out
+        log.info("captured the one-frame step at %dx%d in CUDA graphs (trunk, heads)", self.resolution[1],
+                 self.resolution[0])
 
 
 def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, num_pages: int,

@@ -42,34 +42,27 @@ class LandingRing:
         self.size, self.pin = size, pin
         self._ring: list[_Buffer] = []
         self._staging: _Buffer | None = None
-        self._current: _Buffer | None = None  # the buffer last acquired
         self.copies = 0  # steps that had to copy (every buffer still in use)
 
-    def acquire(self, n: int) -> Tensor:
-        """A float32 tensor of >= n elements to land outputs in (a free ring buffer, or the
-        staging buffer when none is free)."""
+    def acquire(self, n: int) -> tuple[Tensor, np.ndarray, bool]:
+        """Somewhere to land n floats: (the tensor to copy them into, the numpy array that will
+        hold them once they landed, staging). The array is a view of a free ring buffer, which
+        stays reserved for as long as it, or any view of it, is alive (so a step still in
+        flight keeps its buffer). When every ring buffer is in use, it is the staging buffer
+        (``staging`` True), which later acquires reuse: copy the data out before then."""
         for i, buf in enumerate(self._ring):
             if buf.free():
                 if buf.tensor.numel() < n:  # too small for this resolution: replace it
                     buf = self._ring[i] = _Buffer(n, self.pin)
-                self._current = buf
-                return buf.tensor
+                return buf.tensor, buf.array[:n], False
         if len(self._ring) < self.size:
             buf = _Buffer(n, self.pin)
             self._ring.append(buf)
-            self._current = buf
-            return buf.tensor
+            return buf.tensor, buf.array[:n], False
         if self._staging is None or self._staging.tensor.numel() < n:
             self._staging = _Buffer(n, self.pin)
-        self._current = self._staging
         self.copies += 1
-        return self._staging.tensor
-
-    def array(self, n: int) -> np.ndarray:
-        """The first n floats of the buffer last acquired, as numpy: a view of a ring buffer, or
-        a copy when it was the staging buffer (call after the data has landed)."""
-        view = self._current.array[:n]
-        return view if self._current is not self._staging else view.copy()
+        return self._staging.tensor, self._staging.array[:n], True
 
 
 __all__ = ["LandingRing"]

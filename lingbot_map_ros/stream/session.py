@@ -2,7 +2,10 @@
 
 ``push(image)`` takes one preprocessed frame and returns the results that became
 available: nothing while the scale frames are being collected, all of them when
-phase 1 runs, then one result per frame. Keyframes follow the interval policy
+phase 1 runs, then one result per frame. ``submit(image)`` does the same without
+waiting: it launches the step and returns a ``PendingResults``; submitting the next
+frame before asking for the results keeps the GPU busy (a frame's heads then run
+beside the next frame's trunk, and the host's work on results overlaps the GPU). Keyframes follow the interval policy
 unless the caller decides (``push(image, keyframe=...)``). External keyframe
 logic uses ``set_deferred_eviction``, ``commit_eviction`` and
 ``rollback_last_frame``; ``reset`` starts a new sequence. Every transition is a
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 import torch
@@ -30,7 +35,8 @@ from ..model.lingbot import LingBotMap
 from .graphs import GraphedStep, make_graphed_step
 from .landing import LandingRing
 
-LANDING_BUFFERS = 4  # outputs of this many recent steps can be held by callers without a copy
+LANDING_BUFFERS = 6  # outputs of this many recent steps (in flight or held by callers) land without a copy
+MAX_IN_FLIGHT = 2  # submitted steps whose results are not on the host yet; an older one is waited for first
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +75,33 @@ class FrameResult:
         if self.frame.dtype == np.uint8:
             return self.frame.reshape(-1, 3)[pixels]
         return np.clip(np.rint(self.frame.reshape(3, -1)[:, pixels].T * 255.0), 0, 255).astype(np.uint8)
+
+
+class PendingResults:
+    """The results of one ``submit``: ``result()`` waits for the step's outputs (the first
+    time) and returns its FrameResults, like ``push`` would have."""
+
+    __slots__ = ("_event", "_finish", "_results")
+
+    def __init__(self, finish: Callable[[], list[FrameResult]] | None = None, event: torch.cuda.Event | None = None,
+                 results: list[FrameResult] | None = None) -> None:
+        self._finish, self._event, self._results = finish, event, results
+
+    @property
+    def done(self) -> bool:
+        """The results are ready (``result()`` will not wait for the GPU)."""
+        return self._results is not None or self._event is None or self._event.query()
+
+    @property
+    def settled(self) -> bool:
+        return self._results is not None
+
+    def result(self) -> list[FrameResult]:
+        if self._results is None:
+            finish, self._finish = self._finish, None
+            self._results = finish()
+            self._event = None
+        return self._results
 
 
 class SessionError(RuntimeError):
@@ -141,9 +174,10 @@ class StreamingSession:
         self.graph_fallbacks = 0  # one-frame steps that ran without their graph (FragmentedPool)
         # the next graphed step, planned and loaded while the GPU ran the current one
         self._next: tuple[StepPlan, object] | None = None
-        self._outputs_on_host = 0.0  # perf_counter() when the last step's outputs reached the host
         self._landing: LandingRing | None = None  # page-locked landing buffers of the outputs (CUDA)
-        self._pinned_done: torch.cuda.Event | None = None
+        self._in_flight: deque[PendingResults] = deque()  # submitted, results not yet taken (CUDA)
+        self._landed: list[torch.cuda.Event] = []  # one per step in flight, reused round robin
+        self._landed_next = 0
         self._u8_scale: Tensor | None = None  # 255 on the device (uint8 frames)
 
     # ------------------------------------------------------------------ state
@@ -213,21 +247,35 @@ class StreamingSession:
         keyframe: None follows the interval policy; True/False forces the decision
         (ignored for the scale frames, which are always stored).
         """
+        return self.submit(image, keyframe).result()
+
+    def submit(self, image: Tensor | np.ndarray, keyframe: bool | None = None) -> PendingResults:
+        """``push`` without waiting for the results: the frame is checked, planned and
+        launched, and its results come from the returned object's ``result()``. The cache
+        state (frame indices, rollback, commit) moves on at once, as after a ``push``.
+        Submit frame t+1 before taking frame t's results to keep the GPU busy; at most
+        ``MAX_IN_FLIGHT`` steps are left running (a submit waits for an older one first).
+        Bad input raises here, as in ``push``, and changes nothing."""
         host = self._check_image(image)
         frame = self._device_frame(host)
         if self._pages is None or self._pages.in_phase1:
             self._pending.append((frame, host))
             if len(self._pending) < self.cfg.num_scale_frames:
-                return []
+                return PendingResults(results=[])
             frames = torch.stack([f for f, _ in self._pending])
             hosts = [h for _, h in self._pending]
             try:
-                results = self._run(frames, hosts, store=True)
+                return self._run(frames, hosts, store=True)
             finally:
                 self._pending.clear()
-            return results
         store = self.is_keyframe_index(self._frames_pushed) if keyframe is None else bool(keyframe)
         return self._run(frame[None], [host], store=store)
+
+    def wait(self) -> None:
+        """Take the results of every submitted step onto the host (they stay with their
+        ``PendingResults``); the GPU is idle afterwards as far as this session goes."""
+        while self._in_flight:
+            self._in_flight.popleft().result()
 
     def _device_frame(self, host: Tensor) -> Tensor:
         """[3, H, W] float32 on the session's device. A uint8 [H, W, 3] frame is copied as
@@ -287,6 +335,7 @@ class StreamingSession:
         self._pages = PageTable(page_size, cfg.num_scale_frames, cfg.sliding_window, mcfg.max_frame_num,
                                 cfg.max_pending_evictions)
         self._pages.set_deferred(self._deferred)
+        self.wait()  # nothing in flight may still read the old pool, graphs or outputs
         self._graphed = None  # bound to the old pool
         self._next = None
         self._pool = None  # free the old pool before allocating the new one
@@ -301,7 +350,7 @@ class StreamingSession:
                  page_size, self._pool.nbytes / 2**20)
 
     @torch.inference_mode()
-    def _run(self, frames: Tensor, hosts: list[Tensor], store: bool) -> list[FrameResult]:
+    def _run(self, frames: Tensor, hosts: list[Tensor], store: bool) -> PendingResults:
         t0 = time.perf_counter()
         s, _, h, w = frames.shape
         self._ensure_cache(h, w)
@@ -312,16 +361,20 @@ class StreamingSession:
         prepared = speculated is not None and speculated[0] == plan
         dplan = speculated[1] if prepared else make_device_plan(plan, tokens, self.device)
         graphed = self._graphed_step() if s == 1 and not plan.phase1 else None
+        self._make_room()
         out = None
         if graphed is not None:
             try:
-                out = graphed(frames, dplan, prepared=prepared)
+                out = graphed.launch(frames, dplan, prepared=prepared)
             except FragmentedPool as exc:  # nothing ran yet: this step goes without the graph
                 self.graph_fallbacks += 1
                 if self.graph_fallbacks == 1 or self.graph_fallbacks % 1000 == 0:
                     log.warning("step without its CUDA graph (%d so far): %s", self.graph_fallbacks, exc)
                 graphed = None
         if out is None:
+            if self._graphed is not None and self._graphed.output_stream is not None:
+                # heads of graphed steps still in flight write the camera cache: they go first
+                torch.cuda.current_stream(self.device).wait_stream(self._graphed.output_stream)
             out = self._eager_step(frames, plan, dplan, pool, camera)
         pages.apply(plan)  # only now does the step become part of the cache
 
@@ -329,16 +382,18 @@ class StreamingSession:
         self._frames_pushed = first_frame + s
         if store:
             self._last_stored_frame = first_frame + s - 1
+        pending = self._land(frames, hosts, out, plan, first_frame, t0,
+                             graphed.output_stream if graphed is not None else None)
         if graphed is not None:
             self._speculate(graphed, tokens)
-        results = self._results(frames, hosts, out, plan, first_frame)
-        t_end = time.perf_counter()
-        # model: until the outputs are on the host (on a GPU that includes waiting for it);
-        # postprocess: turning them into FrameResults
-        t_model = self._outputs_on_host
-        for r in results:
-            r.timings.update(model_ms=(t_model - t0) * 1e3 / s, postprocess_ms=(t_end - t_model) * 1e3 / s)
-        return results
+        return pending
+
+    def _make_room(self) -> None:
+        """Forget settled steps; wait for the oldest ones until fewer than MAX_IN_FLIGHT run."""
+        while self._in_flight and (self._in_flight[0].settled or len(self._in_flight) >= MAX_IN_FLIGHT):
+            oldest = self._in_flight.popleft()
+            if not oldest.settled:
+                oldest.result()
 
     def _eager_step(self, frames: Tensor, plan: StepPlan, dplan, pool: KVPool, camera: CameraKVCache):
         """The step without a CUDA graph (phase 1, CPU, SDPA, graphs off)."""
@@ -389,45 +444,64 @@ class StreamingSession:
                                               min_pages=self.cfg.num_scale_frames + 2)
         return self._graphed
 
-    def _to_host(self, parts: list[Tensor]) -> np.ndarray:
-        """Concatenate 1-D tensors into a new float32 numpy array.
+    def _land(self, frames: Tensor, hosts: list[Tensor], out, plan: StepPlan, first_frame: int, t0: float,
+              stream: torch.cuda.Stream | None) -> PendingResults:
+        """Start moving a step's outputs to the host; the returned object turns them into
+        FrameResults. ``stream``: where the outputs are complete (None: the current stream).
 
-        On CUDA each part goes by DMA straight into a page-locked buffer (no concatenation
-        kernel, no staging through pageable memory), then one wait; the array returned is
-        a view of that buffer, which is not reused while any array of it is alive
-        (``LandingRing``; it copies only when all its buffers are still in use)."""
-        n = sum(p.numel() for p in parts)
-        if self.device.type != "cuda":
-            return torch.cat([p.float() for p in parts]).numpy()  # cat copies
-        if self._landing is None:
-            self._landing = LandingRing(LANDING_BUFFERS)
-            self._pinned_done = torch.cuda.Event()
-        buf = self._landing.acquire(n)
-        at = 0
-        for p in parts:
-            buf[at:at + p.numel()].copy_(p, non_blocking=True)
-            at += p.numel()
-        self._pinned_done.record(torch.cuda.current_stream(self.device))
-        self._pinned_done.synchronize()
-        return self._landing.array(n)
-
-    def _results(self, frames: Tensor, hosts: list[Tensor], out, plan: StepPlan,
-                 first_frame: int) -> list[FrameResult]:
-        h, w = frames.shape[-2:]
+        All outputs go into one host array with one wait; inputs that came as device float
+        tensors ride along. On CUDA each part goes by DMA straight into a page-locked
+        buffer (no concatenation kernel, no staging through pageable memory); the arrays
+        handed out are views of that buffer, which is not reused while any of them is alive
+        (``LandingRing``; the outputs are copied out only when all its buffers are in use)."""
         s = frames.shape[0]
-        # all outputs in one host array, one wait; inputs that came as device tensors ride along
         parts = [out.pose_enc.flatten()]
         if out.depth is not None:
             parts += [out.depth.flatten(), out.depth_conf.flatten()]
-        outputs = sum(p.numel() for p in parts)
         parts += [im.flatten() for im in hosts if im.device.type != "cpu" and im.dtype != torch.uint8]
-        host = self._to_host(parts)
-        self._outputs_on_host = time.perf_counter()
+        n = sum(p.numel() for p in parts)
+        args = (frames.shape[-2:], s, hosts, out.depth is not None, plan, first_frame, t0)
+        if self.device.type != "cuda":
+            host = torch.cat([p.float() for p in parts]).numpy()  # cat copies
+            return PendingResults(results=self._results(host, False, None, *args))
+        if self._landing is None:
+            self._landing = LandingRing(LANDING_BUFFERS)
+            self._landed = [torch.cuda.Event() for _ in range(MAX_IN_FLIGHT)]
+        buf, host, staging = self._landing.acquire(n)
+        if staging:
+            self.wait()  # a step still in flight may be landing in the staging buffer
+        stream = stream or torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(stream):
+            at = 0
+            for p in parts:
+                buf[at:at + p.numel()].copy_(p, non_blocking=True)
+                at += p.numel()
+        event = self._landed[self._landed_next]
+        self._landed_next = (self._landed_next + 1) % len(self._landed)
+        event.record(stream)
+
+        pending = PendingResults(lambda: self._results(host, staging, event, *args), event)
+        self._in_flight.append(pending)
+        return pending
+
+    def _results(self, host: np.ndarray, staging: bool, landed: torch.cuda.Event | None, size: tuple[int, int],
+                 s: int, hosts: list[Tensor], with_depth: bool, plan: StepPlan, first_frame: int,
+                 t0: float) -> list[FrameResult]:
+        """FrameResults from a step's outputs in ``host`` once ``landed`` (the copy's event,
+        None: already there); ``staging``: copy them out of the shared staging buffer."""
+        if landed is not None:
+            landed.synchronize()
+        t_model = time.perf_counter()
+        if staging:
+            host = host.copy()
+        h, w = size
         pose_enc = host[:s * 9].reshape(s, 9)
         depth = conf = None
-        if out.depth is not None:
+        outputs = s * 9
+        if with_depth:
             depth = host[s * 9:s * 9 + s * h * w].reshape(s, h, w)
-            conf = host[s * 9 + s * h * w:outputs].reshape(s, h, w)
+            conf = host[s * 9 + s * h * w:s * 9 + 2 * s * h * w].reshape(s, h, w)
+            outputs += 2 * s * h * w
         images, at = [], outputs
         for im in hosts:
             if im.device.type == "cpu":
@@ -439,10 +513,16 @@ class StreamingSession:
                 at += im.numel()
         c2w = pose_enc_to_c2w(pose_enc)
         intrinsics = fov_to_intrinsics(pose_enc[:, 7], pose_enc[:, 8], h, w)
-        return [FrameResult(frame_index=first_frame + i, position=plan.positions[i], is_keyframe=plan.store,
-                            pose_enc=pose_enc[i], c2w=c2w[i], intrinsics=intrinsics[i],
-                            depth=None if depth is None else depth[i], confidence=None if conf is None else conf[i],
-                            frame=images[i]) for i in range(frames.shape[0])]
+        results = [FrameResult(frame_index=first_frame + i, position=plan.positions[i], is_keyframe=plan.store,
+                               pose_enc=pose_enc[i], c2w=c2w[i], intrinsics=intrinsics[i],
+                               depth=None if depth is None else depth[i],
+                               confidence=None if conf is None else conf[i], frame=images[i]) for i in range(s)]
+        # model: until the outputs are on the host (on a GPU that includes waiting for it, and
+        # for steps submitted before); postprocess: turning them into FrameResults
+        t_end = time.perf_counter()
+        for r in results:
+            r.timings.update(model_ms=(t_model - t0) * 1e3 / s, postprocess_ms=(t_end - t_model) * 1e3 / s)
+        return results
 
 
-__all__ = ["StreamingSession", "FrameResult", "SessionError", "FrameMismatchError", "CacheError"]
+__all__ = ["StreamingSession", "FrameResult", "PendingResults", "SessionError", "FrameMismatchError", "CacheError"]

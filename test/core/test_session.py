@@ -200,8 +200,9 @@ def test_a_step_its_graph_cannot_take_runs_eagerly_with_the_same_results(tiny_mo
 
     class Fragmented:
         calls = prepares = 0
+        output_stream = None
 
-        def __call__(self, frames, dplan, prepared=False):
+        def launch(self, frames, dplan, prepared=False):
             Fragmented.calls += 1
             raise FragmentedPool("9 runs of visible keys for 8 splits")
 
@@ -224,3 +225,63 @@ def test_a_step_its_graph_cannot_take_runs_eagerly_with_the_same_results(tiny_mo
     # preparing the next step in a graph that cannot take it is skipped, not an error
     s._speculate(Fragmented(), s.model.cfg.tokens_per_frame(*s._resolution))
     assert Fragmented.prepares == 1 and s._next is None
+
+
+def test_submitted_frames_give_the_pushed_results(tiny_model, fixture_config, images):
+    """submit() + result() later, with transitions between, is push() (on CPU the step is
+    done when submit returns; the GPU overlap is checked in test/gpu/test_graphs.py)."""
+    pushed = push_all(make(tiny_model, fixture_config), images[:7])
+    s = make(tiny_model, fixture_config)
+    pending = [s.submit(f) for f in images[:7]]
+    assert all(p.done for p in pending)
+    assert [len(p.result()) for p in pending] == [0, 2, 1, 1, 1, 1, 1]
+    submitted = [r for p in pending for r in p.result()]  # result() again: the same objects
+    assert [r.frame_index for r in submitted] == [r.frame_index for r in pushed]
+    for a, b in zip(submitted, pushed, strict=True):
+        np.testing.assert_array_equal(a.pose_enc, b.pose_enc)
+        np.testing.assert_array_equal(a.depth, b.depth)
+    assert pending[3].result()[0] is pending[3].result()[0]
+    s.wait()  # nothing in flight: a no-op
+
+
+def test_bad_input_to_submit_is_refused_without_state_change(tiny_model, fixture_config, images):
+    s = make(tiny_model, fixture_config)
+    for f in images[:3]:
+        s.submit(f)
+    before = (s._pages.state_signature(), s.frames_pushed)
+    with pytest.raises(ValueError, match="differs from the sequence"):
+        s.submit(images[3][:, :42, :42])
+    assert (s._pages.state_signature(), s.frames_pushed) == before
+
+
+class _Pending:
+    """A stand-in for a step in flight: counts when its results are taken."""
+
+    def __init__(self) -> None:
+        self.taken = 0
+
+    @property
+    def settled(self) -> bool:
+        return self.taken > 0
+
+    def result(self):
+        self.taken += 1
+        return []
+
+
+def test_at_most_max_in_flight_steps_are_left_running(tiny_model, fixture_config):
+    from lingbot_map_ros.stream.session import MAX_IN_FLIGHT
+
+    s = make(tiny_model, fixture_config)
+    old, newer = _Pending(), _Pending()
+    s._in_flight.extend([old, newer])
+    s._make_room()  # MAX_IN_FLIGHT (2) running: the oldest is waited for, the newer keeps running
+    assert MAX_IN_FLIGHT == 2 and old.taken == 1 and newer.taken == 0 and list(s._in_flight) == [newer]
+    s._make_room()
+    assert newer.taken == 0  # one running is allowed beside the next step
+    newer.result()
+    s._make_room()  # settled ones are forgotten
+    assert not s._in_flight and newer.taken == 1
+    s._in_flight.extend([_Pending(), _Pending()])
+    s.wait()
+    assert not s._in_flight

@@ -33,9 +33,9 @@ class Counting(GraphedStep):
         self.calls["prepare"] += 1
         super().prepare(dplan)
 
-    def __call__(self, frame, dplan, prepared=False):
+    def launch(self, frame, dplan, prepared=False):
         self.calls["prepared" if prepared and self._prepared is dplan.plan else "planned"] += 1
-        return super().__call__(frame, dplan, prepared)
+        return super().launch(frame, dplan, prepared)
 
 
 def with_static_step(session: StreamingSession) -> StreamingSession:

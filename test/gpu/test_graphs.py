@@ -65,14 +65,33 @@ class NoSync:
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
+    def submit(self, session: StreamingSession, image):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return session.submit(image)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
 
-def script(session: StreamingSession, images: np.ndarray, checked: NoSync | None) -> list:
-    """Frames and transitions; ``checked`` pushes the frames after the first graphed one without syncs."""
-    results = []
+
+def script(session: StreamingSession, images: np.ndarray, checked: NoSync | None, queued: bool = False) -> list:
+    """Frames and transitions; ``checked`` pushes the frames after the first graphed one without syncs.
+    ``queued``: each frame is submitted before the previous frame's results are taken, and the
+    transitions (commit, deferral, reset) come while a step is in flight."""
+    results, waiting = [], []
 
     def push(i):
-        step = checked.push if checked is not None and i >= 4 else (lambda s, im: s.push(im))
-        results.extend(step(session, images[i]))
+        if not queued:
+            step = checked.push if checked is not None and i >= 4 else (lambda s, im: s.push(im))
+            results.extend(step(session, images[i]))
+            return
+        step = checked.submit if checked is not None and i >= 4 else (lambda s, im: s.submit(im))
+        waiting.append(step(session, images[i]))
+        while len(waiting) > 1:
+            results.extend(waiting.pop(0).result())
+
+    def flush():
+        while waiting:
+            results.extend(waiting.pop(0).result())
 
     session.set_deferred_eviction(True)
     for i in range(10):  # phase 1 (2 frames), then keyframes and attend-only frames; the window (3) overflows
@@ -82,12 +101,14 @@ def script(session: StreamingSession, images: np.ndarray, checked: NoSync | None
     session.set_deferred_eviction(False)
     for i in range(10, 12):
         push(i)
+    flush()  # the rollback below names the last stored frame, which the results tell
     last = results[-1].frame_index if results[-1].is_keyframe else results[-2].frame_index
     assert session.rollback_last_frame(last) == last
     push(11)  # takes the rolled-back frame's place
     session.reset()
     for i in range(8):  # a second sequence: the same graph, the same buffers
         push(i)
+    flush()
     return results
 
 
@@ -113,6 +134,47 @@ def test_graphed_step_matches_eager(backend):
     print(f"GRAPHS {backend} {len(graphed)} frames, {graphed_session._graphed.replays} replays, "
           + ", ".join(f"{k} rel {v:.2e}" for k, v in errors.items()))
     assert all(v <= REL_TOL for v in errors.values()), errors
+
+
+def test_queued_steps_give_the_pushed_results():
+    """Frames submitted before the previous results are taken (a step's heads graph then
+    runs beside the next step's trunk graph) give what one-at-a-time pushes give, and the
+    submits themselves do not synchronise."""
+    backend = "flashinfer-fa3" if torch.cuda.get_device_capability()[0] == 9 else "flashinfer-fa2"
+    images = np.load(FIXTURES / "reference_kf2.npz")["images"]
+    pushed = script(make_session(backend, graphs=True), images, None)
+    session = make_session(backend, graphs=True)
+    queued = script(session, images, NoSync(session), queued=True)
+    assert session._graphed is not None and session._graphed.replays > 12
+    assert [(r.frame_index, r.position, r.is_keyframe) for r in queued] == \
+        [(r.frame_index, r.position, r.is_keyframe) for r in pushed]
+    for field in FIELDS:
+        a = np.stack([getattr(r, field) for r in queued])
+        b = np.stack([getattr(r, field) for r in pushed])
+        assert np.array_equal(a, b) or float(np.abs(a - b).max() / np.abs(b).max()) < 1e-6, field
+
+
+def test_a_step_keeps_running_while_the_next_is_submitted():
+    """submit() returns without waiting for the GPU: behind ~0.1 s of queued GPU work the
+    first frame's results are not done when the second frame is submitted (which would
+    have waited for them before), and both come out as pushes give them."""
+    backend = "flashinfer-fa3" if torch.cuda.get_device_capability()[0] == 9 else "flashinfer-fa2"
+    images = np.load(FIXTURES / "reference_kf2.npz")["images"]
+    session = make_session(backend, graphs=True)
+    for i in range(6):
+        session.push(images[i])
+    reference = make_session(backend, graphs=True)
+    for i in range(6):
+        reference.push(images[i])
+    expected = [reference.push(images[i])[0] for i in (6, 7)]
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU work ahead of the step
+    first = session.submit(images[6])
+    second = session.submit(images[7])
+    assert not first.done
+    got = [first.result()[0], second.result()[0]]
+    for a, b in zip(got, expected):
+        assert a.frame_index == b.frame_index
+        np.testing.assert_allclose(a.pose_enc, b.pose_enc, rtol=0, atol=1e-6)
 
 
 @pytest.mark.parametrize("graphs", [True, False])

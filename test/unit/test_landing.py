@@ -5,14 +5,15 @@ import gc
 
 import numpy as np
 import pytest
+import torch
 
 from lingbot_map_ros.stream.landing import LandingRing
 
 
 def land(ring: LandingRing, values: np.ndarray) -> np.ndarray:
-    buf = ring.acquire(values.size)
-    buf[:values.size] = __import__("torch").from_numpy(values)
-    return ring.array(values.size)
+    buf, array, staging = ring.acquire(values.size)
+    buf[:values.size] = torch.from_numpy(values)
+    return array.copy() if staging else array
 
 
 def test_held_results_are_never_overwritten_and_free_buffers_are_reused():
@@ -43,6 +44,23 @@ def test_a_free_buffer_too_small_for_a_new_resolution_is_replaced():
     big = land(ring, np.arange(10, dtype=np.float32))
     np.testing.assert_array_equal(big, np.arange(10))
     assert ring.copies == 0
+
+
+def test_a_buffer_acquired_for_a_step_in_flight_is_not_handed_out_again():
+    """A submitted step holds its array before its data lands: the next acquire must not
+    hand the same buffer to the following step."""
+    ring = LandingRing(size=2, pin=False)
+    t1, a1, s1 = ring.acquire(4)
+    t2, a2, s2 = ring.acquire(4)
+    assert not s1 and not s2 and t1.data_ptr() != t2.data_ptr()
+    t3, a3, s3 = ring.acquire(4)  # both in flight: staging
+    assert s3 and t3.data_ptr() not in (t1.data_ptr(), t2.data_ptr())
+    t1[:4] = 7.0
+    np.testing.assert_array_equal(a1, 7.0)
+    del a1
+    gc.collect()
+    t4, a4, s4 = ring.acquire(4)
+    assert not s4 and t4.data_ptr() == t1.data_ptr()
 
 
 def test_size_must_be_positive():
