@@ -78,6 +78,7 @@ def check_kv_dtype(dtype: torch.dtype) -> None:
 
 
 WAVES = 7  # work items per SM that auto_kv_splits aims for
+MAX_RAGGED_SPLITS = 64  # a bound on explicit kv_splits for the ragged kernel (its batch is 2 x splits requests)
 
 
 def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_sms: int, variant: str,
@@ -264,11 +265,14 @@ class FlashInferBackend:
 
     def _choose_splits(self, qo_len: int, heads: int, head_dim: int, num_pages: int) -> int:
         if self.graph_mode and self._wrapper is not None:
-            if num_pages < self.splits:
+            if not self.ragged and num_pages < self.splits:
                 raise ValueError(f"this CUDA-graph step was captured with {self.splits} KV splits but the "
                                  f"step sees only {num_pages} pages")
             return self.splits
-        limit = min(num_pages, self._min_graph_pages) if self.graph_mode else num_pages
+        if self.ragged:  # a split is any run of keys (the pool holds thousands per page)
+            limit = MAX_RAGGED_SPLITS
+        else:  # a split is whole pages, and a graph's count must fit its fewest pages
+            limit = min(num_pages, self._min_graph_pages) if self.graph_mode else num_pages
         s = self.kv_splits or auto_kv_splits(qo_len, heads, head_dim, limit, self._num_sms, self.variant)
         return max(1, min(s, limit))
 

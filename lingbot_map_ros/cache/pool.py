@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ..kernels.camera_attention import camera_attention, camera_attention_reference, visibility_bias
 from ..config import SPECIAL_TOKENS
 from .pages import StepPlan
 
@@ -103,30 +104,25 @@ class CameraKVCache:
 
     # Static-shape variant of ``attend`` for one frame (CUDA graphs): no Python int decides
     # a shape or an offset, the slot and the visible length come from a device tensor.
-    def visible_bias(self, position: Tensor) -> Tensor:
-        """Additive mask [1, 1, capacity]: 0 for slots <= position [1] (long), -inf after."""
-        capacity = self.k.shape[2]
-        slots = torch.arange(capacity, device=position.device)
-        bias = torch.zeros(capacity, dtype=self.k.dtype, device=position.device)
-        return bias.masked_fill(slots > position, float("-inf")).view(1, 1, capacity)
+    fused = False  # attend_at through kernels.camera_attention (set where the Triton kernels run)
+
+    def visible_bias(self, position: Tensor) -> Tensor | None:
+        """Additive mask [1, 1, capacity]: 0 for slots <= position [1] (long), -inf after (None
+        with the fused kernel, which reads the position itself)."""
+        return None if self.fused else visibility_bias(self.k.shape[2], position, self.k.dtype)
 
     def attend_at(self, iteration: int, block: int, q: Tensor, k: Tensor, v: Tensor, slot: Tensor,
-                  bias: Tensor) -> Tensor:
+                  bias: Tensor | None) -> Tensor:
         """q, k, v [1, H, D]; slot [1] long (= the frame's position); bias from ``visible_bias(slot)``.
-        Same result as ``attend(..., start=slot)`` up to the order of the softmax sums.
-
-        One query per head over every slot: two batched matrix-vector products read the
-        cache where it lies (no copy), the mask rides on the first as its addend. (PyTorch's
-        SDPA with a mask took a kernel that tiles 64 queries and spent ~115 us per call on
-        1024 slots, 16 calls per frame.)"""
+        Same result as ``attend(..., start=slot)`` up to the order of the softmax sums: one
+        query per head over every slot with the mask (``kernels.camera_attention``'s PyTorch
+        twin; PyTorch's SDPA with a mask took a kernel that tiles 64 queries and spent
+        ~115 us per call on 1024 slots, 16 calls per frame), or, with ``fused``, one kernel
+        that stores the token and reads only the visible slots."""
         kc, vc = self.k[iteration, block], self.v[iteration, block]
-        kc.index_copy_(0, slot, k.to(kc.dtype))
-        vc.index_copy_(0, slot, v.to(vc.dtype))
-        heads, dim = kc.shape[1], kc.shape[2]
-        qh = q.to(kc.dtype).transpose(0, 1)  # [H, 1, D]
-        scores = torch.baddbmm(bias.expand(heads, 1, -1), qh, kc.permute(1, 2, 0), alpha=dim ** -0.5)  # [H, 1, C]
-        out = torch.bmm(torch.softmax(scores, dim=-1), vc.transpose(0, 1))  # [H, 1, D]
-        return out.transpose(0, 1).to(q.dtype)
+        if self.fused:
+            return camera_attention(q.contiguous(), k.contiguous(), v.contiguous(), kc, vc, slot)
+        return camera_attention_reference(q, k, v, kc, vc, slot, bias)
 
 
 class PoolAttention:

@@ -109,6 +109,16 @@ def self_check(device: torch.device | str, heads: int, head_dim: int, widths: tu
             a, b = gemv(x, lin, **kw), gemv_reference(x, lin, **kw)
             if not bool((a - b).abs().max() <= 1e-3 * b.abs().max()):
                 return f"the camera head's matrix-vector kernel disagrees with PyTorch ({sorted(kw)})"
+        from .camera_attention import camera_attention, camera_attention_reference
+
+        cache_k = torch.randn(9, 2, 32, generator=gen).to(device)
+        cache_v = torch.randn(9, 2, 32, generator=gen).to(device)
+        qkv = [torch.randn(1, 2, 32, generator=gen).to(device) for _ in range(3)]
+        slot = torch.tensor([6], device=device)
+        a = camera_attention(*qkv, cache_k.clone(), cache_v.clone(), slot)
+        b = camera_attention_reference(*qkv, cache_k.clone(), cache_v.clone(), slot)
+        if not bool((a - b).abs().max() <= 1e-4 * b.abs().max()):
+            return "the camera head's cache attention kernel disagrees with PyTorch"
         from .upsample import upsample_bilinear, upsample_bilinear_reference
 
         img = torch.randn(1, 12, 3, 5, generator=gen).to(device, bf16).contiguous(memory_format=torch.channels_last)

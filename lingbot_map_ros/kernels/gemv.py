@@ -99,10 +99,12 @@ def _build_kernel():
     return gemv_kernel
 
 
-def _blocks(n: int) -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K): enough programs for the SMs (N = 2048 -> 256), 8 KB of weights per load."""
+def launch_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [N, K] weight: enough programs for the
+    SMs (N = 2048 -> 256), 8 KB of weights per load. ``benchmarks/gemv_configs.py`` times
+    the alternatives."""
     block_n = 8 if n <= 2048 else (16 if n <= 4096 else 32)
-    return block_n, 4096 // block_n
+    return block_n, 4096 // block_n, 4, 4
 
 
 def gemv(x: Tensor, linear: nn.Linear, *, norm: nn.LayerNorm | None = None, silu: bool = False,
@@ -129,7 +131,7 @@ def gemv(x: Tensor, linear: nn.Linear, *, norm: nn.LayerNorm | None = None, silu
     if _kernel is None:
         _kernel = _build_kernel()
     out = torch.empty(m, n, dtype=torch.float32, device=x.device)
-    block_n, block_k = _blocks(n)
+    block_n, block_k, warps, stages = launch_config(n, k)
     prologue = 1 if norm is not None else (2 if silu else 0)
     _kernel[(-(-n // block_n), m)](
         x, x.stride(0), w, linear.bias if linear.bias is not None else out, out,
@@ -137,7 +139,7 @@ def gemv(x: Tensor, linear: nn.Linear, *, norm: nn.LayerNorm | None = None, silu
         residual if residual is not None else out, residual.stride(0) if residual is not None else 0,
         gamma if gamma is not None else out, k, n, norm.eps if norm is not None else 0.0,
         PROLOGUE=prologue, GELU=gelu, RESIDUAL=residual is not None, HAS_BIAS=linear.bias is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
+        BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return out
 
 

@@ -345,6 +345,7 @@ class StreamingSession:
             head_dim = mcfg.camera_dim // mcfg.camera_num_heads
             self._camera = CameraKVCache(cfg.camera_iterations, mcfg.camera_trunk_depth, mcfg.max_frame_num,
                                          mcfg.camera_num_heads, head_dim, torch.float32, self.device)
+            self._camera.fused = self.fused  # its graph-step attention through the Triton kernel
         self._resolution = (h, w)
         log.info("cache for %dx%d: %d pages of %d tokens, %.1f MiB of K/V", w, h, self._pages.num_pages,
                  page_size, self._pool.nbytes / 2**20)

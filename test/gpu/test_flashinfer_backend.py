@@ -196,3 +196,31 @@ def test_ragged_graph_wrapper_pads_to_its_batch_and_refuses_a_fragmented_pool():
     backend.begin_step(plan_of((3, 5, 9)))  # three runs for two splits
     with pytest.raises(FragmentedPool):
         backend.prepare(k)
+
+
+def test_ragged_graph_wrapper_takes_more_splits_than_visible_pages():
+    """The ragged kernel's splits are runs of keys, not pages: a CUDA-graph backend with 7
+    splits attends correctly over 3 visible pages (the paged kernel would need 7)."""
+    from lingbot_map_ros.cache.flashinfer_backend import FlashInferBackend
+
+    backend = FlashInferBackend(torch.device("cuda"), "fa3", torch.bfloat16, graph_pages=64, kv_splits=7,
+                                min_graph_pages=2)
+    gen = torch.Generator().manual_seed(4)
+    read = (2, 3, 7)
+    k = torch.full((9, 28, 2, 64), GARBAGE)
+    v = torch.full((9, 28, 2, 64), GARBAGE)
+    for p in read:
+        k[p], v[p] = torch.randn(28, 2, 64, generator=gen), torch.randn(28, 2, 64, generator=gen)
+    k, v = k.to("cuda", torch.bfloat16), v.to("cuda", torch.bfloat16)
+    q = torch.randn(34, 2, 64, generator=gen).cuda()
+    step = StepPlan(num_frames=1, store=False, phase1=False, first_position=0, frame_pages=(), special_slots=(),
+                    read_pages=read, last_page_len=20, new_pages=(), evict=0, page_size=28)
+    slots = torch.cat([torch.arange(p * 28, p * 28 + (20 if p == 7 else 28)) for p in read])
+    plan = DevicePlan(plan=step, write_slots=torch.empty(0, dtype=torch.long, device="cuda"),
+                      read_pages=torch.tensor(read, dtype=torch.int32).cuda(), read_slots=slots.cuda(),
+                      tokens_per_frame=34)
+    backend.begin_step(plan)
+    backend.prepare(k)
+    assert backend.splits == 7
+    out = backend.attend(q, k, v)
+    assert (out.float() - reference(plan, q, k, v)).abs().max().item() < ABS_TOL

@@ -197,3 +197,38 @@ def test_camera_head_copy_with_the_kernel_matches_the_twin():
     a, b, ref = poses(fast), poses(twin), poses(head)
     torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     assert float((a - ref).abs().max() / ref.abs().max()) < 1e-2
+
+
+@pytest.mark.parametrize("position", [0, 1, 31, 32, 33, 300, 1023])
+def test_camera_attention_matches_twin(position):
+    """The camera cache attention kernel (store at the slot, attend over slots <= slot)
+    against its PyTorch twin at the released sizes (16 heads x 128, 1024 slots), with junk
+    after the slot that only the mask keeps out; block edges (32) and both ends."""
+    from lingbot_map_ros.kernels.camera_attention import camera_attention, camera_attention_reference
+
+    gen = torch.Generator().manual_seed(position)
+    heads, dim, capacity = 16, 128, 1024
+    k_cache = torch.randn(capacity, heads, dim, generator=gen) * 2
+    v_cache = torch.randn(capacity, heads, dim, generator=gen)
+    k_cache[position + 1:] = 50.0  # would dominate the softmax if it were read
+    k_cache, v_cache = k_cache.cuda(), v_cache.cuda()
+    q, k, v = (torch.randn(1, heads, dim, generator=gen).cuda() for _ in range(3))
+    caches = (k_cache.clone(), v_cache.clone())
+    slot = torch.tensor([position], device="cuda")
+    got = camera_attention(q, k, v, *caches, slot)
+    want = camera_attention_reference(q, k, v, k_cache, v_cache, slot)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(caches[0], k_cache)  # the token stored where the twin stores it
+    torch.testing.assert_close(caches[1], v_cache)
+
+
+def test_camera_attention_refuses_what_it_cannot_read():
+    from lingbot_map_ros.kernels.camera_attention import camera_attention
+
+    cache = torch.zeros(8, 2, 32, device="cuda")
+    q = torch.zeros(1, 2, 32, device="cuda")
+    with pytest.raises(ValueError, match="float32"):
+        camera_attention(q.half(), q, q, cache, cache.clone(), torch.tensor([1], device="cuda"))
+    with pytest.raises(ValueError, match="power of two"):
+        c = torch.zeros(8, 2, 24, device="cuda")
+        camera_attention(c[:1], c[:1], c[:1], c, c.clone(), torch.tensor([1], device="cuda"))
