@@ -56,6 +56,8 @@ which is where ``plan()`` wants them (device ones would cost a ``.cpu()`` sync).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -77,12 +79,12 @@ def check_kv_dtype(dtype: torch.dtype) -> None:
 
 
 
-WAVES = 7  # work items per SM that auto_kv_splits aims for
+WAVES = 8.5  # work items per SM that auto_kv_splits aims for
 MAX_RAGGED_SPLITS = 64  # a bound on explicit kv_splits for the ragged kernel (its batch is 2 x splits requests)
 
 
 def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_sms: int, variant: str,
-                   max_splits: int = 10) -> int:
+                   max_splits: int = 12) -> int:
     """Split count for FA3: enough (query tile, head, split) work items for about ``WAVES``
     per SM, at most ``max_splits`` and never more splits than pages. FA2 splits keys itself: 1.
 
@@ -90,13 +92,15 @@ def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_s
     items keep FA3 busier than a few long ones. 518x378 (96 items), ragged kernel, ms per
     frame: 4 splits 31.3, 6 28.7, 8 28.4, 10 28.1; 518x294 (80 items): 3 splits 26.2,
     8 21.8 (``benchmarks/results/nvidia_h200_kv_splits_sweep.txt``). An earlier model that
-    only counted whole waves picked 4 and 3.
+    only counted whole waves picked 4 and 3. Later, at 518x378 with the queued stream, two
+    interleaved pairs of runs: 10 splits 25.46 / 25.51 ms, 12 splits 24.99 / 25.19
+    (11: 25.65, 22: 26.26), hence 8.5 items per SM and at most 12.
     """
     if not variant.startswith("fa3"):
         return 1
     tile_q = 192 if head_dim == 64 else 128  # FlashInfer's FA3 query tile (paged and ragged)
     items = -(-qo_len // tile_q) * heads
-    want = -(-WAVES * num_sms // items)
+    want = math.ceil(WAVES * num_sms / items)
     return max(1, min(want, max_splits, num_pages))
 
 

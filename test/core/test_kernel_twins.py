@@ -142,9 +142,9 @@ def test_merge_of_key_splits_equals_full_attention(splits):
 
 def test_auto_kv_splits_fills_the_sms():
     # 518x378 one-frame step: 6 query tiles x 16 heads = 96 items on 132 SMs -> 10 (7 x 132 / 96 = 9.6)
-    assert auto_kv_splits(1005, 16, 64, 74, 132, "fa3") == 10
-    assert auto_kv_splits(783, 16, 64, 74, 132, "fa3-paged") == 10  # 518x294: 80 items, capped
-    assert auto_kv_splits(1005, 16, 64, 74, 264, "fa3", max_splits=64) == 20
+    assert auto_kv_splits(1005, 16, 64, 74, 132, "fa3") == 12  # 518x378: 96 items
+    assert auto_kv_splits(783, 16, 64, 74, 132, "fa3-paged") == 12  # 518x294: 80 items, capped
+    assert auto_kv_splits(1005, 16, 64, 74, 264, "fa3", max_splits=64) == 24
     assert auto_kv_splits(1005, 16, 64, 3, 132, "fa3") <= 3  # never more splits than pages
     assert auto_kv_splits(1005, 16, 64, 74, 132, "fa2") == 1  # FA2 splits keys itself
     assert auto_kv_splits(8 * 1005, 16, 64, 74, 132, "fa3") >= 1
