@@ -27,14 +27,7 @@ mkdir -p "$OUT"
 LOG="$OUT/gpu_batch.log"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/fi/*.whl >>"$LOG" 2>&1
 export PYTHONPATH=/tmp/site:$ROOT LINGBOT_FIXTURES=$ROOT/.fixtures
-for t in .ficache/*.tgz; do
-  [[ -f "$t" ]] || continue
-  mkdir -p /tmp/ficache && tar xzf "$t" -C /tmp/ficache
-done
-for so in /tmp/ficache/flashinfer/*/*/cached_ops/*/*.so; do
-  [[ -f "$so" ]] || continue
-  n=$(basename "$so" .so); mkdir -p "/tmp/site/flashinfer/data/aot/$n" && cp "$so" "/tmp/site/flashinfer/data/aot/$n/"
-done
+bash benchmarks/fi_aot_cache.sh /tmp/site >>"$LOG" 2>&1
 echo "commit $(git rev-parse --short HEAD 2>/dev/null || echo n/a), $(date -u)" >>"$LOG"
 summary() { python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(sys.argv[1].split('/')[-1], 'splits', d['setting']['kv_splits'], d['steady_state'], 'one at a time', d['one_at_a_time'], 'graph GPU', d['graph_gpu_median_ms'], 'peak', d['peak_gpu_memory_gib'], 'phase1', d['phase1_ms'], 'bf16_vs_fp32', d['bf16_vs_fp32'], d['stage_ms_per_frame'])" "$1"; }
 run() { local limit=$1; shift; echo "== $*" >>"$LOG"; timeout "$limit" "$@" >>"$LOG" 2>&1; echo "   exit $?" >>"$LOG"; }

@@ -96,6 +96,7 @@ if (( BUNDLE )); then
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/fi/*.whl 2>&1 \
     | grep -v "as the 'root' user" | tail -n 3
+  bash benchmarks/fi_aot_cache.sh /tmp/site  # FlashInfer JIT caches carried in .ficache, if any
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   # shellcheck source=ros_env.sh
   source benchmarks/ros_env.sh "$ROOT/.whl/ros312_bundle.tar.xz" /tmp/lingbot_ros || exit 1

@@ -81,6 +81,7 @@ def check_kv_dtype(dtype: torch.dtype) -> None:
 
 WAVES = 8.5  # work items per SM that auto_kv_splits aims for
 MAX_RAGGED_SPLITS = 64  # a bound on explicit kv_splits for the ragged kernel (its batch is 2 x splits requests)
+MIN_SPLIT_KEYS = 32  # keys per split at least, for the automatic count of the ragged kernel in a graph
 
 
 def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_sms: int, variant: str,
@@ -267,16 +268,23 @@ class FlashInferBackend:
             buf = self._buffers[key] = torch.empty(shape, dtype=dtype, device=self.device)
         return buf
 
-    def _choose_splits(self, qo_len: int, heads: int, head_dim: int, num_pages: int) -> int:
+    def _choose_splits(self, qo_len: int, heads: int, head_dim: int, num_pages: int, page_size: int) -> int:
         if self.graph_mode and self._wrapper is not None:
             if not self.ragged and num_pages < self.splits:
                 raise ValueError(f"this CUDA-graph step was captured with {self.splits} KV splits but the "
                                  f"step sees only {num_pages} pages")
             return self.splits
-        if self.ragged:  # a split is any run of keys (the pool holds thousands per page)
-            limit = MAX_RAGGED_SPLITS
+        if not self.graph_mode:
+            limit = num_pages
+        elif self.ragged:
+            # a split is any run of keys; the automatic count keeps at least MIN_SPLIT_KEYS keys
+            # per split at the graph's smallest step (each split's output is rounded to the
+            # pages' dtype before the merge: many tiny splits only add rounding)
+            if self.kv_splits:
+                return min(self.kv_splits, MAX_RAGGED_SPLITS)
+            limit = max(1, min(MAX_RAGGED_SPLITS, self._min_graph_pages * page_size // MIN_SPLIT_KEYS))
         else:  # a split is whole pages, and a graph's count must fit its fewest pages
-            limit = min(num_pages, self._min_graph_pages) if self.graph_mode else num_pages
+            limit = min(num_pages, self._min_graph_pages)
         s = self.kv_splits or auto_kv_splits(qo_len, heads, head_dim, limit, self._num_sms, self.variant)
         return max(1, min(s, limit))
 
@@ -303,7 +311,7 @@ class FlashInferBackend:
         if page_size != step.plan.page_size:
             raise ValueError(f"pages hold {page_size} tokens but the step was planned for {step.plan.page_size}")
         num_pages = len(step.plan.read_pages)
-        splits = self._choose_splits(step.qo_len, heads, head_dim, num_pages)
+        splits = self._choose_splits(step.qo_len, heads, head_dim, num_pages, page_size)
         if self.ragged:
             runs = visible_runs(step.plan.read_pages, step.plan.last_page_len, page_size)
             if not self.graph_mode:
