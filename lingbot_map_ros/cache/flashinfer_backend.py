@@ -282,7 +282,9 @@ class FlashInferBackend:
             # pages' dtype before the merge: many tiny splits only add rounding)
             if self.kv_splits:
                 return min(self.kv_splits, MAX_RAGGED_SPLITS)
-            limit = max(1, min(MAX_RAGGED_SPLITS, self._min_graph_pages * page_size // MIN_SPLIT_KEYS))
+            # (and never fewer than the graph's fewest pages: the visible keys may form that
+            # many runs, each needing a split of its own)
+            limit = min(MAX_RAGGED_SPLITS, max(self._min_graph_pages, self._min_graph_pages * page_size // MIN_SPLIT_KEYS))
         else:  # a split is whole pages, and a graph's count must fit its fewest pages
             limit = min(num_pages, self._min_graph_pages)
         s = self.kv_splits or auto_kv_splits(qo_len, heads, head_dim, limit, self._num_sms, self.variant)
