@@ -98,22 +98,35 @@ def run(args: argparse.Namespace) -> int:
         raise UserError(str(exc)) from None
 
     results = []
-    start = time.perf_counter()
-    for i, path in enumerate(paths):
+    start = last = time.perf_counter()
+
+    def take(pending) -> None:
+        nonlocal last
+        out = pending.result()
+        results.extend(out)
+        if out and not args.quiet:
+            now = time.perf_counter()
+            ms, last = (now - last) * 1e3 / len(out), now
+            for r in out:
+                log(args, f"frame {r.frame_index:5d} {'K' if r.is_keyframe else '-'} {ms:8.1f} ms/frame")
+
+    # frames are submitted one ahead: the next image is read and preprocessed while the
+    # GPU runs the current step, whose results are taken afterwards
+    waiting = None
+    for path in paths:
         try:
             image = preprocess_pil(load_image(path), width)
         except (ImageLoadError, ValueError) as exc:
             raise UserError(str(exc)) from None
-        t = time.perf_counter()
         try:
-            out = session.push(image)
+            submitted = session.submit(image)
         except ValueError as exc:
             raise UserError(f"{path.name}: {exc}") from None
-        results += out
-        if out and not args.quiet:
-            ms = (time.perf_counter() - t) * 1e3 / len(out)
-            for r in out:
-                log(args, f"frame {r.frame_index:5d} {'K' if r.is_keyframe else '-'} {ms:8.1f} ms/frame")
+        if waiting is not None:
+            take(waiting)
+        waiting = submitted
+    if waiting is not None:
+        take(waiting)
     total = time.perf_counter() - start
     log(args, f"{len(results)} frames in {total:.2f} s ({len(results) / max(total, 1e-9):.2f} FPS)")
 
