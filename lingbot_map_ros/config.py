@@ -130,7 +130,7 @@ class StreamConfig:
     ``max_pending_evictions`` bounds how far the window may grow while eviction is
     deferred (it sizes the page pool). ``cuda_graphs`` replays the one-frame phase-2
     step from a CUDA graph (CUDA with a FlashInfer backend only; elsewhere ignored).
-    ``kv_splits`` splits each global-attention call over that many runs of pages
+    ``kv_splits`` splits each global-attention call over that many runs of keys
     (FlashInfer FA3; 0 = chosen from the GPU's SM count). ``fused_kernels`` runs the
     Triton kernels of ``lingbot_map_ros.kernels`` where they apply (CUDA, bf16).
     ``bf16_depth_head`` runs the DPT depth head's convolutions in bf16, channels-last,

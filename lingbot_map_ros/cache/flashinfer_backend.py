@@ -277,14 +277,15 @@ class FlashInferBackend:
         if not self.graph_mode:
             limit = num_pages
         elif self.ragged:
-            # a split is any run of keys; the automatic count keeps at least MIN_SPLIT_KEYS keys
+            # a split is any run of keys. The automatic count keeps at least MIN_SPLIT_KEYS keys
             # per split at the graph's smallest step (each split's output is rounded to the
-            # pages' dtype before the merge: many tiny splits only add rounding)
+            # pages' dtype before the merge: many tiny splits only add rounding), and is never
+            # below that step's page count (the visible keys may form that many runs, each
+            # needing a split of its own)
             if self.kv_splits:
                 return min(self.kv_splits, MAX_RAGGED_SPLITS)
-            # (and never fewer than the graph's fewest pages: the visible keys may form that
-            # many runs, each needing a split of its own)
-            limit = min(MAX_RAGGED_SPLITS, max(self._min_graph_pages, self._min_graph_pages * page_size // MIN_SPLIT_KEYS))
+            fewest = self._min_graph_pages
+            limit = min(MAX_RAGGED_SPLITS, max(fewest, fewest * page_size // MIN_SPLIT_KEYS))
         else:  # a split is whole pages, and a graph's count must fit its fewest pages
             limit = min(num_pages, self._min_graph_pages)
         s = self.kv_splits or auto_kv_splits(qo_len, heads, head_dim, limit, self._num_sms, self.variant)

@@ -5,8 +5,9 @@ available: nothing while the scale frames are being collected, all of them when
 phase 1 runs, then one result per frame. ``submit(image)`` does the same without
 waiting: it launches the step and returns a ``PendingResults``; submitting the next
 frame before asking for the results keeps the GPU busy (a frame's heads then run
-beside the next frame's trunk, and the host's work on results overlaps the GPU). Keyframes follow the interval policy
-unless the caller decides (``push(image, keyframe=...)``). External keyframe
+beside the next frame's trunk, and the host's work on results overlaps the GPU).
+Keyframes follow the interval policy unless the caller decides
+(``push(image, keyframe=...)``). External keyframe
 logic uses ``set_deferred_eviction``, ``commit_eviction`` and
 ``rollback_last_frame``; ``reset`` starts a new sequence. Every transition is a
 method of this object; a step that raises leaves the cache as it was.
