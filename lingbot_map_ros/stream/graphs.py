@@ -1,4 +1,4 @@
-"""The steady-state one-frame step as one CUDA graph (phase 2, S = 1, one resolution).
+"""The steady-state one-frame step as CUDA graphs (phase 2, S = 1, one resolution).
 
 A phase-2 step launches thousands of small kernels (24 DINO blocks, 24 frame and 24
 global blocks, 4 x 4 camera-trunk blocks, the DPT head); launched from Python they
@@ -13,9 +13,9 @@ What changes from frame to frame lives in static device buffers that the graph r
 * FlashInfer's plan: the wrapper runs in CUDA-graph mode (indptr, page indices and
   last-page length in preallocated buffers, see ``FlashInferBackend(graph_pages=...)``)
   and ``plan()`` runs on the host before every replay;
-* the camera head attends over the whole camera cache with an additive mask built on
-  the device from ``positions`` (``CameraKVCache.attend_at``), so no Python int sets a
-  shape or an offset inside the graph.
+* the camera head attends over the camera cache up to the position it reads from the
+  device (``CameraKVCache.attend_at``: one Triton kernel, or matrix-vector products over
+  every slot with a mask), so no Python int sets a shape or an offset inside the graph.
 
 The step is captured as two graphs: the trunk (DINO and the aggregator, which write the
 cache) on the caller's stream, and the heads on a stream of their own
