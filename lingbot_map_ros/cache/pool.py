@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..kernels.camera_attention import camera_attention, camera_attention_reference, visibility_bias
 from ..config import SPECIAL_TOKENS
+from ..kernels.camera_attention import camera_attention, camera_attention_reference, visibility_bias
 from .pages import StepPlan
 
 

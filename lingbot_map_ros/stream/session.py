@@ -177,8 +177,6 @@ class StreamingSession:
         self._next: tuple[StepPlan, object] | None = None
         self._landing: LandingRing | None = None  # page-locked landing buffers of the outputs (CUDA)
         self._in_flight: deque[PendingResults] = deque()  # submitted, results not yet taken (CUDA)
-        self._landed: list[torch.cuda.Event] = []  # one per step in flight, reused round robin
-        self._landed_next = 0
         self._u8_scale: Tensor | None = None  # 255 on the device (uint8 frames)
 
     # ------------------------------------------------------------------ state
@@ -393,9 +391,7 @@ class StreamingSession:
     def _make_room(self) -> None:
         """Forget settled steps; wait for the oldest ones until fewer than MAX_IN_FLIGHT run."""
         while self._in_flight and (self._in_flight[0].settled or len(self._in_flight) >= MAX_IN_FLIGHT):
-            oldest = self._in_flight.popleft()
-            if not oldest.settled:
-                oldest.result()
+            self._in_flight.popleft().result()  # no wait for a settled one
 
     def _eager_step(self, frames: Tensor, plan: StepPlan, dplan, pool: KVPool, camera: CameraKVCache):
         """The step without a CUDA graph (phase 1, CPU, SDPA, graphs off)."""
@@ -468,7 +464,6 @@ class StreamingSession:
             return PendingResults(results=self._results(host, False, None, *args))
         if self._landing is None:
             self._landing = LandingRing(LANDING_BUFFERS)
-            self._landed = [torch.cuda.Event() for _ in range(MAX_IN_FLIGHT)]
         buf, host, staging = self._landing.acquire(n)
         if staging:
             self.wait()  # a step still in flight may be landing in the staging buffer
@@ -478,8 +473,7 @@ class StreamingSession:
             for p in parts:
                 buf[at:at + p.numel()].copy_(p, non_blocking=True)
                 at += p.numel()
-        event = self._landed[self._landed_next]
-        self._landed_next = (self._landed_next + 1) % len(self._landed)
+        event = torch.cuda.Event()  # the step's own: it is waited for long after later steps record theirs
         event.record(stream)
 
         pending = PendingResults(lambda: self._results(host, staging, event, *args), event)

@@ -58,19 +58,19 @@ class NoSync:
         torch.cuda.set_sync_debug_mode(0)
         return self.convert(*args, **kwargs)
 
-    def push(self, session: StreamingSession, image):
+    @staticmethod
+    def _checked(call, image):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            return session.push(image)
+            return call(image)
         finally:
             torch.cuda.set_sync_debug_mode(0)
 
+    def push(self, session: StreamingSession, image):
+        return self._checked(session.push, image)
+
     def submit(self, session: StreamingSession, image):
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            return session.submit(image)
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
+        return self._checked(session.submit, image)
 
 
 def script(session: StreamingSession, images: np.ndarray, checked: NoSync | None, queued: bool = False) -> list:
