@@ -255,7 +255,8 @@ def test_bad_input_to_submit_is_refused_without_state_change(tiny_model, fixture
 
 
 class _Pending:
-    """A stand-in for a step in flight: counts when its results are taken."""
+    """A stand-in for a step in flight: counts the waits for its results (like
+    PendingResults, a second result() returns what the first took, without waiting)."""
 
     def __init__(self) -> None:
         self.taken = 0
@@ -265,7 +266,8 @@ class _Pending:
         return self.taken > 0
 
     def result(self):
-        self.taken += 1
+        if not self.settled:
+            self.taken += 1
         return []
 
 
