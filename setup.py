@@ -13,6 +13,7 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["lingbot_map_ros", "lingbot_map_ros.*"]),
+    package_data={"lingbot_map_ros.kernels": ["csrc/*.cu"]},  # compiled on the GPU machine at first use
     install_requires=["torch>=2.4", "numpy", "safetensors", "Pillow"],
     extras_require={
         "gpu": ["flashinfer-python"],

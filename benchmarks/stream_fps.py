@@ -327,7 +327,9 @@ def main(argv=None):
             one_at_a_time = {"frames": len(single), "median_ms": round(statistics.median(single), 3),
                              "p95_ms": round(float(np.percentile(single, 95)), 3),
                              "fps": round(1e3 / statistics.median(single), 2)}
-    kv_splits_used = getattr(session._graphed.backend if session._graphed else session.backend, "splits", None)
+    attention = session._graphed.backend if session._graphed else session.backend
+    kv_splits_used = getattr(attention, "splits", None)
+    fa3_tiles = getattr(attention, "tiles", None)  # the project-built FA3 kernel's tile, None: FlashInfer's
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     stats = session.stats()
     graphed = session._graphed
@@ -349,7 +351,7 @@ def main(argv=None):
                     "sliding_window": args.sliding_window, "camera_iterations": args.camera_iterations,
                     "keyframe_interval": args.keyframe_interval, "depth_head": not args.no_depth,
                     "weights": f"random (seed {args.seed})", "preset": args.preset,
-                    "cuda_graphs": not args.no_cuda_graphs, "kv_splits": kv_splits_used,
+                    "cuda_graphs": not args.no_cuda_graphs, "kv_splits": kv_splits_used, "fa3_tiles": fa3_tiles,
                     "fused_kernels": session_fused, "bf16_depth_head": not args.fp32_depth_head,
                     "bf16_camera_head": not args.fp32_camera_head,
                     "input": "uint8 host frames" if args.uint8_frames else "float32 frames on the GPU",

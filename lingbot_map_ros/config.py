@@ -115,7 +115,8 @@ PRESETS: dict[str, ModelConfig] = {
                         camera_num_heads=4, dpt_features=32, dpt_out_channels=(16, 32, 64, 64)),
 }
 
-BACKENDS = ("auto", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3", "flashinfer-fa3-paged")
+BACKENDS = ("auto", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3", "flashinfer-fa3-paged",
+            "flashinfer-fa3-stock")
 DTYPES = ("fp32", "bf16")
 
 

@@ -61,7 +61,7 @@ class BackendUnavailable(RuntimeError):
 def make_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
                  kv_splits: int | None = None) -> AttentionBackend:
     """Resolve a backend name (auto, sdpa, flashinfer, flashinfer-fa2, flashinfer-fa3,
-    flashinfer-fa3-paged) for a device.
+    flashinfer-fa3-paged, flashinfer-fa3-stock) for a device.
 
     kv_splits: FlashInfer's split-KV count (None or 0 = automatic); ignored by sdpa.
     dtype: the K/V pool's dtype when known; FlashInfer needs bf16/fp16, so ``auto`` picks

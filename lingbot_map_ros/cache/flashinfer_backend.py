@@ -56,6 +56,7 @@ which is where ``plan()`` wants them (device ones would cost a ``.cpu()`` sync).
 """
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -65,9 +66,13 @@ from .. import kernels
 from ..kernels.merge import merge_reference, merge_states
 from .pool import DevicePlan
 
-VARIANTS = ("fa2", "fa3", "fa3-paged")  # fa3: the ragged kernel over the pool's runs
+VARIANTS = ("fa2", "fa3", "fa3-paged", "fa3-stock")
+RAGGED = ("fa3", "fa3-stock")  # the ragged kernel over the pool's runs: project-built tiles / FlashInfer's module
 KV_DTYPES = (torch.bfloat16, torch.float16)  # FlashInfer has no float32 attention kernels
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace (split-KV partials)
+
+log = logging.getLogger(__name__)
+_tile_fallbacks_logged: set[str] = set()
 
 
 def check_kv_dtype(dtype: torch.dtype) -> None:
@@ -85,7 +90,7 @@ MIN_SPLIT_KEYS = 32  # keys per split at least, for the automatic count of the r
 
 
 def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_sms: int, variant: str,
-                   max_splits: int = 12) -> int:
+                   max_splits: int = 12, tile_q: int | None = None) -> int:
     """Split count for FA3: enough (query tile, head, split) work items for about ``WAVES``
     per SM, at most ``max_splits`` and never more splits than pages. FA2 splits keys itself: 1.
 
@@ -99,7 +104,8 @@ def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_s
     """
     if not variant.startswith("fa3"):
         return 1
-    tile_q = 192 if head_dim == 64 else 128  # FlashInfer's FA3 query tile (paged and ragged)
+    if tile_q is None:  # FlashInfer's FA3 query tile (paged and ragged)
+        tile_q = 192 if head_dim == 64 else 128
     items = -(-qo_len // tile_q) * heads
     want = math.ceil(WAVES * num_sms / items)
     return max(1, min(want, max_splits, num_pages))
@@ -193,7 +199,7 @@ class FlashInferBackend:
         self._flashinfer = flashinfer
         self.name = f"flashinfer-{variant}"
         self.variant = variant
-        self.ragged = variant == "fa3"
+        self.ragged = variant in RAGGED
         self._kernel = variant.split("-")[0]  # FlashInfer's backend argument
         self.device = device
         self.kv_splits = kv_splits
@@ -202,14 +208,9 @@ class FlashInferBackend:
         self.graph_mode = graph_pages is not None
         self._graph_pages = graph_pages
         self._min_graph_pages = max(1, min_graph_pages)
-        if self.graph_mode:
-            self._wrapper = None
-        elif self.ragged:
-            self._wrapper = flashinfer.BatchPrefillWithRaggedKVCacheWrapper(self._workspace, kv_layout="NHD",
-                                                                           backend=self._kernel)
-        else:
-            self._wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, kv_layout="NHD",
-                                                                          backend=self._kernel)
+        self._wrapper = None  # made at the first plan, when the pool's dtype and head width are known
+        self._tiled = None  # kernels.fa3_tiles.TiledRaggedAttention when variant fa3 uses it
+        self.tiles: tuple[int, int] | None = None  # (query, key) tile of the project-built FA3 kernel in use
         self._merge = None  # chosen on first use (after a session's kernel self-check)
         self._buffers: dict[tuple, Tensor] = {}
         # plan() fills a pinned host buffer and copies it to the device asynchronously; the
@@ -288,19 +289,47 @@ class FlashInferBackend:
             limit = min(MAX_RAGGED_SPLITS, max(fewest, fewest * page_size // MIN_SPLIT_KEYS))
         else:  # a split is whole pages, and a graph's count must fit its fewest pages
             limit = min(num_pages, self._min_graph_pages)
-        s = self.kv_splits or auto_kv_splits(qo_len, heads, head_dim, limit, self._num_sms, self.variant)
+        tile_q = self.tiles[0] if self.tiles else None
+        s = self.kv_splits or auto_kv_splits(qo_len, heads, head_dim, limit, self._num_sms, self.variant, tile_q=tile_q)
         return max(1, min(s, limit))
 
-    def _make_graph_wrapper(self, splits: int):
+    def _tiled_kernel(self, dtype: torch.dtype, head_dim: int):
+        """The project-built FA3 kernel (``kernels.fa3_tiles``) for variant ``fa3``, or None
+        (FlashInfer's packaged module) when it cannot serve this pool or cannot be built; the
+        reason is logged once per process."""
+        if self.variant != "fa3":
+            return None
+        from ..kernels import fa3_tiles
+
+        reason = fa3_tiles.unsupported(self.device, dtype, head_dim)
+        if reason is None:
+            try:
+                return fa3_tiles.TiledRaggedAttention(self.device, fixed=self.graph_mode)
+            except RuntimeError as exc:
+                reason = str(exc)
+        if reason not in _tile_fallbacks_logged:
+            _tile_fallbacks_logged.add(reason)
+            log.warning("flashinfer-fa3: using FlashInfer's packaged FA3 module (192-row tiles): the tiled "
+                        "kernel %s", reason)
+        return None
+
+    def _make_wrapper(self, splits: int):
+        """FlashInfer's wrapper for this backend; in CUDA-graph mode with index buffers at fixed
+        addresses (``plan()`` copies into them, a captured run reads them)."""
+        flashinfer = self._flashinfer
+        if not self.graph_mode:
+            kind = (flashinfer.BatchPrefillWithRaggedKVCacheWrapper if self.ragged
+                    else flashinfer.BatchPrefillWithPagedKVCacheWrapper)
+            return kind(self._workspace, kv_layout="NHD", backend=self._kernel)
+
         def i32(n: int) -> Tensor:
             return torch.zeros(n, dtype=torch.int32, device=self.device)
 
-        # CUDA-graph mode: plan() copies into these buffers, a captured run() reads them
         if self.ragged:  # at most one skipped range before each of at most ``splits`` runs
-            return self._flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
+            return flashinfer.BatchPrefillWithRaggedKVCacheWrapper(
                 self._workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=i32(2 * splits + 1),
                 kv_indptr_buf=i32(2 * splits + 1), backend=self._kernel)
-        return self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+        return flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace, kv_layout="NHD", use_cuda_graph=True, qo_indptr_buf=i32(splits + 1),
             paged_kv_indptr_buf=i32(splits + 1), paged_kv_indices_buf=i32(self._graph_pages),
             paged_kv_last_page_len_buf=i32(splits), backend=self._kernel)
@@ -314,6 +343,9 @@ class FlashInferBackend:
         if page_size != step.plan.page_size:
             raise ValueError(f"pages hold {page_size} tokens but the step was planned for {step.plan.page_size}")
         num_pages = len(step.plan.read_pages)
+        if self._wrapper is None and self.ragged:
+            self._tiled = self._tiled_kernel(k_pages.dtype, head_dim)
+            self.tiles = (self._tiled.tile_q, self._tiled.tile_kv) if self._tiled is not None else None
         splits = self._choose_splits(step.qo_len, heads, head_dim, num_pages, page_size)
         if self.ragged:
             runs = visible_runs(step.plan.read_pages, step.plan.last_page_len, page_size)
@@ -329,8 +361,8 @@ class FlashInferBackend:
             last_page_len = torch.full((splits,), page_size, dtype=torch.int32)
             last_page_len[-1] = step.plan.last_page_len
             args = (qo_indptr, kv_indptr, step.read_pages, last_page_len, heads, heads, head_dim, page_size)
-        if self.graph_mode and self._wrapper is None:
-            self._wrapper = self._make_graph_wrapper(splits)
+        if self._wrapper is None:
+            self._wrapper = self._tiled or self._make_wrapper(splits)
         self.splits = splits
         if not self._plan_copied.query():
             self._plan_copied.synchronize()

@@ -25,7 +25,7 @@ pytestmark = [
                        reason="flashinfer is not installed (carry its wheels to the GPU machine, see GPU.md)"),
 ]
 
-VARIANTS = ["fa2", "fa3", "fa3-paged"]
+VARIANTS = ["fa2", "fa3", "fa3-paged", "fa3-stock"]  # fa3: the project-built 128-row tiles
 ABS_TOL = 2e-2
 MIN_COSINE = 0.999
 GARBAGE = 1e3  # in every slot the plan does not make visible
@@ -93,10 +93,12 @@ def test_matches_sdpa_over_shuffled_pages(backend, case):
 
 def test_plans_once_per_step_for_all_layers(backend, monkeypatch):
     """Three layers of one step share one plan(); a new step plans again."""
+    plan, q, k, v = make_step(999, 4, 17, 1005, 16, seed=1)
+    backend.begin_step(plan)
+    backend.prepare(k)  # the wrapper is made at the first plan
     calls = []
     real_plan = backend._wrapper.plan
     monkeypatch.setattr(backend._wrapper, "plan", lambda *a, **kw: calls.append(1) or real_plan(*a, **kw))
-    plan, q, k, v = make_step(999, 4, 17, 1005, 16, seed=1)
     layers = torch.stack([k, k.flip(-1), k.roll(1, dims=-1)]), torch.stack([v, v.flip(-1), v.roll(1, dims=-1)])
     for step in range(2):
         backend.begin_step(plan)
@@ -120,7 +122,7 @@ def test_float32_pool_is_refused_with_a_clear_error(variant):
         backend.attend(q, k.float(), v.float())
 
 
-@pytest.mark.parametrize("variant", ["fa3", "fa3-paged"])
+@pytest.mark.parametrize("variant", ["fa3", "fa3-paged", "fa3-stock"])
 @pytest.mark.parametrize("splits", [2, 3, 8])
 @pytest.mark.parametrize("case", CASES[:4], ids=[f"ps{c[0]}-n{c[1]}-last{c[2]}-q{c[3]}" for c in CASES[:4]])
 def test_split_kv_matches_sdpa(case, splits, variant):
@@ -133,7 +135,7 @@ def test_split_kv_matches_sdpa(case, splits, variant):
     plan, q, k, v = make_step(*case, seed=sum(case) + splits)
     backend.begin_step(plan)
     out = backend.attend(q, k, v)
-    if variant == "fa3":
+    if variant != "fa3-paged":
         runs = visible_runs(plan.plan.read_pages, plan.plan.last_page_len, plan.plan.page_size)
         assert backend.splits == max(min(splits, case[1]), len(runs))
     else:
@@ -149,7 +151,7 @@ def test_split_kv_matches_sdpa(case, splits, variant):
     torch.testing.assert_close(backend.attend(buf, k, v), out, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("variant", ["fa3", "fa3-paged"])
+@pytest.mark.parametrize("variant", ["fa3", "fa3-paged", "fa3-stock"])
 def test_auto_split_is_used_for_a_full_window_step(variant):
     from lingbot_map_ros.cache.flashinfer_backend import FlashInferBackend
 
