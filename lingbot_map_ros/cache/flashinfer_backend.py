@@ -84,7 +84,8 @@ def check_kv_dtype(dtype: torch.dtype) -> None:
 
 
 
-WAVES = 8.5  # work items per SM that auto_kv_splits aims for
+WAVES = 8.5  # work items per SM that auto_kv_splits aims for with FlashInfer's FA3 tiles
+TILED_WAVES = 7.5  # the same with the project-built 128-row tiles (kernels.fa3_tiles)
 MAX_RAGGED_SPLITS = 64  # a bound on explicit kv_splits for the ragged kernel (its batch is 2 x splits requests)
 MIN_SPLIT_KEYS = 32  # keys per split at least, for the automatic count of the ragged kernel in a graph
 
@@ -100,14 +101,20 @@ def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_s
     8 21.8 (``benchmarks/results/nvidia_h200_kv_splits_sweep.txt``). An earlier model that
     only counted whole waves picked 4 and 3. Later, at 518x378 with the queued stream, two
     interleaved pairs of runs: 10 splits 25.46 / 25.51 ms, 12 splits 24.99 / 25.19
-    (11: 25.65, 22: 26.26), hence 8.5 items per SM and at most 12.
+    (11: 25.65, 22: 26.26), hence 8.5 items per SM and at most 12. With the project-built
+    128-row tiles (``tile_q=128``; 518x378: 128 items per split, 518x294: 112), one call,
+    ms per frame: 518x378 7 splits 22.99 / 22.79, 8: 22.83 / 22.76, 9: 22.98, 22.49, 22.87,
+    10: 23.16, 12: 23.44; 518x294 8: 17.10, 9: 17.22, 11: 17.46
+    (``benchmarks/results/nvidia_h200_fa3_tiles_ab.txt``), hence 7.5 items per SM there
+    (8 and 9 splits).
     """
     if not variant.startswith("fa3"):
         return 1
+    waves = TILED_WAVES if tile_q is not None else WAVES
     if tile_q is None:  # FlashInfer's FA3 query tile (paged and ragged)
         tile_q = 192 if head_dim == 64 else 128
     items = -(-qo_len // tile_q) * heads
-    want = math.ceil(WAVES * num_sms / items)
+    want = math.ceil(waves * num_sms / items)
     return max(1, min(want, max_splits, num_pages))
 
 
