@@ -91,9 +91,9 @@ MIN_SPLIT_KEYS = 32  # keys per split at least, for the automatic count of the r
 
 
 def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_sms: int, variant: str,
-                   max_splits: int = 12, tile_q: int | None = None) -> int:
-    """Split count for FA3: enough (query tile, head, split) work items for about ``WAVES``
-    per SM, at most ``max_splits`` and never more splits than pages. FA2 splits keys itself: 1.
+                   max_splits: int = 12, tile_q: int | None = None, waves: float = WAVES) -> int:
+    """Split count for FA3: enough (query tile of ``tile_q`` rows, head, split) work items for
+    about ``waves`` per SM, at most ``max_splits`` and never more splits than pages. FA2 splits keys itself: 1.
 
     Measured, not modelled: in CUDA-graph steps on an H200 (132 SMs) more and shorter
     items keep FA3 busier than a few long ones. 518x378 (96 items), ragged kernel, ms per
@@ -110,7 +110,6 @@ def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_s
     """
     if not variant.startswith("fa3"):
         return 1
-    waves = TILED_WAVES if tile_q is not None else WAVES
     if tile_q is None:  # FlashInfer's FA3 query tile (paged and ragged)
         tile_q = 192 if head_dim == 64 else 128
     items = -(-qo_len // tile_q) * heads
@@ -296,8 +295,9 @@ class FlashInferBackend:
             limit = min(MAX_RAGGED_SPLITS, max(fewest, fewest * page_size // MIN_SPLIT_KEYS))
         else:  # a split is whole pages, and a graph's count must fit its fewest pages
             limit = min(num_pages, self._min_graph_pages)
-        tile_q = self.tiles[0] if self.tiles else None
-        s = self.kv_splits or auto_kv_splits(qo_len, heads, head_dim, limit, self._num_sms, self.variant, tile_q=tile_q)
+        tile_q, waves = (self.tiles[0], TILED_WAVES) if self.tiles else (None, WAVES)
+        s = self.kv_splits or auto_kv_splits(qo_len, heads, head_dim, limit, self._num_sms, self.variant,
+                                             tile_q=tile_q, waves=waves)
         return max(1, min(s, limit))
 
     def _tiled_kernel(self, dtype: torch.dtype, head_dim: int):

@@ -12,7 +12,7 @@ import collections
 import numpy as np
 import pytest
 
-from lingbot_map_ros.cache.flashinfer_backend import auto_kv_splits, ragged_requests
+from lingbot_map_ros.cache.flashinfer_backend import TILED_WAVES, auto_kv_splits, ragged_requests
 from lingbot_map_ros.kernels.fa3_tiles import (ITEM_ARRAYS, TILE_Q, plan_reference, schedule_size,
                                                work_items)
 
@@ -93,3 +93,6 @@ def test_split_count_follows_the_tile():
     the automatic split count is computed from the tile in use."""
     assert auto_kv_splits(1005, 16, 64, 74, 132, "fa3", tile_q=128) < auto_kv_splits(1005, 16, 64, 74, 132, "fa3")
     assert auto_kv_splits(1005, 16, 64, 74, 132, "fa3", tile_q=192) == auto_kv_splits(1005, 16, 64, 74, 132, "fa3")
+    # the released sizes with the tiled kernel's measured target (results/nvidia_h200_fa3_tiles_ab.txt)
+    assert auto_kv_splits(1005, 16, 64, 74, 132, "fa3", tile_q=128, waves=TILED_WAVES) == 8
+    assert auto_kv_splits(783, 16, 64, 74, 132, "fa3", tile_q=128, waves=TILED_WAVES) == 9
