@@ -216,6 +216,8 @@ class FlashInferBackend:
         self._min_graph_pages = max(1, min_graph_pages)
         self._wrapper = None  # made at the first plan, when the pool's dtype and head width are known
         self._tiled = None  # kernels.fa3_tiles.TiledRaggedAttention when variant fa3 uses it
+        if variant == "fa3" and dtype == torch.bfloat16:
+            self._build_tiled_kernel()
         self.tiles: tuple[int, int] | None = None  # (query, key) tile of the project-built FA3 kernel in use
         self._merge = None  # chosen on first use (after a session's kernel self-check)
         self._buffers: dict[tuple, Tensor] = {}
@@ -299,6 +301,18 @@ class FlashInferBackend:
         s = self.kv_splits or auto_kv_splits(qo_len, heads, head_dim, limit, self._num_sms, self.variant,
                                              tile_q=tile_q, waves=waves)
         return max(1, min(s, limit))
+
+    def _build_tiled_kernel(self) -> None:
+        """Compile (or load) the tiled kernel now, at construction, rather than at the first
+        step (a node compiles it at start, not when the first frames arrive). A failure is
+        reported at the first plan, which then uses FlashInfer's module."""
+        from ..kernels import fa3_tiles
+
+        if fa3_tiles.unsupported(self.device, torch.bfloat16, fa3_tiles.HEAD_DIM) is None:
+            try:
+                fa3_tiles.load()
+            except RuntimeError:
+                pass  # remembered by load(); _tiled_kernel logs it
 
     def _tiled_kernel(self, dtype: torch.dtype, head_dim: int):
         """The project-built FA3 kernel (``kernels.fa3_tiles``) for variant ``fa3``, or None

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import heapq
+import logging
 import math
 import threading
 from pathlib import Path
@@ -37,6 +38,7 @@ HEAD_DIM = 64
 ITEM_ARRAYS = 7  # tile, first query row, first key row, query count, key count, head, request
 SOURCE = Path(__file__).with_name("csrc") / "fa3_ragged.cu"
 
+log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _modules: dict[tuple[int, int], object] = {}
 _failures: dict[tuple[int, int], str] = {}
@@ -118,6 +120,9 @@ def load(tile_q: int = TILE_Q, tile_kv: int = TILE_KV):
             spec = gen_jit_spec(module_name(tile_q, tile_kv), [SOURCE],
                                 extra_cuda_cflags=[*sm90a_nvcc_flags, f"-DLINGBOT_TILE_Q={tile_q}",
                                                    f"-DLINGBOT_TILE_KV={tile_kv}"])
+            if not spec.is_compiled:
+                log.info("compiling the FA3 attention module with %dx%d tiles (first use on this machine, "
+                         "about two minutes; cached afterwards)", tile_q, tile_kv)
             module = spec.build_and_load()
             if (int(module.tile_q()), int(module.tile_kv())) != key:
                 raise RuntimeError(f"module built with tiles {module.tile_q()}x{module.tile_kv()}, wanted {key}")
