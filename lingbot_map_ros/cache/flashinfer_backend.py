@@ -218,7 +218,7 @@ class FlashInferBackend:
         self._tiled = None  # kernels.fa3_tiles.TiledRaggedAttention when variant fa3 uses it
         if variant == "fa3" and dtype == torch.bfloat16:
             self._build_tiled_kernel()
-        self.tiles: tuple[int, int] | None = None  # (query, key) tile of the project-built FA3 kernel in use
+        self.tiles: tuple[int, int, int] | None = None  # (queries, keys, stages) of the project-built FA3 kernel
         self._merge = None  # chosen on first use (after a session's kernel self-check)
         self._buffers: dict[tuple, Tensor] = {}
         # plan() fills a pinned host buffer and copies it to the device asynchronously; the
@@ -366,7 +366,7 @@ class FlashInferBackend:
         num_pages = len(step.plan.read_pages)
         if self._wrapper is None and self.ragged:
             self._tiled = self._tiled_kernel(k_pages.dtype, head_dim)
-            self.tiles = (self._tiled.tile_q, self._tiled.tile_kv) if self._tiled is not None else None
+            self.tiles = self._tiled.tiles if self._tiled is not None else None
         splits = self._choose_splits(step.qo_len, heads, head_dim, num_pages, page_size)
         if self.ragged:
             runs = visible_runs(step.plan.read_pages, step.plan.last_page_len, page_size)

@@ -26,6 +26,7 @@ import hashlib
 import heapq
 import logging
 import math
+import os
 import threading
 from pathlib import Path
 
@@ -33,15 +34,34 @@ import numpy as np
 import torch
 from torch import Tensor
 
-TILE_Q, TILE_KV = 128, 192
 HEAD_DIM = 64
+TILES_ENV = "LINGBOT_FA3_TILES"  # "QxKVxSTAGES", e.g. 128x192x2: another shape for tuning runs
+
+
+def _tiles_from_env() -> tuple[int, int, int]:
+    text = os.environ.get(TILES_ENV, "").strip()
+    if not text:
+        return 128, 192, 2
+    try:
+        q, kv, stages = (int(x) for x in text.lower().split("x"))
+    except ValueError:
+        raise ValueError(f"{TILES_ENV} must look like 128x192x2 (query rows x keys x pipeline stages), "
+                         f"got {text!r}") from None
+    if q % 64 or not 64 <= q <= 256 or kv % 64 or not 64 <= kv <= 256 or stages not in (2, 3):
+        raise ValueError(f"{TILES_ENV}={text!r}: query rows and keys must be multiples of 64 in "
+                         "[64, 256] and stages 2 or 3")
+    return q, kv, stages
+
+
+TILES = _tiles_from_env()  # (query rows, keys, pipeline stages) of the kernel this module builds
+TILE_Q, TILE_KV, STAGES = TILES
 ITEM_ARRAYS = 7  # tile, first query row, first key row, query count, key count, head, request
 SOURCE = Path(__file__).with_name("csrc") / "fa3_ragged.cu"
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
-_modules: dict[tuple[int, int], object] = {}
-_failures: dict[tuple[int, int], str] = {}
+_modules: dict[tuple[int, int, int], object] = {}
+_failures: dict[tuple[int, int, int], str] = {}
 
 
 def schedule_size(num_ctas: int, capacity: int) -> int:
@@ -97,18 +117,19 @@ def plan_reference(qo_indptr, kv_indptr, heads: int, num_ctas: int, capacity: in
     return out
 
 
-def module_name(tile_q: int = TILE_Q, tile_kv: int = TILE_KV) -> str:
+def module_name(tiles: tuple[int, int, int] = TILES) -> str:
     """JIT module name: tiles, FlashInfer's version and a hash of the source."""
     import flashinfer
 
     digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
     version = flashinfer.__version__.replace(".", "_").replace("+", "_")
-    return f"lingbot_fa3_ragged_q{tile_q}_kv{tile_kv}_fi{version}_{digest}"
+    q, kv, stages = tiles
+    return f"lingbot_fa3_ragged_q{q}_kv{kv}_s{stages}_fi{version}_{digest}"
 
 
-def load(tile_q: int = TILE_Q, tile_kv: int = TILE_KV):
+def load(tiles: tuple[int, int, int] = TILES):
     """The compiled module (built on first use; raises RuntimeError saying why it cannot be)."""
-    key = (tile_q, tile_kv)
+    key = tile_q, tile_kv, stages = tuple(tiles)
     with _lock:
         if key in _modules:
             return _modules[key]
@@ -117,17 +138,19 @@ def load(tile_q: int = TILE_Q, tile_kv: int = TILE_KV):
         try:
             from flashinfer.jit import gen_jit_spec, sm90a_nvcc_flags
 
-            spec = gen_jit_spec(module_name(tile_q, tile_kv), [SOURCE],
+            spec = gen_jit_spec(module_name(key), [SOURCE],
                                 extra_cuda_cflags=[*sm90a_nvcc_flags, f"-DLINGBOT_TILE_Q={tile_q}",
-                                                   f"-DLINGBOT_TILE_KV={tile_kv}"])
+                                                   f"-DLINGBOT_TILE_KV={tile_kv}", f"-DLINGBOT_STAGES={stages}"])
             if not spec.is_compiled:
-                log.info("compiling the FA3 attention module with %dx%d tiles (first use on this machine, "
-                         "about two minutes; cached afterwards)", tile_q, tile_kv)
+                log.info("compiling the FA3 attention module with %dx%d tiles, %d stages (first use on "
+                         "this machine, about two minutes; cached afterwards)", tile_q, tile_kv, stages)
             module = spec.build_and_load()
-            if (int(module.tile_q()), int(module.tile_kv())) != key:
-                raise RuntimeError(f"module built with tiles {module.tile_q()}x{module.tile_kv()}, wanted {key}")
+            built = (int(module.tile_q()), int(module.tile_kv()), int(module.stages()))
+            if built != key:
+                raise RuntimeError(f"module built with tiles {built}, wanted {key}")
         except Exception as exc:  # noqa: BLE001 - any build or load failure means: use FlashInfer's module
-            _failures[key] = f"could not build the {tile_q}x{tile_kv}-tile FA3 module: {type(exc).__name__}: {exc}"
+            _failures[key] = (f"could not build the {tile_q}x{tile_kv}x{stages} FA3 module: "
+                              f"{type(exc).__name__}: {exc}")
             raise RuntimeError(_failures[key]) from exc
         _modules[key] = module
         return module
@@ -157,12 +180,13 @@ class TiledRaggedAttention:
     must not plan again before that copy ran (``FlashInferBackend`` records an event).
     """
 
-    def __init__(self, device: torch.device | str, fixed: bool = False, tile_q: int = TILE_Q,
-                 tile_kv: int = TILE_KV) -> None:
+    def __init__(self, device: torch.device | str, fixed: bool = False,
+                 tiles: tuple[int, int, int] = TILES) -> None:
         self.device = torch.device(device)
         self.fixed = fixed
-        self.tile_q, self.tile_kv = tile_q, tile_kv
-        self._module = load(tile_q, tile_kv)
+        self.tiles = tuple(tiles)
+        self.tile_q, self.tile_kv, self.stages = self.tiles
+        self._module = load(self.tiles)
         self.num_ctas = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.capacity = 0
         self._host: Tensor | None = None

@@ -96,3 +96,16 @@ def test_split_count_follows_the_tile():
     # the released sizes with the tiled kernel's measured target (results/nvidia_h200_fa3_tiles_ab.txt)
     assert auto_kv_splits(1005, 16, 64, 74, 132, "fa3", tile_q=128, waves=TILED_WAVES) == 8
     assert auto_kv_splits(783, 16, 64, 74, 132, "fa3", tile_q=128, waves=TILED_WAVES) == 9
+
+
+def test_tile_shape_from_the_environment(monkeypatch):
+    from lingbot_map_ros.kernels import fa3_tiles
+
+    monkeypatch.delenv(fa3_tiles.TILES_ENV, raising=False)
+    assert fa3_tiles._tiles_from_env() == (128, 192, 2)
+    monkeypatch.setenv(fa3_tiles.TILES_ENV, "128X256x3")
+    assert fa3_tiles._tiles_from_env() == (128, 256, 3)
+    for bad in ("128x192", "abc", "100x192x2", "128x192x4", "128x320x2"):
+        monkeypatch.setenv(fa3_tiles.TILES_ENV, bad)
+        with pytest.raises(ValueError, match=fa3_tiles.TILES_ENV):
+            fa3_tiles._tiles_from_env()

@@ -41,6 +41,9 @@
 #ifndef LINGBOT_TILE_KV
 #define LINGBOT_TILE_KV 192
 #endif
+#ifndef LINGBOT_STAGES
+#define LINGBOT_STAGES 2
+#endif
 
 namespace lingbot_fa3 {
 
@@ -49,6 +52,7 @@ using tvm::ffi::TensorView;
 
 constexpr int kTileQ = LINGBOT_TILE_Q;
 constexpr int kTileKV = LINGBOT_TILE_KV;
+constexpr int kStages = LINGBOT_STAGES;  // K/V tiles in flight (TMA pipeline depth)
 constexpr int kHeadDim = 64;
 constexpr int kItemArrays = 7;
 
@@ -92,7 +96,7 @@ struct RaggedParams {
 };
 
 using Traits = flashinfer::AttentionKernelTraits<
-    /*USE_TMA_LOAD_KV=*/true, kHeadDim, kHeadDim, kTileQ, kTileKV, /*NUM_STAGES=*/2, Element,
+    /*USE_TMA_LOAD_KV=*/true, kHeadDim, kHeadDim, kTileQ, kTileKV, kStages, Element,
     Element, Element, int32_t, flashinfer::StandardAttention>;
 
 bool OnHost(const TensorView& t) {
@@ -279,6 +283,7 @@ void Run(TensorView q, TensorView k, TensorView v, TensorView o, Optional<Tensor
 
 int64_t TileQ() { return kTileQ; }
 int64_t TileKV() { return kTileKV; }
+int64_t Stages() { return kStages; }
 
 }  // namespace lingbot_fa3
 
@@ -286,3 +291,4 @@ TVM_FFI_DLL_EXPORT_TYPED_FUNC(plan, lingbot_fa3::Plan);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(run, lingbot_fa3::Run);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(tile_q, lingbot_fa3::TileQ);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(tile_kv, lingbot_fa3::TileKV);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(stages, lingbot_fa3::Stages);
