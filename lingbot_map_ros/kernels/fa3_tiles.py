@@ -7,13 +7,15 @@ tile at head_dim 64 to 192 query rows x 128 keys, so a 518x378 frame (1005 token
 they are 1024 and 896. ``csrc/fa3_ragged.cu`` instantiates FlashInfer's SM90 kernel
 templates (its headers as installed) with ``TILE_Q`` x ``TILE_KV`` tiles and carries its own
 work schedule for the kernel's persistent scheduler (FlashInfer's plan assumes its tile).
-The module is compiled on first use through FlashInfer's JIT builder (nvcc, about two
-minutes, then cached with FlashInfer's other JIT modules; the name carries a hash of the
-source, so an edited source is rebuilt).
+The module is compiled on first use through FlashInfer's JIT builder (nvcc), then cached
+with FlashInfer's other JIT modules; the name carries a hash of the source, so an edited
+source is rebuilt.
 
-Measured on an H200 with FlashInfer's own tile changed the same way (a scratch copy,
-``benchmarks/fa3_tile_probe.sh``): 518x378 stream 25.46 -> 24.33 ms per frame with 128 x
-192 tiles, 24.82 with 128 x 128.
+Measured on an H200 (``benchmarks/fa3_tiles_ab.sh``, ``results/nvidia_h200_fa3_tiles_ab.txt``,
+the 518x378 stream, queued): FlashInfer's module 24.88 ms per frame, this one 22.98 (25.02
+vs 23.19 in ``gpu_batch.sh``); 128 x 256 tiles 27.7 ms, 3 pipeline stages within noise of
+2. Build: ~90 s on the H200 machine's nvcc. ``LINGBOT_FA3_TILES=QxKVxSTAGES`` builds and
+uses another shape (tuning runs; read at import).
 
 ``TiledRaggedAttention`` has the two calls ``FlashInferBackend`` makes on FlashInfer's
 ``BatchPrefillWithRaggedKVCacheWrapper`` (``plan`` and ``run``), so the backend can use
