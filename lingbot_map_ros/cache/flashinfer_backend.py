@@ -10,17 +10,20 @@ Two ways to read the pool:
 * paged (variants ``fa2``, ``fa3-paged``): FlashInfer's paged kernel, given the
   visible page ids. Its FA3 form gathers K/V rows itself (no TMA; 192 x 96 tiles for
   head_dim 64).
-* ragged (variant ``fa3``): the pool of one layer is one contiguous tensor and the
-  visible pages form a few contiguous runs of it (``cache.pages`` keeps them so:
-  ascending patch pages, the special stream in a range of its own); FlashInfer's
-  ragged FA3 kernel reads each run with TMA (192 x 128 tiles). Order does not matter
-  to unmasked attention over already-rotated keys. The keys between runs are
-  skipped by requests with no queries (``ragged_requests``). About 10% faster than
-  the paged kernel at the model's shapes (``benchmarks/attention_variants.py``).
+* ragged (variants ``fa3``, ``fa3-stock``): the pool of one layer is one contiguous
+  tensor and the visible pages form a few contiguous runs of it (``cache.pages`` keeps
+  them so: ascending patch pages, the special stream in a range of its own); the ragged
+  FA3 kernel reads each run with TMA. Order does not matter to unmasked attention over
+  already-rotated keys. The keys between runs are skipped by requests with no queries
+  (``ragged_requests``). About 10% faster than the paged kernel at the model's shapes
+  (``benchmarks/attention_variants.py``). ``fa3`` runs FlashInfer's kernel templates
+  built by the project with 128 x 192 tiles (``kernels.fa3_tiles``; ~8% faster per
+  frame at 518x378) where it can, FlashInfer's packaged module (192 x 128 tiles)
+  otherwise; ``fa3-stock`` always the packaged module.
 
-Split-KV. FlashInfer's FA3 kernel gives each (query tile, head) pair to one SM and
-walks all its keys; a one-frame step at 518x378 has ceil(1005/192) x 16 = 96 such
-pairs for the H200's 132 SMs, so a quarter of the GPU idles for the whole call. The
+Split-KV. The FA3 kernel gives each (query tile, head) pair to one SM and walks all
+its keys; a one-frame step at 518x378 has ceil(1005/192) x 16 = 96 such pairs
+(ceil(1005/128) x 16 = 128 with the project's tiles) for the H200's 132 SMs. The
 backend therefore issues the step as a batch of ``S`` requests that share the same
 queries (copied S times) and each read a disjoint part of the visible keys (a run of
 pages for the paged kernel, a chunk of a run for the ragged one), and merges the S
@@ -30,10 +33,10 @@ least one split per run when not in CUDA-graph mode.
 
 Interface (the ``AttentionBackend`` protocol plus two optional methods):
 
-* ``FlashInferBackend(device, variant="fa3" | "fa3-paged" | "fa2", dtype=None,
-  graph_pages=None, kv_splits=None, min_graph_pages=1)``: ``dtype``, when given, is
-  the pool's dtype and is checked here, so an unsupported one (float32) fails at
-  construction rather than mid-step. ``graph_pages`` (the pool's page count) puts the
+* ``FlashInferBackend(device, variant="fa3" | "fa3-stock" | "fa3-paged" | "fa2",
+  dtype=None, graph_pages=None, kv_splits=None, min_graph_pages=1)``: ``dtype``, when
+  given, is the pool's dtype and is checked here, so an unsupported one (float32) fails
+  at construction rather than mid-step (and with bf16, ``fa3`` builds its kernel then). ``graph_pages`` (the pool's page count) puts the
   wrapper in FlashInfer's CUDA-graph mode: its index buffers are preallocated and
   stay at fixed addresses (the ragged kernel's batch is always 2 x splits requests,
   padded with empty ones), every step must have the same query length (the first
