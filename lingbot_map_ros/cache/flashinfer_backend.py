@@ -36,8 +36,8 @@ Interface (the ``AttentionBackend`` protocol plus two optional methods):
 * ``FlashInferBackend(device, variant="fa3" | "fa3-stock" | "fa3-paged" | "fa2",
   dtype=None, graph_pages=None, kv_splits=None, min_graph_pages=1)``: ``dtype``, when
   given, is the pool's dtype and is checked here, so an unsupported one (float32) fails
-  at construction rather than mid-step (and with bf16, ``fa3`` builds its kernel then). ``graph_pages`` (the pool's page count) puts the
-  wrapper in FlashInfer's CUDA-graph mode: its index buffers are preallocated and
+  at construction rather than mid-step (and with bf16, ``fa3`` builds its kernel then).
+  ``graph_pages`` (the pool's page count) puts the wrapper in CUDA-graph mode: its index buffers are preallocated and
   stay at fixed addresses (the ragged kernel's batch is always 2 x splits requests,
   padded with empty ones), every step must have the same query length (the first
   plan's) and the same split count (chosen at the first plan, at most
@@ -96,7 +96,8 @@ MIN_SPLIT_KEYS = 32  # keys per split at least, for the automatic count of the r
 def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_sms: int, variant: str,
                    max_splits: int = 12, tile_q: int | None = None, waves: float = WAVES) -> int:
     """Split count for FA3: enough (query tile of ``tile_q`` rows, head, split) work items for
-    about ``waves`` per SM, at most ``max_splits`` and never more splits than pages. FA2 splits keys itself: 1.
+    about ``waves`` per SM, at most ``max_splits`` and never more splits than pages. FA2
+    splits keys itself: 1.
 
     Measured, not modelled: in CUDA-graph steps on an H200 (132 SMs) more and shorter
     items keep FA3 busier than a few long ones. 518x378 (96 items), ragged kernel, ms per
