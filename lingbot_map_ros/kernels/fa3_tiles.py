@@ -212,7 +212,8 @@ class TiledRaggedAttention:
         works = work_items(qo_indptr.tolist(), num_qo_heads, self.tile_q)
         if works > self.capacity:
             if self.fixed and self._schedule is not None:
-                raise ValueError(f"{works} work items exceed the {self.capacity} this CUDA-graph schedule was sized for")
+                raise ValueError(f"{works} work items exceed the {self.capacity} this CUDA-graph schedule "
+                                 "was sized for")
             self.capacity = works if self.fixed else max(works, 2 * self.capacity)
             size = schedule_size(self.num_ctas, self.capacity)
             self._host = torch.zeros(size, dtype=torch.int32, pin_memory=True)
