@@ -1,8 +1,8 @@
 // Ragged-batch FA3 attention (Hopper) with the project's own tile shape.
 //
 // FlashInfer's packaged FA3 module fixes the tile at head_dim 64 to 192 query rows x 128
-// keys. A 518x378 frame has 1005 tokens: 6 tiles of 192 rows compute 1152 rows, 7% more
-// (8 tiles of 128 rows compute 1024). This file instantiates FlashInfer's SM90 kernel
+// keys. A 518x378 frame has 1005 tokens: 6 tiles of 192 rows compute 1152 rows, 12.5% more
+// than the 1024 of 8 tiles of 128 rows. This file instantiates FlashInfer's SM90 kernel
 // templates (the library's headers, unchanged) with LINGBOT_TILE_Q x LINGBOT_TILE_KV tiles
 // and brings its own work schedule for the kernel's persistent tile scheduler, which
 // FlashInfer's plan would size for 192-row tiles.
