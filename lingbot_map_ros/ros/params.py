@@ -49,7 +49,7 @@ PARAMETERS: tuple[Param, ...] = (
     Param("cuda_graphs", True, "Replay the one-frame step from a CUDA graph (CUDA with a FlashInfer backend "
           "only; ignored elsewhere)"),
     Param("kv_splits", 0, "Split each global-attention call over this many parts of the keys (FlashInfer "
-          "FA3) so that every SM has work; 0 = about 8.5 work items per SM, at most 12", limits=(0, 64, 1)),
+          "FA3) so that every SM has work; 0 = chosen from the SM count and the kernel's tile (8 at 518x378 on an H200), at most 12", limits=(0, 64, 1)),
     Param("fused_kernels", True, "Triton kernels for LayerNorm, residual update + LayerNorm, q/k norm + RoPE + "
           "K/V store (CUDA, bf16; ignored elsewhere)"),
     Param("bf16_depth_head", True, "Run the depth head's convolutions in bf16, channels-last (CUDA, bf16 "
