@@ -264,7 +264,9 @@ class LingBotMapNode(Node):
                                  context=self.context, use_global_arguments=False,
                                  start_parameter_services=False)
         prefix = self.get_fully_qualified_name().rstrip("/")
-        self._services = [
+        # Not `self._services`/`self._timer_handles`: those are rclpy Node's own lists (the parameter
+        # services live there; replacing them dropped them and made this executor serve the helper's).
+        self._service_handles = [
             self.service_node.create_service(Trigger, f"{prefix}/reset", self._srv_reset),
             self.service_node.create_service(SetBool, f"{prefix}/set_deferred_eviction", self._srv_set_deferred),
             self.service_node.create_service(CommitEviction, f"{prefix}/commit_eviction", self._srv_commit),
@@ -273,12 +275,12 @@ class LingBotMapNode(Node):
         ]
         self._heartbeat: Command | None = None
         self._map_version = -1
-        self._timers = [self.create_timer(1.0, self._on_second, callback_group=self._timer_group)]
+        self._timer_handles = [self.create_timer(1.0, self._on_second, callback_group=self._timer_group)]
         if self.outputs.path is not None and s.path_publish_rate > 0:
-            self._timers.append(self.create_timer(1.0 / s.path_publish_rate, self.outputs.flush_path,
+            self._timer_handles.append(self.create_timer(1.0 / s.path_publish_rate, self.outputs.flush_path,
                                                   callback_group=self._timer_group))
         if self.outputs.map_points is not None and s.map_publish_rate > 0:
-            self._timers.append(self.create_timer(1.0 / s.map_publish_rate, self._on_map_timer,
+            self._timer_handles.append(self.create_timer(1.0 / s.map_publish_rate, self._on_map_timer,
                                                   callback_group=self._timer_group))
         self.engine.start()
         if s.input_transport == "raw" and _fastdds_without_profile():
