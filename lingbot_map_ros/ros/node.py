@@ -264,7 +264,7 @@ class LingBotMapNode(Node):
                                  context=self.context, use_global_arguments=False,
                                  start_parameter_services=False)
         prefix = self.get_fully_qualified_name().rstrip("/")
-        # Not `self._services`/`self._timer_handles`: those are rclpy Node's own lists (the parameter
+        # Not `self._services` or `self._timers`: those are rclpy Node's own lists (the parameter
         # services live there; replacing them dropped them and made this executor serve the helper's).
         self._service_handles = [
             self.service_node.create_service(Trigger, f"{prefix}/reset", self._srv_reset),
