@@ -3,8 +3,9 @@
 Every parameter is declared from ``PARAMETERS`` (name, default, description, range
 or choices); ``resolve_settings`` turns the values into ``NodeSettings`` (holding
 ``ModelConfig`` and ``StreamConfig``) and logs each resolved value once. Neither
-imports rclpy, so the mapping is tested without a graph. All parameters are read
-once at start (declared read-only): restart the node to change them.
+imports rclpy, so the mapping is tested without a graph. Parameters marked
+``dynamic`` may change while the node runs (``apply_dynamic`` checks a new value and
+returns the new settings); the rest are read once at start (declared read-only).
 
 Streaming parameters (num_scale_frames, sliding_window, ...) are authoritative;
 ``model_config`` only supplies the architecture. Streaming keys found in that JSON
@@ -13,7 +14,7 @@ are reported when they differ from the parameters, never silently applied.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
@@ -22,19 +23,23 @@ from ..stream.long_stream import KEYFRAME_POLICIES, LongStreamConfig
 
 INPUT_TRANSPORTS = ("raw", "compressed")
 INPUT_QOS = ("sensor_data", "reliable")
-TF_MODES = ("map_to_camera", "map_to_odom")
+TF_MODES = ("auto", "map_to_odom", "map_to_base", "map_to_camera")
+DEVICES_HELP = "auto (CUDA when available, else CPU), cpu, cuda or cuda:N"
+ON_TIME_JUMP = ("reset", "drop")
+DECISION_DEFAULTS = ("keep", "drop")
 
 
 @dataclass(frozen=True)
 class Param:
     """One declared parameter. ``limits`` = (from, to, step) for numbers (step 0 = any);
-    ``choices`` for strings."""
+    ``choices`` for strings; ``dynamic`` ones may be set while the node runs."""
 
     name: str
     default: Any
     description: str
     limits: tuple[float, float, float] | None = None
     choices: tuple[str, ...] | None = None
+    dynamic: bool = False  # may change while the node runs (ros2 param set); else read-only
 
 
 PARAMETERS: tuple[Param, ...] = (
@@ -43,9 +48,11 @@ PARAMETERS: tuple[Param, ...] = (
           "empty = RANDOM weights (outputs meaningless, loud warning)"),
     Param("model_config", "", "Model architecture JSON (e.g. the tiny fixture's config.json); "
           "empty = the released LingBot-Map architecture"),
-    Param("device", "cpu", "Torch device: cpu, cuda or cuda:N"),
-    Param("backend", "auto", "Attention backend", choices=BACKENDS),
-    Param("dtype", "fp32", "Aggregator dtype and K/V cache dtype (heads stay fp32)", choices=DTYPES),
+    Param("device", "auto", "Torch device: " + DEVICES_HELP),
+    Param("backend", "auto", "Attention backend (auto: FlashInfer on CUDA where installed, else SDPA)",
+          choices=BACKENDS),
+    Param("dtype", "auto", "Aggregator dtype and K/V cache dtype (heads stay fp32); auto = bf16 on CUDA, fp32 "
+          "on CPU", choices=("auto",) + DTYPES),
     Param("cuda_graphs", True, "Replay the one-frame step from a CUDA graph (CUDA with a FlashInfer backend "
           "only; ignored elsewhere)"),
     Param("kv_splits", 0, "Split each global-attention call over this many parts of the keys (FlashInfer "
@@ -68,7 +75,17 @@ PARAMETERS: tuple[Param, ...] = (
     Param("keyframe_interval", 1, "Every N-th frame after the scale frames is stored in the cache",
           limits=(1, 1000, 1)),
     Param("camera_iterations", 4, "Refinement iterations of the camera head", limits=(1, 16, 1)),
-    Param("deferred_eviction", False, "Start with deferred eviction on (see ~/set_deferred_eviction)"),
+    Param("deferred_eviction", False, "Deferred eviction on (as ~/set_deferred_eviction; settable at run "
+          "time)", dynamic=True),
+    Param("deferred_eviction_timeout", 5.0, "Seconds a deferred eviction may wait for ~/commit_eviction; "
+          "older ones are committed automatically (throttled warning, counted in ~/status), so tracking never "
+          "stops for lack of a commit; 0 = wait forever", limits=(0.0, 3600.0, 0.0), dynamic=True),
+    Param("keyframe_decision_timeout", 0.0, "Decision hold: > 0 = each stored frame waits up to this many "
+          "seconds for ~/commit_eviction (keep) or ~/rollback_last_frame (drop) naming it before the next "
+          "frame is stored; then keyframe_decision_default applies; 0 = off", limits=(0.0, 60.0, 0.0),
+          dynamic=True),
+    Param("keyframe_decision_default", "keep", "Decision applied when keyframe_decision_timeout passes "
+          "without one", choices=DECISION_DEFAULTS, dynamic=True),
     Param("max_pending_evictions", 8, "Most evictions that may be deferred before commit (sizes the page pool)",
           limits=(0, 1024, 1)),
     # -- long streams (windowed restarts, keyframe selection)
@@ -91,15 +108,22 @@ PARAMETERS: tuple[Param, ...] = (
     Param("input_qos", "sensor_data", "QoS of the image subscription: sensor_data (best effort, takes both "
           "best-effort and reliable publishers) or reliable", choices=INPUT_QOS),
     Param("max_frame_age", 0.0, "Drop frames whose stamp is older than this many seconds when inference "
-          "reaches them (counted as stale); 0 = never", limits=(0.0, 3600.0, 0.0)),
+          "reaches them (counted as stale); 0 = never", limits=(0.0, 3600.0, 0.0), dynamic=True),
+    Param("time_jump_threshold", 1.0, "Seconds an image stamp may go back from the previous frame's before "
+          "it counts as a time jump (a bag played in a loop, a clock reset)", limits=(0.0, 3600.0, 0.0),
+          dynamic=True),
+    Param("on_time_jump", "reset", "reset: a time jump starts a new sequence (logged, counted); drop: frames "
+          "older than the last one are dropped until the stamps pass it again", choices=ON_TIME_JUMP,
+          dynamic=True),
     Param("input_timeout", 5.0, "Seconds without an image before /diagnostics warns and the state becomes "
-          "WAITING_FOR_IMAGES", limits=(0.1, 3600.0, 0.0)),
+          "WAITING_FOR_IMAGES", limits=(0.1, 3600.0, 0.0), dynamic=True),
     Param("service_timeout", 30.0, "Seconds a service call waits for the inference thread to run it",
-          limits=(0.1, 3600.0, 0.0)),
+          limits=(0.1, 3600.0, 0.0), dynamic=True),
     # -- outputs
     Param("conf_threshold", 1.5, "Points (per-frame cloud and map) need depth confidence above this",
-          limits=(0.0, 1000.0, 0.0)),
-    Param("point_stride", 10, "Keep every N-th point after the confidence threshold", limits=(1, 10000, 1)),
+          limits=(0.0, 1000.0, 0.0), dynamic=True),
+    Param("point_stride", 10, "Keep every N-th point after the confidence threshold", limits=(1, 10000, 1),
+          dynamic=True),
     Param("accumulate_map", True, "Accumulate the voxel-downsampled map (needed by ~/map_points and "
           "~/save_map) even when nobody subscribes"),
     Param("map_voxel_size", 0.01, "Voxel edge of the accumulated map, model units; 0 = no downsampling",
@@ -107,11 +131,11 @@ PARAMETERS: tuple[Param, ...] = (
     Param("map_max_points", 1_000_000, "Upper bound on the accumulated map's points (oldest part thinned "
           "beyond it)", limits=(1000, 100_000_000, 1)),
     Param("map_publish_rate", 1.0, "Rate (Hz) of ~/map_points while the map changes; 0 = never",
-          limits=(0.0, 100.0, 0.0)),
+          limits=(0.0, 100.0, 0.0), dynamic=True),
     Param("path_max_length", 5000, "Poses kept in ~/path (and the saved trajectory)",
           limits=(1, 1_000_000, 1)),
     Param("path_publish_rate", 2.0, "Rate (Hz) of ~/path while it changes (a long path is costly to "
-          "serialise); 0 = never", limits=(0.0, 100.0, 0.0)),
+          "serialise); 0 = never", limits=(0.0, 100.0, 0.0), dynamic=True),
     Param("publish_odometry", True, "Publish ~/odometry"),
     Param("publish_pose", True, "Publish ~/pose"),
     Param("publish_path", True, "Publish ~/path"),
@@ -121,12 +145,18 @@ PARAMETERS: tuple[Param, ...] = (
     Param("output_directory", "lingbot_map_output", "Directory ~/save_map writes to when its request "
           "names none (relative to the node's working directory)"),
     # -- frames and TF
-    Param("publish_tf", True, "Broadcast the pose on TF (see tf_mode)"),
-    Param("tf_mode", "map_to_camera", "map_to_camera: map -> base_frame (or the camera frame); map_to_odom: "
-          "map -> odom_frame, given an external odom -> base_frame (needs tf2_ros)", choices=TF_MODES),
+    Param("publish_tf", True, "Broadcast the pose on TF (see tf_mode)", dynamic=True),
+    Param("tf_mode", "auto", "map_to_odom: map -> odom_frame so that map -> base_frame equals the estimate "
+          "(needs odom_frame -> base_frame from the robot's odometry); map_to_base: map -> base_frame; "
+          "map_to_camera: no robot, map -> camera_tf_frame; auto: map_to_odom when base_frame is set and "
+          "odom_frame -> base_frame is available, map_to_base when base_frame is set, else map_to_camera",
+          choices=TF_MODES),
     Param("map_frame", "map", "Fixed frame of poses, path and clouds (REP 103 axes, origin = first camera)"),
-    Param("odom_frame", "odom", "Odometry frame (tf_mode map_to_odom)"),
-    Param("base_frame", "", "Robot frame the TF is published for; empty = the camera's optical frame"),
+    Param("odom_frame", "odom", "Odometry frame (tf_mode map_to_odom / auto)"),
+    Param("base_frame", "", "Robot base frame (REP 105 base_link); the camera extrinsic base_frame -> the "
+          "image's frame_id is read from TF (the URDF's static transforms); empty = no robot"),
+    Param("camera_tf_frame", "", "tf_mode map_to_camera: child frame published under map_frame; empty = "
+          "<camera optical frame>_lingbot (never the camera frame itself, which the URDF may parent)"),
     Param("camera_frame", "", "Optical frame of the camera; empty = the image header's frame_id "
           "(camera_optical_frame when that is empty too)"),
 )
@@ -174,6 +204,13 @@ class NodeSettings:
     odom_frame: str
     base_frame: str
     camera_frame: str
+    camera_tf_frame: str = ""
+    deferred_eviction_timeout: float = 5.0
+    keyframe_decision_timeout: float = 0.0
+    keyframe_decision_default: str = "keep"
+    time_jump_threshold: float = 1.0
+    on_time_jump: str = "reset"
+    deferred_eviction: bool = False  # the value in force (the session's own flag follows it)
 
 
 def check_value(param: Param, value: Any) -> None:
@@ -193,7 +230,8 @@ def check_value(param: Param, value: Any) -> None:
             raise ConfigError(f"parameter {param.name} must be {rule}, got {value!r}")
 
 
-def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lambda _m: None) -> NodeSettings:
+def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lambda _m: None,
+                     cuda_available: Callable[[], bool] | None = None) -> NodeSettings:
     """Map parameter values (every name of ``PARAMETERS``; missing ones take their default)
     onto ``NodeSettings``, logging one line per resolved value.
 
@@ -211,6 +249,12 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
         if isinstance(p.default, float):
             v[p.name] = float(v[p.name])
 
+    device_in = v["device"]
+    if device_in != "auto" and not (isinstance(device_in, str) and device_in.split(":")[0] in ("cpu", "cuda")):
+        raise ConfigError(f"parameter device must be {DEVICES_HELP}, got {device_in!r}")
+    v["device"], v["dtype"], chosen = resolve_device(device_in, v["dtype"], cuda_available or cuda_is_available)
+    if chosen:
+        log(chosen)
     data = load_json(v["model_config"]) if v["model_config"] else {}
     model = ModelConfig.from_dict(data) if data else ModelConfig.preset("lingbot-map")
     if v["image_width"] % model.patch_size:
@@ -238,8 +282,11 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
         raise ConfigError(str(exc)) from None
     if not v["map_frame"]:
         raise ConfigError("parameter map_frame must not be empty")
-    if v["tf_mode"] == "map_to_odom" and not v["odom_frame"]:
-        raise ConfigError("tf_mode map_to_odom needs a non-empty odom_frame")
+    if v["tf_mode"] == "map_to_odom" and not (v["odom_frame"] and v["base_frame"]):
+        raise ConfigError("tf_mode map_to_odom needs a non-empty odom_frame and base_frame (the robot frame that "
+                          "odom_frame -> base_frame, published by the robot's odometry, ends in)")
+    if v["tf_mode"] == "map_to_base" and not v["base_frame"]:
+        raise ConfigError("tf_mode map_to_base needs a non-empty base_frame")
 
     settings = NodeSettings(model=model, stream=stream, long_stream=long_stream, checkpoint=v["checkpoint"] or None,
                             **{k: v[k] for k in _PLAIN_FIELDS})
@@ -255,7 +302,51 @@ _PLAIN_FIELDS = ("seed", "image_width", "input_transport", "input_qos", "max_fra
                  "map_max_points", "map_publish_rate", "path_max_length", "path_publish_rate",
                  "publish_odometry", "publish_pose", "publish_path", "publish_points", "publish_map",
                  "publish_depth", "output_directory", "publish_tf", "tf_mode", "map_frame", "odom_frame",
-                 "base_frame", "camera_frame")
+                 "base_frame", "camera_frame", "camera_tf_frame", "deferred_eviction_timeout",
+                 "keyframe_decision_timeout", "keyframe_decision_default", "time_jump_threshold", "on_time_jump",
+                 "deferred_eviction")
+DYNAMIC_PARAMETERS = frozenset(p.name for p in PARAMETERS if p.dynamic)
+
+
+def cuda_is_available() -> bool:
+    """Whether torch sees a CUDA device (imported lazily: the table itself needs no torch)."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a hard dependency of the package
+        return False
+    return bool(torch.cuda.is_available())
+
+
+def resolve_device(device: str, dtype: str, cuda_available: Callable[[], bool] = cuda_is_available
+                   ) -> tuple[str, str, str]:
+    """``device``/``dtype`` with ``auto`` resolved: (device, dtype, one line saying what was chosen and why).
+
+    auto device = ``cuda`` when torch sees a CUDA device, else ``cpu``; auto dtype = bf16 on CUDA, fp32 on
+    the CPU (bf16 matmuls on a CPU are slow and the reference numbers are fp32)."""
+    notes = []
+    if device == "auto":
+        device = "cuda" if cuda_available() else "cpu"
+        notes.append(f"device auto -> {device} ({'CUDA is available' if device == 'cuda' else 'no CUDA device'})")
+    if dtype == "auto":
+        dtype = "bf16" if device.startswith("cuda") else "fp32"
+        notes.append(f"dtype auto -> {dtype} (on {device.split(':')[0]})")
+    return device, dtype, "; ".join(notes)
+
+
+def apply_dynamic(settings: NodeSettings, name: str, value: Any) -> NodeSettings:
+    """``settings`` with the run-time parameter ``name`` set to ``value`` (checked: ConfigError names the
+    problem; read-only parameters are refused)."""
+    params = {p.name: p for p in PARAMETERS}
+    if name not in params:
+        raise ConfigError(f"unknown parameter {name}")
+    if name not in DYNAMIC_PARAMETERS:
+        raise ConfigError(f"parameter {name} is read-only: it is applied at start only; restart the node to "
+                          "change it")
+    p = params[name]
+    check_value(p, value)
+    if isinstance(p.default, float):
+        value = float(value)
+    return replace(settings, **{name: value})
 
 
 def params_file_text(values: Mapping[str, Any], node: str = "/**") -> str:
@@ -277,4 +368,5 @@ def write_params_file(path: str | Path, values: Mapping[str, Any], node: str = "
 
 __all__ = ["PARAMETERS", "PARAMETER_NAMES", "Param", "NodeSettings", "resolve_settings", "check_value",
            "params_file_text", "write_params_file", "INPUT_TRANSPORTS", "INPUT_QOS", "TF_MODES",
+           "DYNAMIC_PARAMETERS", "apply_dynamic", "resolve_device", "cuda_is_available",
            "DEFAULT_CAMERA_FRAME"]

@@ -48,7 +48,8 @@ def test_values_reach_the_configs(tmp_path):
     s = resolve_settings({"checkpoint": "/w.pt", "model_config": str(cfg), "device": "cuda:1", "backend": "sdpa",
                           "dtype": "bf16", "image_width": 224, "num_scale_frames": 4, "sliding_window": 16,
                           "keyframe_interval": 3, "camera_iterations": 2, "deferred_eviction": True,
-                          "conf_threshold": 2.5, "point_stride": 4, "tf_mode": "map_to_odom", "cuda_graphs": False},
+                          "conf_threshold": 2.5, "point_stride": 4, "tf_mode": "map_to_odom", "base_frame": "base_link",
+                          "cuda_graphs": False},
                          log=logged.append)
     assert s.model == ModelConfig.preset("tiny")
     assert s.stream == StreamConfig(num_scale_frames=4, sliding_window=16, keyframe_interval=3, camera_iterations=2,
