@@ -8,11 +8,16 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import BinaryIO, Sequence
 
 import numpy as np
 from PIL import Image, ImageDraw, ImageFont
 
 from lingbot_map_ros.geometry import matrix_to_quaternion, quaternion_to_matrix
+from lingbot_map_ros.io.atomic import atomic_write
+
+CHUNK_BYTES = 1 << 24
+"""Size of the pieces a PLY body is written in (16 MiB)."""
 
 # ----------------------------------------------------------------------------- PLY
 
@@ -24,15 +29,27 @@ _PLY_TYPES = {
 }
 
 
-def write_ply(path: str | Path, points: np.ndarray, colors: np.ndarray | None = None) -> None:
-    """Write a binary little-endian PLY point cloud.
+def write_ply(path: str | Path, points: np.ndarray, colors: np.ndarray | None = None,
+              comments: Sequence[str] = ()) -> None:
+    """Write a binary little-endian PLY point cloud, crash-safely (``atomic.atomic_write``).
+
+    The file appears complete or not at all; a symbolic link at ``path`` is
+    refused (``atomic.UnsafeDestinationError``), never followed.
 
     Args:
         path: output file.
         points: [N, 3] coordinates (world units), stored as float32 x, y, z.
         colors: [N, 3] RGB, uint8 — or floats in [0, 1], scaled by 255 and
             rounded — stored as uchar red, green, blue; None for no colour.
+        comments: header ``comment`` lines (one line of ASCII each).
     """
+    vertices, header = _ply_content(points, colors, comments)
+    atomic_write(path, lambda f: _write_ply_to(f, header, vertices))
+
+
+def _ply_content(points: np.ndarray, colors: np.ndarray | None,
+                 comments: Sequence[str]) -> tuple[np.ndarray, bytes]:
+    """(vertex records [N] structured, header bytes) of a PLY; validates the arrays."""
     points = np.asarray(points)
     if points.ndim != 2 or points.shape[1] != 3:
         raise ValueError(f"points must be [N, 3], got {points.shape}")
@@ -46,12 +63,30 @@ def write_ply(path: str | Path, points: np.ndarray, colors: np.ndarray | None = 
     if colors is not None:
         for i, channel in enumerate(("red", "green", "blue")):
             vertices[channel] = colors[:, i]
-    header = ["ply", "format binary_little_endian 1.0", f"element vertex {points.shape[0]}"]
+    header = ["ply", "format binary_little_endian 1.0"]
+    header += [f"comment {_one_line(c)}" for c in comments]
+    header.append(f"element vertex {points.shape[0]}")
     header += [f"property {'float' if t == '<f4' else 'uchar'} {name}" for name, t in fields]
     header.append("end_header")
-    with open(path, "wb") as f:
-        f.write(("\n".join(header) + "\n").encode("ascii"))
-        f.write(vertices.tobytes())
+    return vertices, ("\n".join(header) + "\n").encode("ascii")
+
+
+def _write_ply_to(f: BinaryIO, header: bytes, vertices: np.ndarray) -> None:
+    f.write(header)
+    _write_chunked(f, vertices.view(np.uint8) if vertices.size else b"")
+
+
+def _write_chunked(f: BinaryIO, data) -> None:
+    """Write a bytes-like object in CHUNK_BYTES pieces (no full copy of a large cloud)."""
+    view = memoryview(data).cast("B")
+    for start in range(0, len(view), CHUNK_BYTES):
+        f.write(view[start:start + CHUNK_BYTES])
+
+
+def _one_line(text: str) -> str:
+    if "\n" in text or "\r" in text or not text.isascii():
+        raise ValueError(f"a header comment must be one line of ASCII, got {text!r}")
+    return text
 
 
 def _colors_to_uint8(colors: np.ndarray, n: int) -> np.ndarray:
@@ -113,8 +148,11 @@ def read_ply(path: str | Path) -> tuple[np.ndarray, np.ndarray | None]:
 
 # ----------------------------------------------------------------------------- TUM
 
-def write_tum(path: str | Path, timestamps: np.ndarray, c2w: np.ndarray) -> None:
+def write_tum(path: str | Path, timestamps: np.ndarray, c2w: np.ndarray,
+              comments: Sequence[str] = ()) -> None:
     """Write a trajectory in TUM format: one line ``t tx ty tz qx qy qz qw`` per pose.
+
+    Written crash-safely like ``write_ply`` (a symbolic link at ``path`` is refused).
 
     Args:
         path: output text file (a ``#`` header line is written first).
@@ -122,16 +160,22 @@ def write_tum(path: str | Path, timestamps: np.ndarray, c2w: np.ndarray) -> None
             resolves about 0.2 µs at Unix epoch times).
         c2w: [N, 4, 4] camera-to-world transforms; (tx, ty, tz) is the camera
             centre, (qx, qy, qz, qw) the rotation camera → world, w ≥ 0.
+        comments: extra ``# `` lines after the header line (one line of ASCII each).
     """
+    text = _tum_text(timestamps, c2w, comments).encode("ascii")
+    atomic_write(path, lambda f: f.write(text))
+
+
+def _tum_text(timestamps: np.ndarray, c2w: np.ndarray, comments: Sequence[str]) -> str:
     timestamps = np.asarray(timestamps, dtype=np.float64).reshape(-1)
     c2w = np.asarray(c2w, dtype=np.float64)
     if c2w.shape != (timestamps.shape[0], 4, 4):
         raise ValueError(f"c2w must be [{timestamps.shape[0]}, 4, 4], got {c2w.shape}")
     quat = matrix_to_quaternion(c2w[:, :3, :3])
     rows = np.concatenate([c2w[:, :3, 3], quat], axis=1)
-    lines = ["# timestamp tx ty tz qx qy qz qw"]
+    lines = ["# timestamp tx ty tz qx qy qz qw"] + [f"# {_one_line(c)}" for c in comments]
     lines += [f"{t:.9f} " + " ".join(f"{v:.9g}" for v in row) for t, row in zip(timestamps, rows)]
-    Path(path).write_text("\n".join(lines) + "\n")
+    return "\n".join(lines) + "\n"
 
 
 def read_tum(path: str | Path) -> tuple[np.ndarray, np.ndarray]:
@@ -172,7 +216,7 @@ _COLORS = {
 def plot_trajectory_png(
     path: str | Path, c2w: np.ndarray, title: str = "", size: tuple[int, int] = (640, 480)
 ) -> None:
-    """Draw a top-down view of a trajectory to a PNG (Pillow only).
+    """Draw a top-down view of a trajectory to a PNG (Pillow only), written crash-safely.
 
     The view looks down on the x–z plane of the OpenCV world (y points down,
     so this is the ground plane): x to the right, z (forward) up the image, equal
@@ -220,7 +264,7 @@ def plot_trajectory_png(
     legend = f"start (green), end (red), {c2w.shape[0]} poses"
     legend_x = box[2] - draw.textlength(legend, font=font)
     draw.text((legend_x, box[3] + 32), legend, fill=_COLORS["text"], font=font)
-    img.save(path, format="PNG")
+    atomic_write(path, lambda f: img.save(f, format="PNG"))
 
 
 def _fit_view(ground: np.ndarray, box: tuple[int, int, int, int]):
