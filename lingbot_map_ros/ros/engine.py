@@ -55,6 +55,7 @@ from .worker import Command, Counters, RateMeter, Throttle, WorkQueue
 WARN_PERIOD = 5.0  # seconds between two warnings of one kind
 MAX_RESIZE_ASPECT = 8  # an image is resized to image_width x (at most this many times image_width) before cropping
 HEARTBEAT_PERIOD = 1.0  # longest silence of ~/status
+CONFIDENCE_SAMPLE = 4  # ~/frame's confidence statistics read every 4th pixel (0.2 ms instead of 1 ms at 518x378)
 MAP_FILE, TRAJECTORY_FILE = "map.ply", "trajectory.tum"
 
 
@@ -133,6 +134,40 @@ class StatusFields:
     frames_dropped_stale: int = 0
     frames_dropped_invalid: int = 0
     frames_dropped_error: int = 0
+    frames_dropped_stamp: int = 0
+    time_jumps: int = 0
+    evictions_auto_committed: int = 0
+    decision_pending: bool = False
+    decisions_kept: int = 0
+    decisions_dropped: int = 0
+    decisions_timed_out: int = 0
+    decisions_refused: int = 0
+
+
+@dataclass
+class FrameSummary:
+    """Fields of lingbot_map_ros/msg/FrameInfo except header and pose (same names), plus the pose."""
+
+    frame_index: int
+    window_index: int
+    stored: bool
+    is_keyframe: bool
+    decision_pending: bool
+    pending_eviction_pages: int
+    confidence_mean: float
+    confidence_median: float
+    valid_fraction: float
+    translation_since_keyframe: float
+    rotation_since_keyframe_deg: float
+    latency_ms: float
+
+
+@dataclass
+class _Hold:
+    """A stored frame waiting for a keep/drop decision (keyframe_decision_timeout > 0)."""
+
+    index: int  # 1-based
+    deadline: float  # monotonic seconds
 
 
 class Sink(Protocol):
@@ -143,6 +178,7 @@ class Sink(Protocol):
     def publish_clouds(self, out: FrameOutput) -> None: ...  # points and depth of an already published frame
     def publish_path(self, entries: list[PoseEntry]) -> None: ...
     def publish_status(self, status: StatusFields, stamp: Any) -> None: ...
+    def publish_frame_info(self, info: FrameSummary, out: FrameOutput) -> None: ...
 
 
 class SaveError(RuntimeError):
@@ -187,7 +223,14 @@ class InferenceEngine:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._warned_thinning = False
+        self._behind = False  # on_time_jump=drop: stamps are behind the last processed frame's
         self._last_status_time = -float("inf")
+        self._last_stamp_s: float | None = None  # stamp of the last frame taken for inference (seconds)
+        self._pending_since: float | None = None  # monotonic time the oldest deferred eviction started waiting
+        self._hold: _Hold | None = None  # decision hold
+        self._decided: tuple[int, str] | None = None  # last decided frame (hold mode): (index, how)
+        self._last_stored_index = 0  # 1-based index of the newest stored frame still in the cache; 0 = none
+        self._keyframe_poses: list[tuple[int, np.ndarray]] = []  # (1-based index, T_map_cam) of stored frames
         # clouds, depth images and the map on their own thread (see output_worker.py)
         self.clouds_skipped = 0  # frames whose clouds the output thread dropped (it fell behind)
         self.outputs = OutputWorker(max_pending=2, on_skip=self._clouds_skipped, on_error=self._outputs_failed)
@@ -240,9 +283,17 @@ class InferenceEngine:
             self.run_once(0.1)
 
     def run_once(self, timeout: float = 0.0) -> bool:
-        """Process one queued item; False when nothing came within ``timeout`` seconds."""
-        item = self.queue.get(timeout)
+        """Process one queued item; False when nothing came within ``timeout`` seconds.
+
+        While a frame is held for a keep/drop decision only commands are taken (a frame that
+        arrives waits in the latest-frame slot) until the decision or its deadline."""
+        self._check_hold_deadline()
+        hold = self._hold
+        if hold is not None:
+            timeout = max(0.0, min(timeout, hold.deadline - self.monotonic()))
+        item = self.queue.get(timeout, frames=hold is None)
         if item is None:
+            self._check_hold_deadline()
             return False
         if isinstance(item, Command):
             item.run()
@@ -261,6 +312,9 @@ class InferenceEngine:
             self.throttle.emit(self.log.warning, f"dropped a frame older than max_frame_age={s.max_frame_age} s "
                                                  f"(age {self.now() - frame.stamp_s:.2f} s)", kind="too old")
             return
+        if not self._stamp_ok(frame):
+            return
+        self._check_deferral_deadline()
         t0 = time.perf_counter()
         try:
             _check_resize(frame.rgb.shape, s.image_width)
@@ -276,7 +330,7 @@ class InferenceEngine:
                                       f"gives model input {w}x{h}, the sequence uses {self._resolution[1]}x"
                                       f"{self._resolution[0]}; call ~/reset to start a new sequence")
         frame.preprocess_ms = frame.convert_ms + (time.perf_counter() - t0) * 1e3
-        self._last_stamp = frame.stamp
+        self._last_stamp, self._last_stamp_s = frame.stamp, frame.stamp_s
         self._collected.append(frame)
         try:
             results = self.session.push(image)
@@ -295,6 +349,7 @@ class InferenceEngine:
             return
         frames, self._collected = self._collected[:len(results)], self._collected[len(results):]
         self._handle_results(results, frames)
+        self._note_pending()
         _freeze_long_lived_objects()
 
     def _handle_results(self, results: list[FrameResult], frames: list[InputFrame]) -> None:
@@ -306,6 +361,7 @@ class InferenceEngine:
                 try:
                     self.session.rollback_last_frame(results[-1].frame_index)
                     note = "rolled back from the cache"
+                    self._forget_keyframes_from(results[0].frame_index + 1)
                 except SessionError as exc:
                     note = f"could not be rolled back ({exc})"
             dropped = len(results) if stored else len(bad)
@@ -319,14 +375,19 @@ class InferenceEngine:
         if stored and self.map is not None:
             first, acc = results[0].frame_index, self.map
             self.outputs.op(lambda: acc.protect_from(first))
+        # hold a single stored frame (not the scale frames, not a restart's re-fed batch) for a decision
+        hold = self.settings.keyframe_decision_timeout > 0 and stored and len(results) == 1
         published = False
         for r, frame in zip(results, frames):
-            published |= self._publish_result(r, frame)
+            published |= self._publish_result(r, frame, hold)
+        if hold and published:
+            self._hold = _Hold(results[0].frame_index + 1, self.monotonic() + self.settings.keyframe_decision_timeout)
+            self._decided = None
         if published and self.settings.publish_path:
             self.sink.publish_path(self.trajectory.entries())
         self.last_stats = self.session.stats()
 
-    def _publish_result(self, r: FrameResult, frame: InputFrame) -> bool:
+    def _publish_result(self, r: FrameResult, frame: InputFrame, hold: bool = False) -> bool:
         t0 = time.perf_counter()
         if r.depth is not None and not (np.isfinite(r.depth).all() and np.isfinite(r.confidence).all()):
             self.counters.add("frames_dropped_invalid")
@@ -345,6 +406,7 @@ class InferenceEngine:
         pose = FrameOutput(index, frame.stamp, frame.stamp_s, frame.camera_frame, r.is_keyframe, T_map_cam,
                            r.intrinsics, None, None, None, None)
         self.sink.publish_frame(pose)
+        self._publish_frame_summary(r, pose, hold)
         t2 = time.perf_counter()
         if need_points or need_depth:
             self.outputs.frame_job(lambda: self._publish_clouds(r, pose, need_points, need_depth))
@@ -361,6 +423,41 @@ class InferenceEngine:
                        f"ms, model {latency.model:.1f} ms, postprocess {latency.postprocess:.1f} ms, publish "
                        f"{latency.publish:.1f} ms")
         return True
+
+    def _publish_frame_summary(self, r: FrameResult, pose: FrameOutput, hold: bool) -> None:
+        """~/frame: what a keyframe client needs about this frame (see msg/FrameInfo.msg); also notes
+        a stored frame's pose as the reference of the next frames' motion."""
+        index = r.frame_index + 1
+        ref = self._keyframe_poses[-1][1] if self._keyframe_poses else None
+        if r.is_keyframe:
+            self._last_stored_index = index
+            self._keyframe_poses = self._keyframe_poses[-7:] + [(index, pose.T_map_cam)]
+        if not self.sink.wants("frame"):
+            return
+        translation = rotation = 0.0
+        if ref is not None:
+            translation = float(np.linalg.norm(pose.T_map_cam[:3, 3] - ref[:3, 3]))
+            cos = (np.trace(ref[:3, :3].T @ pose.T_map_cam[:3, :3]) - 1.0) / 2.0
+            rotation = float(np.degrees(np.arccos(np.clip(cos, -1.0, 1.0))))
+        mean = median = valid = 0.0
+        if r.confidence is not None:
+            conf = r.confidence.reshape(-1)[::CONFIDENCE_SAMPLE]
+            mean, median = float(conf.mean()), float(np.median(conf))
+            valid = float(np.count_nonzero(conf > self.settings.conf_threshold)) / max(conf.size, 1)
+        stats = self.session.stats()
+        self.sink.publish_frame_info(FrameSummary(
+            frame_index=index, window_index=int(getattr(self.session, "window_index", 0)), stored=r.is_keyframe,
+            is_keyframe=r.is_keyframe, decision_pending=hold,
+            pending_eviction_pages=stats.pending_evictions if stats is not None else 0,
+            confidence_mean=mean, confidence_median=median, valid_fraction=valid,
+            translation_since_keyframe=translation, rotation_since_keyframe_deg=rotation,
+            latency_ms=max(0.0, (self.now() - pose.stamp_s) * 1e3)), pose)
+
+    def _forget_keyframes_from(self, index: int) -> None:
+        """Frames from 1-based ``index`` on left the cache: they are no motion reference any more."""
+        self._keyframe_poses = [(i, T) for i, T in self._keyframe_poses if i < index]
+        if self._last_stored_index >= index:
+            self._last_stored_index = 0
 
     def _publish_clouds(self, r: FrameResult, pose: FrameOutput, need_points: bool, need_depth: bool) -> None:
         """Output thread: the frame's point cloud (~/points, map) and depth image."""
@@ -439,6 +536,9 @@ class InferenceEngine:
         if self.settings.publish_path:
             self.sink.publish_path([])
         self.last_stats = self.session.stats()
+        self._hold = self._decided = self._pending_since = None
+        self._last_stored_index = 0
+        self._keyframe_poses = []
 
     # ------------------------------------------------------------------ commands (inference thread)
     def reset(self) -> str:
@@ -449,21 +549,32 @@ class InferenceEngine:
         self.counters.reset()
         self.input_rate.clear()
         self.output_rate.clear()
-        self._last_stamp = None
+        self._last_stamp = self._last_stamp_s = None
+        self._behind = False
         self._set_state(State.WAITING_FOR_IMAGES, "reset; waiting for images")
         self._publish_status(self.state_text, None)
         return "cache, path, map and counters cleared; the next image starts a new sequence"
 
     def set_deferred_eviction(self, enabled: bool) -> str:
         self.session.set_deferred_eviction(enabled)
+        self.settings = replace(self.settings, deferred_eviction=enabled)
         self.last_stats = self.session.stats()
+        self._note_pending()
         self._publish_status(self.state_text, self._last_stamp)
         pending = self.last_stats.pending_evictions if self.last_stats else 0
         return f"deferred eviction {'on' if enabled else 'off'} ({pending} eviction(s) pending)"
 
-    def commit_eviction(self) -> int:
+    def commit_eviction(self, expected_frame_index: int = 0) -> int:
+        """Run the deferred evictions: the client keeps the latest stored frame (1-based
+        ``expected_frame_index``; 0 = whichever it is). With a decision hold this is the "keep"
+        decision about the held frame. Returns the pages freed; raises SessionError (nothing
+        changed) when the index names another frame or one already decided."""
+        held = self._check_decision(expected_frame_index, commit=True)
         freed = self.session.commit_eviction()
+        if held is not None:
+            self._decide(held, "kept")
         self.last_stats = self.session.stats()
+        self._note_pending()
         self._publish_status(self.state_text, self._last_stamp)
         return freed
 
@@ -471,8 +582,17 @@ class InferenceEngine:
         """Undo the last stored frame (1-based ``expected_frame_index``; 0 = the latest).
 
         Removes its tokens from the cache and, with it, the points and poses of every frame
-        the session forgot. Returns its 1-based index; raises SessionError (nothing changed).
+        the session forgot. With a decision hold this is the "drop" decision about the held
+        frame. Returns its 1-based index; raises SessionError (nothing changed).
         """
+        held = self._check_decision(expected_frame_index)
+        index = self._rollback_stored(held if held is not None else expected_frame_index)
+        if held is not None:
+            self._decide(held, "dropped")
+        self._publish_status(f"rolled back frame {index}", self._last_stamp, frame_index=self._last_index)
+        return index
+
+    def _rollback_stored(self, expected_frame_index: int) -> int:
         expected = None if expected_frame_index == 0 else expected_frame_index - 1
         try:
             index = self.session.rollback_last_frame(expected)
@@ -490,34 +610,148 @@ class InferenceEngine:
             self.outputs.op(forget)
         if forgotten_from == 0:
             self._resolution = None
+        self._forget_keyframes_from(index + 1)
         self._last_index = min(self._last_index, forgotten_from)
         self.last_stats = self.session.stats()
+        self._note_pending()
         if self.settings.publish_path and removed:
             self.sink.publish_path(self.trajectory.entries())
-        self._publish_status(f"rolled back frame {index + 1}", self._last_stamp, frame_index=self._last_index)
         return index + 1
 
-    def save_map(self, directory: str) -> tuple[Path, Path]:
-        """Write the map (PLY, map frame) and the trajectory (TUM: image stamp, camera optical frame
-        in the map frame) into ``directory`` (default: the output_directory parameter)."""
+    # ------------------------------------------------------------------ keyframe decisions
+    def _check_decision(self, expected: int, commit: bool = False) -> int | None:
+        """The held frame a decision is about (None without a hold); SessionError when ``expected``
+        (1-based, 0 = the latest) names another frame or a frame already decided (a rollback's index
+        is checked by the session)."""
+        hold = self._hold
+        if hold is not None:
+            if expected not in (0, hold.index):
+                self.counters.add("decisions_refused")
+                raise SessionError(f"frame {expected} is not the frame waiting for a decision ({hold.index}); "
+                                   "nothing changed")
+            return hold.index
+        if self._decided is not None and expected == self._decided[0]:
+            self.counters.add("decisions_refused")
+            raise SessionError(f"frame {expected} was already decided ({self._decided[1]}); nothing changed")
+        if commit and expected not in (0, self._last_stored_index):
+            if self.settings.keyframe_decision_timeout > 0:
+                self.counters.add("decisions_refused")
+            latest = self._last_stored_index or "none (nothing stored since the last reset or rollback)"
+            raise SessionError(f"the last stored frame is {latest}, not {expected}; nothing changed")
+        return None
+
+    def _decide(self, index: int, how: str) -> None:
+        self._hold = None
+        self._decided = (index, how)
+        self.counters.add({"kept": "decisions_kept", "dropped": "decisions_dropped"}.get(how, "decisions_timed_out"))
+
+    def _check_hold_deadline(self) -> None:
+        """Apply keyframe_decision_default to a held frame whose decision did not come in time."""
+        hold = self._hold
+        if hold is None or self.monotonic() < hold.deadline:
+            return
+        default = self.settings.keyframe_decision_default
+        try:
+            if default == "drop":
+                self._rollback_stored(hold.index)
+            else:
+                self.session.commit_eviction()
+                self._note_pending()
+            note = ""
+        except SessionError as exc:
+            note = f" (could not be applied: {exc})"
+        self._decide(hold.index, f"{default} by timeout")
+        self.throttle.emit(self.log.warning, f"no decision about frame {hold.index} within keyframe_decision_timeout="
+                           f"{self.settings.keyframe_decision_timeout} s: applied keyframe_decision_default={default}"
+                           f"{note}", kind="decision timeout")
+        self.last_stats = self.session.stats()
+        self._publish_status(f"frame {hold.index}: {default} by timeout", self._last_stamp,
+                             frame_index=self._last_index)
+
+    # ------------------------------------------------------------------ deferral deadline, stamps
+    def _note_pending(self) -> None:
+        """Start (or stop) the clock of deferred_eviction_timeout from the session's pending evictions."""
+        stats = self.session.stats()
+        if stats is not None and stats.pending_evictions > 0:
+            if self._pending_since is None:
+                self._pending_since = self.monotonic()
+        else:
+            self._pending_since = None
+
+    def _check_deferral_deadline(self) -> None:
+        """Commit deferred evictions that waited longer than deferred_eviction_timeout: a keyframe
+        client that died must not blind the robot (the cache would fill and refuse every frame)."""
+        timeout = self.settings.deferred_eviction_timeout
+        since = self._pending_since
+        if timeout <= 0 or since is None or self.monotonic() - since < timeout:
+            return
+        freed = self.session.commit_eviction()
+        self._pending_since = None
+        self.counters.add("evictions_auto_committed")
+        self.last_stats = self.session.stats()
+        self.throttle.emit(self.log.warning, f"a deferred eviction waited more than deferred_eviction_timeout="
+                           f"{timeout} s for ~/commit_eviction: committed automatically ({freed} page(s) freed)",
+                           kind="auto commit")
+
+    def _stamp_ok(self, frame: InputFrame) -> bool:
+        """Refuse zero, repeated and backwards stamps (the trajectory stays monotonic); a stamp more than
+        time_jump_threshold before the last one is a time jump: on_time_jump=reset starts a new sequence."""
+        s, last = self.settings, self._last_stamp_s
+        if frame.stamp_s == 0.0:  # processed once (a later zero stamp is a repeat), never silently
+            self.throttle.emit(self.log.warning, "image with a zero stamp: its driver does not stamp images (TF, "
+                               "latency and the trajectory need the capture time; repeats are dropped)",
+                               kind="zero stamp")
+        if last is None or frame.stamp_s > last:
+            self._behind = False
+            return True
+        if frame.stamp_s == last:
+            return self._drop_stamp(frame, f"dropped an image with the same stamp as the previous frame "
+                                           f"({frame.stamp_s:.9f} s): a duplicate", "repeated stamp")
+        back = last - frame.stamp_s
+        if back <= s.time_jump_threshold:
+            return self._drop_stamp(frame, f"dropped an image {1e3 * back:.1f} ms older than the previous frame "
+                                           "(out of order; the trajectory stays monotonic)", "older stamp")
+        if not getattr(self, "_behind", False):
+            self.counters.add("time_jumps")
+        if s.on_time_jump == "drop":
+            self._behind = True
+            return self._drop_stamp(frame, f"time jump: image stamp {frame.stamp_s:.3f} s is {back:.3f} s before the "
+                                           f"previous frame's; on_time_jump=drop: dropping frames until the stamps "
+                                           f"pass {last:.3f} s (or call ~/reset)", "time jump drop")
+        self.log.warning(f"time jump: image stamp {frame.stamp_s:.3f} s is {back:.3f} s before the previous frame's "
+                         f"(more than time_jump_threshold={s.time_jump_threshold} s): on_time_jump=reset, starting a "
+                         "new sequence")
+        self._clear_sequence()
+        self._behind = False
+        self._set_state(State.INITIALIZING, "time jump: new sequence")
+        return True
+
+    def _drop_stamp(self, frame: InputFrame, reason: str, kind: str) -> bool:
+        self.counters.add("frames_dropped_stamp")
+        self.throttle.emit(self.log.warning, reason, kind=kind)
+        self._publish_status(reason, frame.stamp)
+        return False
+
+    def save_snapshot(self) -> "SaveSnapshot":
+        """Inference thread (fast): the trajectory as it is now, and the map once the output thread
+        has added the clouds of every frame up to now (a snapshot queued behind them). The files are
+        written by ``write_map_files`` on the caller's thread: a slow disk never holds up inference."""
         if self.map is None:
             raise SaveError("the map is not accumulated (accumulate_map is false); nothing to save")
-        out = Path(directory or self.settings.output_directory).expanduser().resolve()
-        if not self.outputs.flush(self.settings.service_timeout):
-            raise SaveError("the output thread did not catch up in time; try again")
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-            points, colors, _ = self.map.snapshot()
-            ply, tum = out / MAP_FILE, out / TRAJECTORY_FILE
-            write_ply(ply, points, colors)
-            write_tum(tum, self.trajectory.stamps(), self.trajectory.poses())
-        except OSError as exc:
-            raise SaveError(f"cannot write to {out}: {exc}") from None
-        return ply, tum
+        snapshot = Command("map snapshot", self.map.snapshot)
+        self.outputs.op(snapshot.run)
+        return SaveSnapshot(self.trajectory.stamps(), self.trajectory.poses(), snapshot)
+
+    def save_map(self, directory: str) -> tuple[Path, Path]:
+        """``save_snapshot`` + ``write_map_files`` in one call (in-process use and tests)."""
+        return write_map_files(self.save_snapshot(), directory, self.settings.output_directory,
+                               self.settings.service_timeout)
 
     # ------------------------------------------------------------------ status
     def _heartbeat(self) -> None:
         """Publish a status when none went out for HEARTBEAT_PERIOD (or the input went quiet)."""
+        self._check_hold_deadline()
+        self._check_deferral_deadline()
         quiet = self.seconds_since_input()
         changed = False
         if self.state not in (State.ERROR, State.RESETTING) and not self.queue.pending_frame() and (
@@ -542,7 +776,12 @@ class InferenceEngine:
                           frames_received=c.frames_received, frames_processed=c.frames_processed,
                           frames_dropped_stale=c.frames_dropped_stale,
                           frames_dropped_invalid=c.frames_dropped_invalid,
-                          frames_dropped_error=c.frames_dropped_error)
+                          frames_dropped_error=c.frames_dropped_error,
+                          frames_dropped_stamp=c.frames_dropped_stamp, time_jumps=c.time_jumps,
+                          evictions_auto_committed=c.evictions_auto_committed,
+                          decision_pending=self._hold is not None, decisions_kept=c.decisions_kept,
+                          decisions_dropped=c.decisions_dropped, decisions_timed_out=c.decisions_timed_out,
+                          decisions_refused=c.decisions_refused)
         if stats is not None:
             st.pending_evictions, st.stored_frames = stats.pending_evictions, stats.resident_frames
             st.temporal_index, st.scale_pages = stats.temporal_index, stats.scale_pages
@@ -556,6 +795,35 @@ class InferenceEngine:
         st.gpu_memory_allocated_mb, st.gpu_memory_reserved_mb = _device_memory_mb(self.session)
         self.sink.publish_status(st, stamp)
         self._last_status_time = self.monotonic()
+
+
+@dataclass
+class SaveSnapshot:
+    """What one ~/save_map writes: poses [N] (TUM: image stamps, camera optical frame in the map
+    frame) and the map [M] (map frame), taken at one moment of the stream."""
+
+    stamps: np.ndarray  # [N] float64 seconds
+    poses: np.ndarray  # [N, 4, 4] T_map_cam
+    map: Command  # runs on the output thread; result (points [M, 3] float32, colors [M, 3] uint8, version)
+
+
+def write_map_files(snapshot: SaveSnapshot, directory: str, output_directory: str,
+                    timeout: float) -> tuple[Path, Path]:
+    """Write ``snapshot`` as PLY + TUM into ``directory`` (any thread; see ``save_snapshot``)."""
+    if not snapshot.map.wait(timeout):
+        raise SaveError("the output thread did not catch up in time; try again")
+    if snapshot.map.error is not None:
+        raise SaveError(f"cannot take the map: {snapshot.map.error}")
+    points, colors, _ = snapshot.map.result
+    out = Path(directory or output_directory).expanduser().resolve()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        ply, tum = out / MAP_FILE, out / TRAJECTORY_FILE
+        write_ply(ply, points, colors)
+        write_tum(tum, snapshot.stamps, snapshot.poses)
+    except OSError as exc:
+        raise SaveError(f"cannot write to {out}: {exc}") from None
+    return ply, tum
 
 
 def _check_resize(shape: tuple[int, ...], width: int) -> None:
@@ -601,5 +869,6 @@ def _release_device_memory(session) -> None:
         torch.cuda.empty_cache()
 
 
-__all__ = ["InferenceEngine", "InputFrame", "FrameOutput", "StatusFields", "State", "Sink", "SaveError",
+__all__ = ["InferenceEngine", "InputFrame", "FrameOutput", "FrameSummary", "StatusFields", "State", "Sink",
+           "SaveError", "SaveSnapshot", "write_map_files",
            "MAP_FILE", "TRAJECTORY_FILE"]

@@ -98,18 +98,20 @@ class WorkQueue:
             self._cond.notify()
         return command
 
-    def get(self, timeout: float) -> Any:
-        """The oldest waiting item (a frame or a Command), or None after ``timeout`` s or when closed."""
+    def get(self, timeout: float, frames: bool = True) -> Any:
+        """The oldest waiting item (a frame or a Command), or None after ``timeout`` s or when closed.
+
+        ``frames=False`` takes commands only (a waiting frame stays in its slot, still replaceable)."""
         deadline = time.monotonic() + timeout
         with self._cond:
-            while self._frame is None and not self._commands and not self._closed:
+            while (self._frame is None or not frames) and not self._commands and not self._closed:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return None
                 self._cond.wait(remaining)
             if self._closed:
                 return None
-            if self._commands and (self._frame is None or self._commands[0].seq < self._frame_seq):
+            if self._commands and (not frames or self._frame is None or self._commands[0].seq < self._frame_seq):
                 return self._commands.popleft()
             frame, self._frame = self._frame, None
             return frame
@@ -214,6 +216,13 @@ class CounterValues:
     frames_dropped_stale: int = 0
     frames_dropped_invalid: int = 0
     frames_dropped_error: int = 0
+    frames_dropped_stamp: int = 0  # repeated, zero or backwards stamps (see on_time_jump)
+    time_jumps: int = 0
+    evictions_auto_committed: int = 0  # deferred evictions committed by deferred_eviction_timeout
+    decisions_kept: int = 0  # decision hold: frames kept by a client's ~/commit_eviction
+    decisions_dropped: int = 0  # ... dropped by a client's ~/rollback_last_frame
+    decisions_timed_out: int = 0  # ... decided by keyframe_decision_default
+    decisions_refused: int = 0  # decisions naming another frame, or one already decided
 
 
 class Counters:
