@@ -1,11 +1,16 @@
-"""PLY / TUM round trips and the trajectory PNG."""
+"""PLY / TUM round trips, the trajectory PNG, and crash-safe writing."""
 from __future__ import annotations
+
+import errno
+import os
 
 import numpy as np
 import pytest
 from PIL import Image
 
 from lingbot_map_ros.geometry import quaternion_to_matrix
+from lingbot_map_ros.io import export
+from lingbot_map_ros.io.atomic import UnsafeDestinationError
 from lingbot_map_ros.io.export import plot_trajectory_png, read_ply, read_tum, write_ply, write_tum
 
 
@@ -135,3 +140,57 @@ def test_trajectory_png_degenerate(tmp_path):
         plot_trajectory_png(tmp_path / "nan.png", np.full((3, 4, 4), np.nan))
     with pytest.raises(ValueError, match="size"):
         plot_trajectory_png(tmp_path / "small.png", np.eye(4)[None], size=(10, 10))
+
+
+# ----------------------------------------------------------------------------- crash-safe writing
+
+def test_writers_refuse_a_symlink_destination(tmp_path):
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"precious")
+    for name, write in (("a.ply", lambda p: write_ply(p, np.zeros((2, 3)))),
+                        ("a.tum", lambda p: write_tum(p, [0.0], np.eye(4)[None])),
+                        ("a.png", lambda p: plot_trajectory_png(p, np.eye(4)[None]))):
+        link = tmp_path / name
+        link.symlink_to(victim)
+        with pytest.raises(UnsafeDestinationError, match=f"{name} is a symbolic link"):
+            write(link)
+        assert link.is_symlink() and victim.read_bytes() == b"precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.ply", "a.png", "a.tum", "victim.txt"]
+
+
+def test_failed_write_keeps_the_old_file_and_no_temp(tmp_path, monkeypatch):
+    path = tmp_path / "cloud.ply"
+    write_ply(path, np.ones((10, 3)))
+    old = path.read_bytes()
+
+    def disk_full(f, data):
+        f.write(bytes(memoryview(data).cast("B")[:7]))
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(export, "_write_chunked", disk_full)
+    with pytest.raises(OSError, match="No space left"):
+        write_ply(path, np.zeros((1000, 3)))
+    assert path.read_bytes() == old and os.listdir(tmp_path) == ["cloud.ply"]
+
+
+def test_large_ply_is_written_in_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(export, "CHUNK_BYTES", 1000)  # 15-byte vertices: chunks split records
+    rng = np.random.default_rng(3)
+    points = rng.normal(size=(777, 3)).astype(np.float32)
+    colors = rng.integers(0, 256, (777, 3), np.uint8)
+    write_ply(tmp_path / "c.ply", points, colors, comments=["made by a test"])
+    assert b"comment made by a test\n" in (tmp_path / "c.ply").read_bytes()[:200]
+    p, c = read_ply(tmp_path / "c.ply")
+    np.testing.assert_array_equal(p, points)
+    np.testing.assert_array_equal(c, colors)
+
+
+def test_comments_must_be_one_ascii_line(tmp_path):
+    with pytest.raises(ValueError, match="one line of ASCII"):
+        write_ply(tmp_path / "x.ply", np.zeros((1, 3)), comments=["two\nlines"])
+    with pytest.raises(ValueError, match="one line of ASCII"):
+        write_tum(tmp_path / "x.tum", [0.0], np.eye(4)[None], comments=["caf\u00e9"])
+    write_tum(tmp_path / "x.tum", [0.0], np.eye(4)[None], comments=["note"])
+    assert (tmp_path / "x.tum").read_text().splitlines()[1] == "# note"
+    assert read_tum(tmp_path / "x.tum")[0].tolist() == [0.0]
+    assert sorted(os.listdir(tmp_path)) == ["x.tum"]
