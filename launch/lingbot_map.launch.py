@@ -9,13 +9,26 @@ Arguments:
   image_topic        remaps `image` (and `image/compressed` to <image_topic>/compressed)
   camera_info_topic  remaps `camera_info`
   input_transport    raw | compressed; empty = as in the params file
+  device             torch device (auto, cpu, cuda, cuda:N); empty = as in the params file (auto there)
+  dtype              auto | fp32 | bf16; empty = as in the params file (auto there)
   namespace          namespace of the node (topics become /<namespace>/lingbot_map/...)
   use_sim_time       true when playing a bag with --clock
   rviz               true to start RViz with rviz/lingbot_map.rviz (topics of the empty namespace)
+  keyframe_selector  true to also start this package's `keyframe_selector` (same namespace, its
+                     parameter target_node = the mapping node's fully qualified name) and give the
+                     mapping node keyframe_decision_timeout (next argument), so that each stored
+                     frame waits for the selector's keep/drop decision
+  keyframe_decision_timeout  seconds a stored frame waits for that decision (default 0.5; only
+                     with keyframe_selector:=true)
   dds_profile        Fast DDS profile of the node (FASTDDS_DEFAULT_PROFILES_FILE): large_messages
                      (default) = config/fastdds_large_messages.xml, 16 MB shared-memory segments so
                      that raw images over 512 KB are not sent as UDP fragments (export the same
                      file for the camera driver); a path to your own XML; or none (environment kept)
+
+An argument given with an empty value (``checkpoint:=``) is rejected by ros2launch's parser
+("malformed launch argument"), and ``checkpoint:=''`` passes two quote characters: leave an
+argument out to get its empty default. In particular leave ``checkpoint`` out (and out of the
+params file) for random weights, e.g. for a plumbing test.
 """
 from launch import LaunchDescription
 from launch.actions import DeclareLaunchArgument, OpaqueFunction
@@ -24,6 +37,7 @@ from launch_ros.actions import Node
 from launch_ros.substitutions import FindPackageShare
 
 PACKAGE = "lingbot_map_ros"
+NODE_NAME = "lingbot_map"
 
 ARGUMENTS = (
     ("params_file", "", "Parameters YAML; empty = the package's config/lingbot_map.yaml"),
@@ -31,9 +45,15 @@ ARGUMENTS = (
     ("image_topic", "/camera/image_raw", "Image topic (raw); <image_topic>/compressed for compressed input"),
     ("camera_info_topic", "/camera/camera_info", "CameraInfo topic (optional input)"),
     ("input_transport", "", "raw or compressed; empty = as in the params file"),
+    ("device", "", "Torch device: auto, cpu, cuda or cuda:N; empty = as in the params file"),
+    ("dtype", "", "auto, fp32 or bf16; empty = as in the params file"),
     ("namespace", "", "Namespace of the node"),
     ("use_sim_time", "false", "Use /clock (bag playback)"),
     ("rviz", "false", "Start RViz with the package's configuration"),
+    ("keyframe_selector", "false", "Also start keyframe_selector, which decides keep/drop for each stored "
+     "frame of the mapping node"),
+    ("keyframe_decision_timeout", "0.5", "With keyframe_selector: seconds a stored frame waits for its "
+     "decision (the mapping node's keyframe_decision_timeout)"),
     ("dds_profile", "large_messages", "Fast DDS profile of the node: large_messages (the package's "
      "config/fastdds_large_messages.xml), a path to an XML profile, or none"),
 )
@@ -44,15 +64,34 @@ def _is_true(text: str) -> bool:
     return text.strip().lower() in ("true", "1", "yes", "on")
 
 
+def _seconds(name: str, text: str) -> float:
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= 0:  # not a number, negative or NaN
+        raise ValueError(f"launch argument {name} must be a number of seconds >= 0, got {text!r}")
+    return seconds
+
+
+def fully_qualified_name(namespace: str, name: str) -> str:
+    """``/<namespace>/<name>`` (``/<name>`` for the empty namespace), slashes normalised."""
+    parts = [p for p in namespace.split("/") if p]
+    return "/" + "/".join(parts + [name])
+
+
 def _setup(context, *args, **kwargs):
     value = {name: LaunchConfiguration(name).perform(context) for name, _, _ in ARGUMENTS}
     share = FindPackageShare(PACKAGE).perform(context)
     params_file = value["params_file"] or f"{share}/config/lingbot_map.yaml"
     overrides = {"use_sim_time": _is_true(value["use_sim_time"])}
-    if value["checkpoint"]:
-        overrides["checkpoint"] = value["checkpoint"]
-    if value["input_transport"]:
-        overrides["input_transport"] = value["input_transport"]
+    for name in ("checkpoint", "input_transport", "device", "dtype"):  # empty = as in the params file
+        if value[name]:
+            overrides[name] = value[name]
+    selector = _is_true(value["keyframe_selector"])
+    if selector:
+        overrides["keyframe_decision_timeout"] = _seconds("keyframe_decision_timeout",
+                                                          value["keyframe_decision_timeout"])
     image_topic = value["image_topic"]
     profile = value["dds_profile"].strip()
     env = {}
@@ -60,12 +99,18 @@ def _setup(context, *args, **kwargs):
         env["FASTDDS_DEFAULT_PROFILES_FILE"] = f"{share}/config/{DDS_PROFILES[profile]}" \
             if profile in DDS_PROFILES else profile
     actions = [Node(
-        package=PACKAGE, executable="lingbot_map_node", name="lingbot_map", namespace=value["namespace"],
+        package=PACKAGE, executable="lingbot_map_node", name=NODE_NAME, namespace=value["namespace"],
         output="screen", emulate_tty=True, additional_env=env,
         parameters=[params_file, overrides],
         remappings=[("image", image_topic), ("image/compressed", f"{image_topic.rstrip('/')}/compressed"),
                     ("camera_info", value["camera_info_topic"])],
     )]
+    if selector:
+        actions.append(Node(
+            package=PACKAGE, executable="keyframe_selector", name="keyframe_selector",
+            namespace=value["namespace"], output="screen", emulate_tty=True,
+            parameters=[{"target_node": fully_qualified_name(value["namespace"], NODE_NAME),
+                         "use_sim_time": overrides["use_sim_time"]}]))
     if _is_true(value["rviz"]):
         actions.append(Node(package="rviz2", executable="rviz2", name="rviz2", output="screen",
                             arguments=["-d", f"{share}/rviz/lingbot_map.rviz"],
