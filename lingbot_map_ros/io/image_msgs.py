@@ -1,0 +1,122 @@
+"""Decoding ``sensor_msgs/Image`` and ``sensor_msgs/CompressedImage`` read from a bag
+into RGB arrays, without ROS: the messages are the ``rosbags`` typestore's dataclasses
+(or anything with the same fields; ``data`` a uint8 numpy array or bytes).
+
+Raw encodings: rgb8, rgba8, bgr8, bgra8, mono8, mono16 and their OpenCV aliases
+(8UC1, 8UC3 = BGR, 8UC4 = BGRA, 16UC1). Row padding (``step``) is skipped; 16-bit
+data honours ``is_bigendian`` and is scaled from [0, 65535] to [0, 255]; alpha is
+dropped; mono is replicated to three channels. Compressed: JPEG or PNG, decoded
+with Pillow in full (a truncated image fails here, not later).
+
+Every failure raises ``ImageDecodeError`` (a ``ValueError``) with a one-line reason.
+"""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+from PIL import Image
+
+MAX_PIXELS = 8192 * 8192  # larger images are refused (decompression-bomb guard)
+
+IMAGE_TYPES = ("sensor_msgs/msg/Image", "sensor_msgs/Image")
+COMPRESSED_TYPES = ("sensor_msgs/msg/CompressedImage", "sensor_msgs/CompressedImage")
+
+# encoding -> (channels, bytes per channel, channel order of the first three: "rgb", "bgr", "mono")
+_RAW_ENCODINGS: dict[str, tuple[int, int, str]] = {
+    "rgb8": (3, 1, "rgb"), "rgba8": (4, 1, "rgb"),
+    "bgr8": (3, 1, "bgr"), "bgra8": (4, 1, "bgr"), "8UC3": (3, 1, "bgr"), "8UC4": (4, 1, "bgr"),
+    "mono8": (1, 1, "mono"), "8UC1": (1, 1, "mono"),
+    "mono16": (1, 2, "mono"), "16UC1": (1, 2, "mono"),
+}
+RAW_ENCODINGS = tuple(_RAW_ENCODINGS)
+
+
+class ImageDecodeError(ValueError):
+    """An image message cannot be decoded (unsupported encoding, bad size, truncated data)."""
+
+
+def is_image_type(msgtype: str | None) -> bool:
+    return msgtype in IMAGE_TYPES or msgtype in COMPRESSED_TYPES
+
+
+def raw_to_rgb(msg) -> np.ndarray:
+    """[H, W, 3] uint8 RGB from a ``sensor_msgs/Image`` (a new array, not a view of the message)."""
+    encoding = msg.encoding
+    if encoding not in _RAW_ENCODINGS:
+        raise ImageDecodeError(f"unsupported image encoding {encoding!r} (supported: {', '.join(RAW_ENCODINGS)})")
+    channels, depth, order = _RAW_ENCODINGS[encoding]
+    height, width, step = int(msg.height), int(msg.width), int(msg.step)
+    if height == 0 or width == 0:
+        raise ImageDecodeError(f"empty image: {width}x{height}")
+    if height * width > MAX_PIXELS:
+        raise ImageDecodeError(f"image of {width}x{height} pixels exceeds the limit of {MAX_PIXELS}")
+    row_bytes = width * channels * depth
+    if step < row_bytes:
+        raise ImageDecodeError(f"step {step} is smaller than a {encoding} row of {width} pixels ({row_bytes} bytes)")
+    data = np.frombuffer(msg.data, dtype=np.uint8) if not isinstance(msg.data, np.ndarray) else msg.data
+    if data.size < step * height:
+        raise ImageDecodeError(f"truncated image data: {data.size} bytes, expected step {step} x height {height} "
+                               f"= {step * height}")
+    rows = data[:step * height].reshape(height, step)[:, :row_bytes]
+    if depth == 2:
+        words = np.ascontiguousarray(rows).view(">u2" if msg.is_bigendian else "<u2").astype(np.uint32)
+        mono = ((words * 255 + 32767) // 65535).astype(np.uint8)  # rounded linear scaling
+        return np.repeat(mono.reshape(height, width, 1), 3, axis=2)
+    pixels = rows.reshape(height, width, channels)
+    if order == "mono":
+        return np.repeat(pixels, 3, axis=2)
+    rgb = pixels[:, :, :3] if order == "rgb" else pixels[:, :, 2::-1]
+    return np.ascontiguousarray(rgb)
+
+
+def compressed_to_rgb(msg) -> np.ndarray:
+    """[H, W, 3] uint8 RGB from a JPEG or PNG ``sensor_msgs/CompressedImage``."""
+    fmt = str(msg.format)
+    if "compresseddepth" in fmt.lower():
+        raise ImageDecodeError(f"compressed depth images are not colour images (format {fmt!r})")
+    data = msg.data.tobytes() if isinstance(msg.data, np.ndarray) else bytes(msg.data)
+    if not data:
+        raise ImageDecodeError(f"empty compressed image (format {fmt!r})")
+    try:
+        img = Image.open(io.BytesIO(data), formats=["JPEG", "PNG"])
+    except Image.DecompressionBombError as exc:
+        raise ImageDecodeError(f"compressed image too large: {exc}") from None
+    except Exception:  # Pillow raises several types for unrecognised data; their text names a BytesIO
+        raise ImageDecodeError(f"not a JPEG or PNG image (format {fmt!r})") from None
+    with img:
+        width, height = img.size
+        if width * height > MAX_PIXELS:
+            raise ImageDecodeError(f"compressed image of {width}x{height} pixels exceeds the limit of {MAX_PIXELS}")
+        try:
+            img.load()
+        except Exception as exc:  # OSError for truncation; others for corrupt streams
+            raise ImageDecodeError(f"corrupt or truncated {img.format} image: {exc}") from None
+        if img.mode in ("I", "I;16", "I;16B", "I;16L"):
+            words = np.clip(np.asarray(img).astype(np.int64), 0, 65535)
+            mono = ((words * 255 + 32767) // 65535).astype(np.uint8)
+            return np.repeat(mono[:, :, None], 3, axis=2)
+        return np.array(img.convert("RGB"), dtype=np.uint8)
+
+
+def message_to_rgb(msg, msgtype: str) -> np.ndarray:
+    """Decode an image message of type ``msgtype`` (raw or compressed) to [H, W, 3] uint8 RGB."""
+    if msgtype in IMAGE_TYPES:
+        return raw_to_rgb(msg)
+    if msgtype in COMPRESSED_TYPES:
+        return compressed_to_rgb(msg)
+    raise ImageDecodeError(f"not an image message type: {msgtype}")
+
+
+def stamp_ns(header) -> int:
+    """Nanoseconds since the epoch of a ``std_msgs/Header`` stamp (ROS 2 sec/nanosec or ROS 1 secs/nsecs)."""
+    stamp = header.stamp
+    sec = getattr(stamp, "sec", None)
+    nsec = getattr(stamp, "nanosec", None)
+    if sec is None:
+        sec, nsec = stamp.secs, stamp.nsecs
+    return int(sec) * 1_000_000_000 + int(nsec)
+
+
+__all__ = ["ImageDecodeError", "IMAGE_TYPES", "COMPRESSED_TYPES", "RAW_ENCODINGS", "MAX_PIXELS", "is_image_type",
+           "raw_to_rgb", "compressed_to_rgb", "message_to_rgb", "stamp_ns"]

@@ -1,0 +1,327 @@
+"""Replay outputs written as the frames come, with bounded memory.
+
+- ``TumStreamWriter``: a TUM trajectory, one line a frame.
+- ``PlyStreamWriter``: a binary PLY point cloud (x, y, z float32; red, green, blue
+  uint8), appended a frame at a time; the vertex count in the header is filled in
+  at the end.
+- ``PredictionStore``: the per-frame arrays. The small ones (pose_enc [S, 9],
+  pose_c2w [S, 4, 4], intrinsics [S, 3, 3], is_keyframe [S], stamp_ns [S], window
+  [S]: ~150 bytes a frame) are kept and go into one npz at the end. Depth and its
+  confidence [H, W] float32 (the ``DepthPolicy`` chooses which frames keep them) are
+  held for at most ``chunk_frames`` frames: a run that keeps no more than that puts
+  them into the same npz (``depth`` / ``depth_conf`` [D, H, W], ``depth_frames`` [D]
+  row indices), a longer one writes one npz per ``chunk_frames`` frames into the
+  folder ``<name>.chunks`` next to it and lists them in ``depth_chunks``.
+  ``load_predictions`` reads either layout back.
+
+Files get their final name only when complete: while a run goes on they are
+``<name>.partial`` (the chunk folder ``<name>.chunks.partial``); ``close()`` flushes,
+fsyncs and renames them (``os.replace``); ``abort()`` finishes them as far as they go
+and leaves them under the ``.partial`` names, which it returns. Frames and units are
+the caller's (the replay writes the model's OpenCV world, model units).
+"""
+from __future__ import annotations
+
+import io
+import os
+import re
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterator
+
+import numpy as np
+
+from ..geometry import matrix_to_quaternion
+
+PARTIAL = ".partial"
+
+
+def partial_path(path: Path) -> Path:
+    """Where ``path`` is written until it is complete."""
+    return path.with_name(path.name + PARTIAL)
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make a rename inside ``directory`` durable (a no-op where directories cannot be opened)."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def finish_file(handle: BinaryIO, final: Path) -> None:
+    """Flush, fsync and close ``handle`` (open on ``partial_path(final)``), then rename it to ``final``."""
+    handle.flush()
+    os.fsync(handle.fileno())
+    handle.close()
+    os.replace(partial_path(final), final)
+    fsync_dir(final.parent)
+
+
+def save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
+    """``np.savez`` into a temporary file of the same folder, fsync, rename to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(partial_path(path), "wb") as f:
+        np.savez(f, **arrays)
+        finish_file(f, path)
+
+
+# ----------------------------------------------------------------------------- TUM
+
+class TumStreamWriter:
+    """A TUM trajectory written line by line: ``t tx ty tz qx qy qz qw`` (as ``export.write_tum``)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(partial_path(self.path), "w", encoding="ascii")
+        self._file.write("# timestamp tx ty tz qx qy qz qw\n")
+        self.count = 0
+
+    def add(self, stamp_s: float, c2w: np.ndarray) -> None:
+        """One pose: ``stamp_s`` seconds, ``c2w`` [4, 4] camera-to-world (rotation camera -> world)."""
+        c2w = np.asarray(c2w, dtype=np.float64)
+        quat = matrix_to_quaternion(c2w[:3, :3])
+        values = " ".join(f"{v:.9g}" for v in (*c2w[:3, 3], *quat))
+        self._file.write(f"{stamp_s:.9f} {values}\n")
+        self.count += 1
+
+    def close(self) -> Path:
+        finish_file(self._file, self.path)
+        return self.path
+
+    def abort(self) -> Path:
+        self._file.close()
+        return partial_path(self.path)
+
+
+# ----------------------------------------------------------------------------- PLY
+
+_COUNT_DIGITS = 12  # the header's vertex count, zero-padded so that it can be rewritten in place
+_PLY_DTYPE = np.dtype([("x", "<f4"), ("y", "<f4"), ("z", "<f4"), ("red", "u1"), ("green", "u1"), ("blue", "u1")])
+
+
+class PlyStreamWriter:
+    """A binary little-endian PLY appended a frame at a time (readable by ``export.read_ply``)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = open(partial_path(self.path), "wb")
+        self._file.write(self._header(0))
+        self.count = 0
+
+    @staticmethod
+    def _header(count: int) -> bytes:
+        lines = ["ply", "format binary_little_endian 1.0", f"element vertex {count:0{_COUNT_DIGITS}d}",
+                 "property float x", "property float y", "property float z",
+                 "property uchar red", "property uchar green", "property uchar blue", "end_header"]
+        return ("\n".join(lines) + "\n").encode("ascii")
+
+    def add(self, points: np.ndarray, colors: np.ndarray) -> None:
+        """Append ``points`` [N, 3] (stored as float32) with ``colors`` [N, 3] uint8 RGB."""
+        points, colors = np.asarray(points), np.asarray(colors)
+        if points.ndim != 2 or points.shape[1] != 3 or colors.shape != points.shape or colors.dtype != np.uint8:
+            raise ValueError(f"points [N, 3] and uint8 colors [N, 3] expected, got {points.shape} and "
+                             f"{colors.dtype} {colors.shape}")
+        rows = np.empty(points.shape[0], _PLY_DTYPE)
+        for i, axis in enumerate("xyz"):
+            rows[axis] = points[:, i]
+        for i, channel in enumerate(("red", "green", "blue")):
+            rows[channel] = colors[:, i]
+        self._file.write(rows.tobytes())
+        self.count += points.shape[0]
+
+    def _write_count(self) -> None:
+        self._file.seek(0)
+        self._file.write(self._header(self.count))
+        self._file.seek(0, io.SEEK_END)
+
+    def close(self) -> Path:
+        self._write_count()
+        finish_file(self._file, self.path)
+        return self.path
+
+    def abort(self) -> Path:
+        self._write_count()  # what is there stays a valid PLY
+        self._file.close()
+        return partial_path(self.path)
+
+
+# ----------------------------------------------------------------------------- per-frame arrays
+
+@dataclass(frozen=True)
+class DepthPolicy:
+    """Which frames keep depth and confidence: ``none``, ``all`` or ``every-K`` (rows 0, K, 2K, ...)."""
+
+    every: int  # 0 = none, 1 = all
+
+    @classmethod
+    def parse(cls, text: str) -> "DepthPolicy":
+        if text == "none":
+            return cls(0)
+        if text == "all":
+            return cls(1)
+        match = re.fullmatch(r"every-([1-9][0-9]*)", text)
+        if match is None:
+            raise ValueError(f"--save-depth must be none, all or every-K (K a positive integer, e.g. every-10), "
+                             f"got {text!r}")
+        return cls(int(match.group(1)))
+
+    def keeps(self, row: int) -> bool:
+        return self.every > 0 and row % self.every == 0
+
+
+class _Column:
+    """A growable array of fixed-shape rows (amortised doubling)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype) -> None:
+        self._data = np.empty((64, *shape), dtype)
+        self.size = 0
+
+    def append(self, value) -> None:
+        if self.size == self._data.shape[0]:
+            grown = np.empty((2 * self.size, *self._data.shape[1:]), self._data.dtype)
+            grown[:self.size] = self._data
+            self._data = grown
+        self._data[self.size] = value
+        self.size += 1
+
+    def array(self) -> np.ndarray:
+        return self._data[:self.size].copy()
+
+
+_SMALL = {  # name -> (row shape, dtype)
+    "pose_enc": ((9,), np.float32), "pose_c2w": ((4, 4), np.float32), "intrinsics": ((3, 3), np.float32),
+    "is_keyframe": ((), np.bool_), "stamp_ns": ((), np.int64), "window": ((), np.int32),
+}
+
+
+class PredictionStore:
+    """The per-frame arrays of a replay (see the module docstring for the layout)."""
+
+    def __init__(self, path: str | Path, depth: DepthPolicy = DepthPolicy(1), chunk_frames: int = 100) -> None:
+        if chunk_frames < 1:
+            raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.policy, self.chunk_frames = depth, chunk_frames
+        self._columns = {name: _Column(shape, dtype) for name, (shape, dtype) in _SMALL.items()}
+        self._depth_rows: list[int] = []  # every row that kept depth
+        self._buffer: list[tuple[int, np.ndarray, np.ndarray]] = []  # (row, depth, conf) not yet in a chunk
+        self._chunks: list[str] = []  # chunk file names, relative to the npz's folder
+
+    @property
+    def count(self) -> int:
+        return self._columns["pose_enc"].size
+
+    @property
+    def chunk_dir(self) -> Path:
+        return self.path.with_name(self.path.stem + ".chunks")
+
+    def add(self, pose_enc: np.ndarray, c2w: np.ndarray, intrinsics: np.ndarray, is_keyframe: bool, stamp_ns: int,
+            window: int, depth: np.ndarray | None = None, confidence: np.ndarray | None = None) -> None:
+        """One frame: pose_enc [9], c2w [4, 4], intrinsics [3, 3] (pixels), depth / confidence [H, W]
+        (None when the model ran without its depth head)."""
+        row = self.count
+        for name, value in (("pose_enc", pose_enc), ("pose_c2w", c2w), ("intrinsics", intrinsics),
+                            ("is_keyframe", is_keyframe), ("stamp_ns", stamp_ns), ("window", window)):
+            self._columns[name].append(value)
+        if depth is not None and confidence is not None and self.policy.keeps(row):
+            self._depth_rows.append(row)
+            self._buffer.append((row, depth, confidence))
+            if len(self._buffer) >= self.chunk_frames:
+                self._flush_chunk()
+
+    def _flush_chunk(self) -> None:
+        rows = np.array([r for r, _, _ in self._buffer], dtype=np.int64)
+        name = f"{self.chunk_dir.name}/depth_{rows[0]:08d}_{rows[-1]:08d}.npz"
+        folder = partial_path(self.chunk_dir)
+        if not self._chunks:
+            if folder.exists():
+                shutil.rmtree(folder)  # left by an earlier run that was interrupted
+            folder.mkdir(parents=True)
+        save_npz_atomic(folder / Path(name).name, {
+            "depth": np.stack([d for _, d, _ in self._buffer]).astype(np.float32, copy=False),
+            "depth_conf": np.stack([c for _, _, c in self._buffer]).astype(np.float32, copy=False),
+            "depth_frames": rows})
+        self._chunks.append(name)
+        self._buffer.clear()
+
+    def _arrays(self, folder: str | None = None) -> dict[str, np.ndarray]:
+        """The npz's arrays; ``folder`` renames the chunks' folder in ``depth_chunks``."""
+        arrays = {name: column.array() for name, column in self._columns.items()}
+        arrays["depth_frames"] = np.array(self._depth_rows, dtype=np.int64)
+        if self._chunks:
+            names = [name if folder is None else f"{folder}/{name.split('/', 1)[1]}" for name in self._chunks]
+            arrays["depth_chunks"] = np.array(names)
+        elif self._buffer:
+            arrays["depth"] = np.stack([d for _, d, _ in self._buffer]).astype(np.float32, copy=False)
+            arrays["depth_conf"] = np.stack([c for _, _, c in self._buffer]).astype(np.float32, copy=False)
+        return arrays
+
+    def close(self) -> list[Path]:
+        """Write the npz (and the last chunk); returns the final paths."""
+        if self._chunks and self._buffer:
+            self._flush_chunk()
+        written = []
+        if self._chunks:
+            if self.chunk_dir.exists():
+                shutil.rmtree(self.chunk_dir)  # the previous run's chunks: this npz replaces them
+            os.replace(partial_path(self.chunk_dir), self.chunk_dir)
+            fsync_dir(self.chunk_dir.parent)
+            written.append(self.chunk_dir)
+        save_npz_atomic(self.path, self._arrays())
+        return [self.path, *written]
+
+    def abort(self) -> list[Path]:
+        """Write what there is as ``<name>.partial`` (chunks stay in ``<name>.chunks.partial``)."""
+        if self._chunks and self._buffer:
+            self._flush_chunk()
+        with open(partial_path(self.path), "wb") as f:
+            np.savez(f, **self._arrays(partial_path(self.chunk_dir).name))
+        kept = [partial_path(self.path)]
+        return kept + ([partial_path(self.chunk_dir)] if self._chunks else [])
+
+
+def load_predictions(path: str | Path, depth: bool = True) -> dict[str, np.ndarray]:
+    """Read a replay's npz; with ``depth``, chunked depth is read and concatenated into
+    ``depth`` / ``depth_conf`` [D, H, W] (rows ``depth_frames``). Mind the memory of long runs:
+    ``iter_depth`` reads one chunk at a time."""
+    path = Path(path)
+    with np.load(path) as data:
+        arrays = {k: data[k] for k in data.files}
+    if depth and "depth_chunks" in arrays:
+        parts = list(iter_depth(path, arrays["depth_chunks"]))
+        if parts:
+            arrays["depth"] = np.concatenate([p[1] for p in parts])
+            arrays["depth_conf"] = np.concatenate([p[2] for p in parts])
+    return arrays
+
+
+def iter_depth(path: str | Path, chunks: np.ndarray | None = None) -> Iterator[tuple[np.ndarray, np.ndarray,
+                                                                                        np.ndarray]]:
+    """(rows [n], depth [n, H, W], depth_conf [n, H, W]) of each depth chunk of a replay's npz, in order
+    (one block with every kept frame when the run was short enough to keep depth in the npz)."""
+    path = Path(path)
+    if chunks is None:
+        with np.load(path) as data:
+            if "depth_chunks" not in data.files:
+                if "depth" in data.files:
+                    yield data["depth_frames"], data["depth"], data["depth_conf"]
+                return
+            chunks = data["depth_chunks"]
+    for name in chunks:
+        with np.load(path.parent / str(name)) as chunk:
+            yield chunk["depth_frames"], chunk["depth"], chunk["depth_conf"]
+
+
+__all__ = ["PARTIAL", "partial_path", "finish_file", "save_npz_atomic", "fsync_dir", "TumStreamWriter",
+           "PlyStreamWriter", "DepthPolicy", "PredictionStore", "load_predictions", "iter_depth"]
