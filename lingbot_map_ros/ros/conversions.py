@@ -20,9 +20,13 @@ Frames (see also ``lingbot_map_ros.geometry``):
 
 Images: ``image_to_rgb`` and ``compressed_to_rgb`` return ``[H, W, 3] uint8``
 RGB arrays and raise ``ImageConversionError`` (a ``ValueError``) naming what is
-wrong with a message.  Point clouds use one fixed little-endian layout
-(``CLOUD_FIELDS``): x, y, z, rgb (0x00RRGGBB bit pattern stored in a FLOAT32,
-RViz's convention), confidence — 20 bytes a point.
+wrong with a message.  Raw encodings: ``SUPPORTED_ENCODINGS`` (RGB/BGR with or
+without alpha, mono 8/16, YUV 4:2:2, Bayer 8/16 in all four patterns), decoded
+with numpy alone (cv_bridge is not needed); depth encodings are refused.
+
+Point clouds use one fixed little-endian layout (``CLOUD_FIELDS``): x, y, z, rgb
+(0x00RRGGBB bit pattern stored in a FLOAT32, RViz's convention), confidence —
+20 bytes a point.
 """
 from __future__ import annotations
 
@@ -46,6 +50,7 @@ __all__ = [
     "SUPPORTED_ENCODINGS",
     "camera_info_msg",
     "compressed_to_rgb",
+    "demosaic_bilinear",
     "depth_to_image_msg",
     "image_to_depth",
     "image_to_rgb",
@@ -72,7 +77,7 @@ class ImageConversionError(ValueError):
 # ----------------------------------------------------------------------------- raw images
 
 # encoding -> (channels, bytes per channel, decoder); YUV 4:2:2 is 2 bytes a pixel.
-_BGR, _RGB, _MONO, _YUV = "bgr", "rgb", "mono", "yuv"
+_BGR, _RGB, _MONO, _YUV, _BAYER = "bgr", "rgb", "mono", "yuv", "bayer"
 _ENCODINGS: dict[str, tuple[int, int, str]] = {
     "rgb8": (3, 1, _RGB),
     "rgba8": (4, 1, _RGB),
@@ -83,23 +88,32 @@ _ENCODINGS: dict[str, tuple[int, int, str]] = {
     "mono8": (1, 1, _MONO),
     "8UC1": (1, 1, _MONO),
     "mono16": (1, 2, _MONO),
-    "16UC1": (1, 2, _MONO),
     "yuv422": (2, 1, _YUV),  # UYVY byte order: U0 Y0 V0 Y1
     "uyvy": (2, 1, _YUV),
     "yuv422_yuy2": (2, 1, _YUV),  # YUYV byte order: Y0 U0 Y1 V0
     "yuyv": (2, 1, _YUV),
 }
+# Bayer colour filter arrays: the pattern names the colours of the top-left 2x2 block, row by row.
+_BAYER_PATTERNS = {f"bayer_{pattern}{bits}": pattern
+                   for bits in (8, 16) for pattern in ("rggb", "bggr", "gbrg", "grbg")}
+_ENCODINGS.update({name: (1, 2 if name.endswith("16") else 1, _BAYER) for name in _BAYER_PATTERNS})
 _YUYV_ORDER = {"yuv422_yuy2", "yuyv"}
 SUPPORTED_ENCODINGS = tuple(_ENCODINGS)
+_DEPTH_ENCODINGS = ("16UC1", "16SC1", "32SC1", "32FC1", "64FC1")
+"""Single-channel encodings that depth cameras and depth_image_proc publish; refused on the colour input."""
 
 
 def image_to_rgb(msg: Image, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """Convert a ``sensor_msgs/Image`` to an RGB array.
+    """Convert a ``sensor_msgs/Image`` to an RGB array (numpy only; cv_bridge is not needed).
 
     Row padding (``step``) is skipped and ``is_bigendian`` is honoured for 16-bit
-    data.  Alpha is dropped; mono is replicated to three channels; 16-bit mono
-    (``mono16``, ``16UC1``) is scaled linearly from [0, 65535] to [0, 255]; YUV
-    4:2:2 is decoded with the BT.601 video-range matrix (as OpenCV does).
+    data.  Alpha is dropped; mono is replicated to three channels; 16-bit data
+    (``mono16``, ``bayer_*16``) is scaled linearly from [0, 65535] to [0, 255]; YUV
+    4:2:2 is decoded with the BT.601 video-range matrix (as OpenCV does); Bayer
+    mosaics (``bayer_{rggb,bggr,gbrg,grbg}{8,16}``) are demosaiced bilinearly
+    (``demosaic_bilinear``).  Depth encodings (``16UC1``, ``32FC1``, ...) are
+    refused: they are what a depth topic remapped to the colour input by mistake
+    looks like, and tracking them as grey images would fail silently.
 
     Args:
         msg: the image; ``encoding`` one of ``SUPPORTED_ENCODINGS``.
@@ -109,10 +123,15 @@ def image_to_rgb(msg: Image, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray
         [H, W, 3] uint8 RGB array (a new array, not a view of the message).
 
     Raises:
-        ImageConversionError: unsupported encoding, zero or absurd size, ``step``
-            too small for the width, or ``data`` shorter than ``step * height``.
+        ImageConversionError: depth or unsupported encoding, zero or absurd size,
+            ``step`` too small for the width, ``data`` shorter than ``step * height``,
+            an odd width for YUV 4:2:2, or a Bayer image smaller than 2x2.
     """
     encoding = msg.encoding
+    if encoding in _DEPTH_ENCODINGS:
+        raise ImageConversionError(
+            f"encoding {encoding!r} is a depth image, not a colour image: is a depth topic remapped to this "
+            "node's image input? (mono16 is accepted as 16-bit greyscale)")
     if encoding not in _ENCODINGS:
         raise ImageConversionError(
             f"unsupported image encoding {encoding!r} (supported: {', '.join(SUPPORTED_ENCODINGS)})")
@@ -124,9 +143,16 @@ def image_to_rgb(msg: Image, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray
         if width % 2:
             raise ImageConversionError(f"{encoding} image needs an even width, got {width}")
         return _yuv422_to_rgb(pixels.reshape(height, width * 2), yuyv=encoding in _YUYV_ORDER)
+    if kind == _BAYER:
+        if width < 2 or height < 2:
+            raise ImageConversionError(f"{encoding} image must be at least 2x2 pixels, got {width}x{height}")
+        if depth == 2:  # scaled to [0, 255] before interpolation: 65535 / 257 = 255
+            mosaic = _uint16_plane(pixels, msg.is_bigendian, height, width).astype(np.float32) * np.float32(1 / 257)
+        else:
+            mosaic = pixels.reshape(height, width).astype(np.float32)
+        return demosaic_bilinear(mosaic, _BAYER_PATTERNS[encoding])
     if depth == 2:
-        order = ">" if msg.is_bigendian else "<"
-        mono16 = pixels.view(order + "u2").reshape(height, width).astype(np.uint32)
+        mono16 = _uint16_plane(pixels, msg.is_bigendian, height, width).astype(np.uint32)
         mono = ((mono16 * 255 + 32767) // 65535).astype(np.uint8)
         return np.repeat(mono[:, :, None], 3, axis=2)
     pixels = pixels.reshape(height, width, channels)
@@ -134,6 +160,55 @@ def image_to_rgb(msg: Image, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray
         return np.repeat(pixels, 3, axis=2)
     rgb = pixels[:, :, :3] if kind == _RGB else pixels[:, :, 2::-1]
     return np.ascontiguousarray(rgb)
+
+
+def _uint16_plane(pixels: np.ndarray, bigendian: bool, height: int, width: int) -> np.ndarray:
+    """[H, 2W] packed bytes of one 16-bit channel -> [H, W] uint16 in the message's byte order."""
+    return pixels.view((">" if bigendian else "<") + "u2").reshape(height, width)
+
+
+_CHANNEL = {"r": 0, "g": 1, "b": 2}
+
+
+def demosaic_bilinear(mosaic: np.ndarray, pattern: str) -> np.ndarray:
+    """Bilinear demosaicing of a Bayer mosaic (vectorised numpy, one pass per 2x2 site).
+
+    Each pixel keeps its own sample; a missing green is the mean of the 4 direct
+    neighbours, a missing red/blue the mean of the 2 neighbours of that colour in
+    the same row or column (at a green site) or of the 4 diagonal ones (at a
+    red/blue site).  Borders use mirror padding without repeating the edge
+    (``np.pad`` mode ``reflect``), which keeps the colour pattern, so edge pixels
+    are interpolated from real samples of the right colour; odd widths and
+    heights need nothing special.  Cost: about 2.7 ms (8-bit) and 2.9 ms (16-bit)
+    for a 640x480 ``image_to_rgb`` on the development machine (AMD EPYC VM, one
+    thread; best of 5 with ``python -m timeit``).
+
+    Args:
+        mosaic: [H, W] float32 samples in [0, 255], H, W >= 2.
+        pattern: colours of the top-left 2x2 block, row by row: ``rggb``, ``bggr``,
+            ``gbrg`` or ``grbg``.
+
+    Returns:
+        [H, W, 3] uint8 RGB (rounded to nearest).
+    """
+    height, width = mosaic.shape
+    padded = np.pad(mosaic, 1, mode="reflect")
+    out = np.empty((height, width, 3), dtype=np.uint8)
+    for dy in (0, 1):
+        for dx in (0, 1):
+            def at(oy: int, ox: int) -> np.ndarray:  # the (oy, ox) neighbours of every (dy, dx) site
+                return padded[1 + dy + oy:1 + height + oy:2, 1 + dx + ox:1 + width + ox:2]
+
+            site, target = pattern[2 * dy + dx], out[dy::2, dx::2]
+            if site == "g":
+                target[..., 1] = np.rint(at(0, 0))
+                target[..., _CHANNEL[pattern[2 * dy + 1 - dx]]] = np.rint((at(0, -1) + at(0, 1)) * 0.5)
+                target[..., _CHANNEL[pattern[2 * (1 - dy) + dx]]] = np.rint((at(-1, 0) + at(1, 0)) * 0.5)
+            else:
+                target[..., _CHANNEL[site]] = np.rint(at(0, 0))
+                target[..., 1] = np.rint((at(-1, 0) + at(1, 0) + at(0, -1) + at(0, 1)) * 0.25)
+                target[..., 2 - _CHANNEL[site]] = np.rint((at(-1, -1) + at(-1, 1) + at(1, -1) + at(1, 1)) * 0.25)
+    return out
 
 
 def _packed_pixels(msg: Image, bytes_per_pixel: int, max_pixels: int) -> np.ndarray:

@@ -69,12 +69,11 @@ def test_mono8(encoding, pad):
 
 @pytest.mark.parametrize("pad", [0, 2])
 @pytest.mark.parametrize("bigendian", [False, True])
-@pytest.mark.parametrize("encoding", ["mono16", "16UC1"])
-def test_mono16_scaled_to_8bit(encoding, bigendian, pad):
+def test_mono16_scaled_to_8bit(bigendian, pad):
     mono = np.random.default_rng(RNG_SEED).integers(0, 65536, (4, 5), dtype=np.uint16)
     mono[0, :3] = [0, 65535, 257 * 100 + 128]
     payload = mono.astype(">u2" if bigendian else "<u2")
-    out = cv.image_to_rgb(image_msg(payload, encoding, pad, bigendian))
+    out = cv.image_to_rgb(image_msg(payload, "mono16", pad, bigendian))
     expected = np.rint(mono.astype(np.float64) * 255.0 / 65535.0).astype(np.uint8)
     assert out[0, 0, 0] == 0 and out[0, 1, 0] == 255
     np.testing.assert_array_equal(out, np.stack([expected] * 3, axis=-1))
@@ -123,11 +122,27 @@ def test_yuv422(encoding, pad):
 
 # ----------------------------------------------------------------------------- raw errors
 
-def test_unsupported_encoding_is_named(rgb):
+@pytest.mark.parametrize("encoding", ["rgb16", "nv12", "RGB8", "bayer_rggb12", ""])
+def test_unsupported_encoding_is_named(rgb, encoding):
     msg = image_msg(rgb, "rgb8")
-    msg.encoding = "bayer_rggb8"
-    with pytest.raises(cv.ImageConversionError, match="bayer_rggb8"):
+    msg.encoding = encoding
+    with pytest.raises(cv.ImageConversionError, match=f"unsupported image encoding {encoding!r}"):
         cv.image_to_rgb(msg)
+
+
+@pytest.mark.parametrize("encoding,dtype", [("16UC1", "<u2"), ("16SC1", "<i2"), ("32FC1", "<f4"),
+                                            ("32SC1", "<i4"), ("64FC1", "<f8")])
+def test_depth_encodings_are_refused_with_the_likely_mistake(encoding, dtype):
+    depth = np.random.default_rng(RNG_SEED).uniform(0, 4000, (4, 6)).astype(dtype)  # a plausible depth map
+    with pytest.raises(cv.ImageConversionError) as info:
+        cv.image_to_rgb(image_msg(depth, encoding))
+    assert str(info.value) == (
+        f"encoding {encoding!r} is a depth image, not a colour image: is a depth topic remapped to this "
+        "node's image input? (mono16 is accepted as 16-bit greyscale)")
+    assert encoding not in cv.SUPPORTED_ENCODINGS
+    # the same bytes labelled mono16 (for the 16-bit ones) are accepted as greyscale
+    if dtype == "<u2":
+        assert cv.image_to_rgb(image_msg(depth, "mono16")).shape == (4, 6, 3)
 
 
 @pytest.mark.parametrize("width,height", [(0, 4), (4, 0)])
