@@ -224,6 +224,8 @@ class InferenceEngine:
         self._stop = threading.Event()
         self._warned_thinning = False
         self._behind = False  # on_time_jump=drop: stamps are behind the last processed frame's
+        self._client_gone = False  # deferred_eviction_timeout passed: commit at once until a client commits
+        self.clock_problem = ""  # set by the node: "no clock: ..." while sim time does not advance
         self._last_status_time = -float("inf")
         self._last_stamp_s: float | None = None  # stamp of the last frame taken for inference (seconds)
         self._pending_since: float | None = None  # monotonic time the oldest deferred eviction started waiting
@@ -558,6 +560,7 @@ class InferenceEngine:
     def set_deferred_eviction(self, enabled: bool) -> str:
         self.session.set_deferred_eviction(enabled)
         self.settings = replace(self.settings, deferred_eviction=enabled)
+        self._client_gone = False
         self.last_stats = self.session.stats()
         self._note_pending()
         self._publish_status(self.state_text, self._last_stamp)
@@ -571,6 +574,7 @@ class InferenceEngine:
         changed) when the index names another frame or one already decided."""
         held = self._check_decision(expected_frame_index, commit=True)
         freed = self.session.commit_eviction()
+        self._client_gone = False
         if held is not None:
             self._decide(held, "kept")
         self.last_stats = self.session.stats()
@@ -587,6 +591,7 @@ class InferenceEngine:
         """
         held = self._check_decision(expected_frame_index)
         index = self._rollback_stored(held if held is not None else expected_frame_index)
+        self._client_gone = False
         if held is not None:
             self._decide(held, "dropped")
         self._publish_status(f"rolled back frame {index}", self._last_stamp, frame_index=self._last_index)
@@ -683,15 +688,16 @@ class InferenceEngine:
         client that died must not blind the robot (the cache would fill and refuse every frame)."""
         timeout = self.settings.deferred_eviction_timeout
         since = self._pending_since
-        if timeout <= 0 or since is None or self.monotonic() - since < timeout:
+        if timeout <= 0 or since is None or not (self._client_gone or self.monotonic() - since >= timeout):
             return
         freed = self.session.commit_eviction()
         self._pending_since = None
+        self._client_gone = True  # until the client commits, rolls back or sets the deferral again
         self.counters.add("evictions_auto_committed")
         self.last_stats = self.session.stats()
         self.throttle.emit(self.log.warning, f"a deferred eviction waited more than deferred_eviction_timeout="
-                           f"{timeout} s for ~/commit_eviction: committed automatically ({freed} page(s) freed)",
-                           kind="auto commit")
+                           f"{timeout} s for ~/commit_eviction: committed automatically ({freed} page(s) freed); "
+                           "later ones are committed at once until a client commits again", kind="auto commit")
 
     def _stamp_ok(self, frame: InputFrame) -> bool:
         """Refuse zero, repeated and backwards stamps (the trajectory stays monotonic); a stamp more than
@@ -760,7 +766,8 @@ class InferenceEngine:
             changed = self.state != State.WAITING_FOR_IMAGES
             self._set_state(State.WAITING_FOR_IMAGES, waited)
         if changed or self.monotonic() - self._last_status_time >= HEARTBEAT_PERIOD:
-            self._publish_status(self.state_text, self._last_stamp)
+            clock = self.clock_problem
+            self._publish_status(self.state_text + (f"; {clock}" if clock else ""), self._last_stamp)
 
     def _set_state(self, state: State, text: str) -> None:
         self.state, self.state_text = state, text

@@ -55,42 +55,47 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import statistics
 import sys
 import threading
 import time
 from collections import deque
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 import rclpy
+from rclpy.signals import SignalHandlerOptions
 from builtin_interfaces.msg import Time as TimeMsg
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
 from geometry_msgs.msg import PoseStamped
 from nav_msgs.msg import Odometry, Path
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
-from rclpy.callback_groups import MutuallyExclusiveCallbackGroup
+from rcl_interfaces.msg import SetParametersResult
+from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
+from rclpy.clock import Clock, ClockType
 from rclpy.exceptions import ParameterException
-from rclpy.executors import ExternalShutdownException, SingleThreadedExecutor
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CameraInfo, CompressedImage, Image, PointCloud2
 from std_msgs.msg import Header
 from std_srvs.srv import SetBool, Trigger
 
-from lingbot_map_ros.msg import Status
+from lingbot_map_ros.msg import FrameInfo, Status
 from lingbot_map_ros.srv import CommitEviction, RollbackFrame, SaveMap
 
 from ..config import ConfigError
 from .conversions import (camera_info_msg, compressed_to_rgb, depth_to_image_msg, image_to_rgb, make_pointcloud2,
                           odometry_msg, pose_to_msg)
-from .engine import FrameOutput, InferenceEngine, InputFrame, StatusFields
+from .engine import FrameOutput, FrameSummary, InferenceEngine, InputFrame, SaveError, StatusFields, write_map_files
 from .mapping import PoseEntry
-from .params import DEFAULT_CAMERA_FRAME, PARAMETERS, NodeSettings, Param, resolve_settings
+from .params import DEFAULT_CAMERA_FRAME, PARAMETERS, NodeSettings, Param, apply_dynamic, resolve_settings
 from .tf_tools import TfOutput
 from .worker import Command
 
 NODE_NAME = "lingbot_map"
+_PARAMETER_TABLE = {p.name: p for p in PARAMETERS}
 ARRIVAL_WINDOW = 64  # images whose age on arrival /diagnostics summarises
 
 
@@ -99,8 +104,8 @@ class StartupError(RuntimeError):
 
 
 def descriptor(p: Param) -> ParameterDescriptor:
-    """ParameterDescriptor with the description, range or choices of ``p`` (read-only)."""
-    d = ParameterDescriptor(description=p.description, read_only=True)
+    """ParameterDescriptor with the description, range or choices of ``p`` (read-only unless dynamic)."""
+    d = ParameterDescriptor(description=p.description, read_only=not p.dynamic)
     if p.choices is not None:
         d.additional_constraints = "one of: " + ", ".join(p.choices)
     if p.limits is not None:
@@ -162,7 +167,8 @@ class RosOutputs:
         if s.publish_depth:
             self.depth = node.create_publisher(Image, "~/depth", _qos(depth=2))
             self.depth_info = node.create_publisher(CameraInfo, "~/depth/camera_info", _qos(depth=2))
-        self.tf = TfOutput(node, s, node.get_logger().warning) if s.publish_tf else None
+        self.frame_info = node.create_publisher(FrameInfo, "~/frame", _qos(depth=10))
+        self.tf = TfOutput(node, s, node.get_logger().warning)  # follows publish_tf, settable at run time
         self.latest_stamp = TimeMsg()
         self._path_lock = threading.Lock()
         self._path_entries: list[PoseEntry] = []
@@ -174,6 +180,8 @@ class RosOutputs:
         if output == "depth":
             return self.depth is not None and (self.depth.get_subscription_count() > 0
                                                or self.depth_info.get_subscription_count() > 0)
+        if output == "frame":
+            return self.frame_info.get_subscription_count() > 0
         raise ValueError(f"unknown output {output!r}")
 
     def publish_frame(self, out: FrameOutput) -> None:
@@ -184,9 +192,13 @@ class RosOutputs:
             self.pose.publish(PoseStamped(header=in_map, pose=pose_to_msg(out.T_map_cam)))
         if self.odometry is not None:
             self.odometry.publish(odometry_msg(out.T_map_cam, in_map, out.camera_frame))
-        if self.tf is not None:
+        if self.settings.publish_tf:
             self.tf.publish(out.T_map_cam, out.stamp, out.camera_frame)
         self.publish_clouds(out)  # nothing when the clouds follow from the output thread
+
+    def publish_frame_info(self, info: FrameSummary, out: FrameOutput) -> None:
+        self.frame_info.publish(FrameInfo(header=Header(stamp=out.stamp, frame_id=self.settings.map_frame),
+                                          pose=pose_to_msg(out.T_map_cam), **asdict(info)))
 
     def publish_clouds(self, out: FrameOutput) -> None:
         """~/points and ~/depth of a frame whose pose ``publish_frame`` already sent (output thread)."""
@@ -263,25 +275,37 @@ class LingBotMapNode(Node):
         self.service_node = Node(f"{self.get_name()}_services", namespace=self.get_namespace(),
                                  context=self.context, use_global_arguments=False,
                                  start_parameter_services=False)
+        # reentrant: a call that writes files (a slow disk) never holds up another service
+        self._service_group = ReentrantCallbackGroup()
+        self._save_lock = threading.Lock()
         prefix = self.get_fully_qualified_name().rstrip("/")
         # Not `self._services` or `self._timers`: those are rclpy Node's own lists (the parameter
         # services live there; replacing them dropped them and made this executor serve the helper's).
         self._service_handles = [
-            self.service_node.create_service(Trigger, f"{prefix}/reset", self._srv_reset),
-            self.service_node.create_service(SetBool, f"{prefix}/set_deferred_eviction", self._srv_set_deferred),
-            self.service_node.create_service(CommitEviction, f"{prefix}/commit_eviction", self._srv_commit),
-            self.service_node.create_service(RollbackFrame, f"{prefix}/rollback_last_frame", self._srv_rollback),
-            self.service_node.create_service(SaveMap, f"{prefix}/save_map", self._srv_save_map),
+            self.service_node.create_service(Trigger, f"{prefix}/reset", self._srv_reset,
+                                             callback_group=self._service_group),
+            self.service_node.create_service(SetBool, f"{prefix}/set_deferred_eviction", self._srv_set_deferred,
+                                             callback_group=self._service_group),
+            self.service_node.create_service(CommitEviction, f"{prefix}/commit_eviction", self._srv_commit,
+                                             callback_group=self._service_group),
+            self.service_node.create_service(RollbackFrame, f"{prefix}/rollback_last_frame", self._srv_rollback,
+                                             callback_group=self._service_group),
+            self.service_node.create_service(SaveMap, f"{prefix}/save_map", self._srv_save_map,
+                                             callback_group=self._service_group),
         ]
         self._heartbeat: Command | None = None
         self._map_version = -1
-        self._timer_handles = [self.create_timer(1.0, self._on_second, callback_group=self._timer_group)]
-        if self.outputs.path is not None and s.path_publish_rate > 0:
-            self._timer_handles.append(self.create_timer(1.0 / s.path_publish_rate, self.outputs.flush_path,
-                                                  callback_group=self._timer_group))
-        if self.outputs.map_points is not None and s.map_publish_rate > 0:
-            self._timer_handles.append(self.create_timer(1.0 / s.map_publish_rate, self._on_map_timer,
-                                                  callback_group=self._timer_group))
+        # Timers run on the steady clock: with use_sim_time and no /clock, /diagnostics and the
+        # status heartbeat go on (and say so) instead of stopping without a word.
+        self._steady = Clock(clock_type=ClockType.STEADY_TIME)
+        self._sim_time_seen: tuple[int, float] | None = None  # (ROS time ns, steady s) when it last moved
+        self._timer_handles = [self.create_timer(1.0, self._on_second, callback_group=self._timer_group,
+                                                 clock=self._steady)]
+        self._rate_timers: dict[str, Any] = {}
+        self._set_rate_timer("path", s.path_publish_rate)
+        self._set_rate_timer("map", s.map_publish_rate)
+        self.add_on_set_parameters_callback(self._check_parameters)
+        self.add_post_set_parameters_callback(self._apply_parameters)
         self.engine.start()
         if s.input_transport == "raw" and _fastdds_without_profile():
             log.warning("FASTDDS_DEFAULT_PROFILES_FILE is not set: with Fast DDS a raw image over 512 KB (518x378 "
@@ -301,6 +325,48 @@ class LingBotMapNode(Node):
             return resolve_settings(values, log=self.get_logger().info)
         except (ParameterException, ConfigError) as exc:
             raise StartupError(f"invalid parameters: {exc}") from None
+
+    def _check_parameters(self, params) -> SetParametersResult:
+        """on_set_parameters: refuse (with the reason) a value the node cannot take at run time."""
+        settings = self.settings
+        for p in params:
+            if p.name not in _PARAMETER_TABLE:  # rclpy's own (use_sim_time, qos overrides)
+                continue
+            try:
+                settings = apply_dynamic(settings, p.name, p.value)
+            except ConfigError as exc:
+                return SetParametersResult(successful=False, reason=str(exc))
+        return SetParametersResult(successful=True)
+
+    def _apply_parameters(self, params) -> None:
+        """post_set_parameters: the accepted values take effect (checked by ``_check_parameters``)."""
+        s = self.settings
+        for p in params:
+            if p.name in _PARAMETER_TABLE:
+                s = apply_dynamic(s, p.name, p.value)
+        self.settings = self.outputs.settings = self.outputs.tf.settings = s
+        engine_deferred = self.engine.settings.deferred_eviction
+        self.engine.settings = replace(s, deferred_eviction=engine_deferred)
+        if s.deferred_eviction != engine_deferred:
+            self.engine.submit("set_deferred_eviction", lambda: self.engine.set_deferred_eviction(s.deferred_eviction))
+        names = {p.name for p in params}
+        if "path_publish_rate" in names:
+            self._set_rate_timer("path", s.path_publish_rate)
+        if "map_publish_rate" in names:
+            self._set_rate_timer("map", s.map_publish_rate)
+        for p in params:
+            self.get_logger().info(f"parameter {p.name} set to {p.value!r}")
+
+    def _set_rate_timer(self, which: str, rate: float) -> None:
+        """(Re)create the ~/path or ~/map_points timer at ``rate`` Hz (0 = none)."""
+        old = self._rate_timers.pop(which, None)
+        if old is not None:
+            self.destroy_timer(old)
+        publisher, callback = ((self.outputs.path, self.outputs.flush_path) if which == "path"
+                               else (self.outputs.map_points, self._on_map_timer))
+        if publisher is not None and rate > 0:
+            self._rate_timers[which] = self.create_timer(1.0 / rate, callback, callback_group=self._timer_group,
+                                                         clock=self._steady)
 
     def _load_session(self):
         """The one place the model is built: configs -> weights -> device -> session."""
@@ -398,7 +464,8 @@ class LingBotMapNode(Node):
         return response
 
     def _srv_commit(self, request, response):
-        ok, freed, error = self._run("commit_eviction", self.engine.commit_eviction)
+        expected = int(request.expected_frame_index)
+        ok, freed, error = self._run("commit_eviction", lambda: self.engine.commit_eviction(expected))
         response.success = ok
         response.pages_freed = int(freed or 0)
         response.message = (f"{freed} page(s) freed" if freed else "nothing was pending") if ok else error
@@ -414,7 +481,12 @@ class LingBotMapNode(Node):
         return response
 
     def _srv_save_map(self, request, response):
-        ok, paths, error = self._run("save_map", lambda: self.engine.save_map(request.directory))
+        # the inference thread only takes the snapshot; the files are written here, on a service
+        # thread, so a slow disk holds up neither frames nor the other services
+        ok, snapshot, error = self._run("save_map", self.engine.save_snapshot)
+        paths = None
+        if ok:
+            ok, paths, error = self._write_map(snapshot, request.directory)
         response.success = ok
         if ok:
             ply, tum = paths
@@ -425,11 +497,37 @@ class LingBotMapNode(Node):
         self.get_logger().info(f"~/save_map: {response.message}")
         return response
 
+    def _write_map(self, snapshot, directory: str) -> tuple[bool, Any, str]:
+        timeout = self.settings.service_timeout
+        if not self._save_lock.acquire(timeout=timeout):
+            return False, None, f"another ~/save_map is still writing after {timeout:.1f} s; not saved"
+        try:
+            return True, write_map_files(snapshot, directory, self.settings.output_directory, timeout), ""
+        except SaveError as exc:
+            return False, None, str(exc)
+        finally:
+            self._save_lock.release()
+
     # ------------------------------------------------------------------ timers
     def _on_second(self) -> None:
+        self.engine.clock_problem = self._clock_problem()
         if self._heartbeat is None or self._heartbeat.wait(0):
             self._heartbeat = self.engine.heartbeat()
         self.diagnostics.publish(self._diagnostics())
+
+    def _clock_problem(self) -> str:
+        """'no clock: ...' when use_sim_time is on and ROS time has not moved for 2 s, else ''."""
+        if not self.get_parameter("use_sim_time").value:
+            self._sim_time_seen = None
+            return ""
+        now_ns, steady = self.get_clock().now().nanoseconds, self._steady.now().nanoseconds * 1e-9
+        if self._sim_time_seen is None or now_ns != self._sim_time_seen[0]:
+            self._sim_time_seen = (now_ns, steady)
+        stalled = steady - self._sim_time_seen[1]
+        if now_ns == 0 or stalled >= 2.0:
+            return ("no clock: use_sim_time is true and /clock " +
+                    ("was never received" if now_ns == 0 else f"has not advanced for {stalled:.0f} s"))
+        return ""
 
     def _on_map_timer(self) -> None:
         pub = self.outputs.map_points
@@ -462,6 +560,9 @@ class LingBotMapNode(Node):
             values["camera_info fx (input px)"] = f"{info.k[0]:.1f}"
             values["estimated fx (input px)"] = f"{K[0, 0] * info.width / width:.1f}" if info.width else "n/a"
         statuses = [_diag(f"{name}: input", level, message, values)]
+        clock = e.clock_problem
+        statuses.append(_diag(f"{name}: clock", DiagnosticStatus.WARN if clock else DiagnosticStatus.OK,
+                              clock or "ok", {"use_sim_time": self.get_parameter("use_sim_time").value}))
         out_level = DiagnosticStatus.ERROR if int(e.state) == Status.STATE_ERROR else DiagnosticStatus.OK
         statuses.append(_diag(f"{name}: output", out_level, e.state_text, {
             "state": e.state.name, "output rate (Hz)": f"{e.output_rate.rate():.2f}",
@@ -508,6 +609,8 @@ def _spin_quietly(executor) -> None:
         pass
 
 
+SERVICE_THREADS = 4  # concurrent service calls (a slow ~/save_map does not block ~/reset)
+SPIN_PERIOD = 0.2  # s; the main loop's longest wait, so SIGINT/SIGTERM are handled promptly
 GIL_SWITCH_ENV = "LINGBOT_GIL_SWITCH_MS"
 GIL_SWITCH_MS = 0.5
 
@@ -534,35 +637,52 @@ def set_gil_switch_interval(environ=os.environ) -> float:
     return sys.getswitchinterval()
 
 
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt  # SIGTERM ends the node the way SIGINT does
+
+
 def main(args: list[str] | None = None) -> int:
-    """Console entry point ``lingbot_map_node``: exit status 0 on shutdown, 1 when it cannot start."""
+    """Console entry point ``lingbot_map_node``: exit status 0 on shutdown (SIGINT, SIGTERM), 1 when
+    it cannot start.
+
+    rclpy's own signal handlers are off: they would shut the context down while the inference and
+    output threads still publish ("publisher's context is invalid"). Here SIGINT/SIGTERM end the
+    spin loop, the threads stop, and only then is the context shut down."""
     set_gil_switch_interval()
-    rclpy.init(args=args if args is not None else sys.argv)
+    rclpy.init(args=args if args is not None else sys.argv, signal_handler_options=SignalHandlerOptions.NO)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         node = LingBotMapNode()
     except StartupError as exc:
         rclpy.logging.get_logger(NODE_NAME).error(f"cannot start: {exc}")
         rclpy.try_shutdown()
         return 1
+    except KeyboardInterrupt:  # stopped while loading the model
+        rclpy.try_shutdown()
+        return 0
     # One executor thread for the node's callbacks: they are short (an image is converted and
     # handed over), and a pool of executor threads only adds GIL hand-offs that delay the
     # inference thread (the multi-threaded executor measured 2x the tail latency of this one,
-    # benchmarks/node_probe.py). The services, which wait for the inference thread, get a
-    # second executor thread of their own.
+    # benchmarks/node_probe.py). The services, which wait for the inference thread or write
+    # files, get executor threads of their own.
     executor = SingleThreadedExecutor()
-    services = SingleThreadedExecutor()
+    services = MultiThreadedExecutor(num_threads=SERVICE_THREADS)
     services.add_node(node.service_node)
     service_thread = threading.Thread(target=_spin_quietly, args=(services,), name="lingbot_map_services",
                                       daemon=True)
     service_thread.start()
     executor.add_node(node)
     try:
-        executor.spin()
+        while rclpy.ok():
+            executor.spin_once(timeout_sec=SPIN_PERIOD)  # returns now and then so a signal is seen
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not cut the clean-up short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        node.shutdown()  # inference and output threads stop first: nothing publishes after this
         services.shutdown(timeout_sec=1.0)
-        node.shutdown()
         executor.shutdown(timeout_sec=1.0)
         node.destroy_node()
         rclpy.try_shutdown()

@@ -452,3 +452,176 @@ def test_model_sized_frames_go_to_the_session_as_bytes(model):
         pts, colors, _ = select_points(world, rgb, r.confidence, 0.0, 1)
         np.testing.assert_allclose(out.points, points_to_map(pts), atol=1e-4)
         np.testing.assert_array_equal(out.colors, colors)
+
+
+# ---------------------------------------------------------------- robot-facing behaviour (issues 15, 16)
+class InfoSink(Sink):
+    """Also records ~/frame summaries (wants "frame")."""
+
+    def __init__(self) -> None:
+        super().__init__(wants=("frame",))
+        self.infos = []
+
+    def publish_frame_info(self, info, out):
+        self.infos.append(info)
+
+
+def clocked_engine(model, **overrides):
+    """An engine whose monotonic clock the test moves by hand: ``mono[0]`` seconds."""
+    settings = resolve_settings({**SETTINGS, **overrides})
+    session = StreamingSession(model, settings.stream)
+    sink, log, mono = InfoSink(), Log(), [0.0]
+    engine = InferenceEngine(session, settings, sink, log, now=lambda: 1000.0, monotonic=lambda: mono[0])
+    return engine, sink, log, session, mono
+
+
+def test_deferred_eviction_without_commit_is_committed_after_the_timeout(model):
+    """A keyframe client that never commits (it crashed) must not blind the robot."""
+    engine, sink, log, session, mono = clocked_engine(model, deferred_eviction=True, max_pending_evictions=1,
+                                                      deferred_eviction_timeout=2.0)
+    imgs = frames(9)
+    for i in range(6):  # 2 scale + window of 3 + 1 pending eviction: the cache is full now
+        feed(engine, imgs[i], 1.0 + i)
+    assert session.stats().pending_evictions == 1
+    mono[0] = 1.0
+    feed(engine, imgs[6], 7.0)  # within the timeout: dropped, as before (the client may still commit)
+    assert engine.counters.snapshot().frames_dropped_error == 1
+    mono[0] = 2.5  # the pending eviction is older than deferred_eviction_timeout
+    feed(engine, imgs[7], 8.0)
+    feed(engine, imgs[8], 9.0)  # no waiting any more: the client is taken as gone until it commits again
+    c = engine.counters.snapshot()
+    assert c.evictions_auto_committed == 2 and c.frames_processed == 8 and c.frames_dropped_error == 1
+    assert sink.frames[-1].frame_index == 8 and engine.state == State.TRACKING
+    assert any("deferred_eviction_timeout" in m for lvl, m in log.lines if lvl == "warning")
+    assert sink.statuses[-1][0].evictions_auto_committed == c.evictions_auto_committed
+    engine.commit_eviction()  # the client is back: evictions wait for it again
+    feed(engine, imgs[0], 10.0)
+    assert session.stats().pending_evictions == 1 and engine.counters.snapshot().evictions_auto_committed == 2
+
+
+def test_deferred_eviction_timeout_zero_waits_forever(model):
+    engine, sink, _, session, mono = clocked_engine(model, deferred_eviction=True, max_pending_evictions=1,
+                                                    deferred_eviction_timeout=0.0)
+    imgs = frames(8)
+    for i in range(6):
+        feed(engine, imgs[i], 1.0 + i)
+    mono[0] = 1e6
+    feed(engine, imgs[6], 7.0)
+    assert engine.counters.snapshot().evictions_auto_committed == 0
+    assert engine.counters.snapshot().frames_dropped_error == 1
+
+
+def test_repeated_and_older_stamps_are_dropped_and_the_trajectory_stays_monotonic(model):
+    engine, sink, log, session, _ = clocked_engine(model)
+    imgs = frames(6)
+    feed(engine, imgs[0], 10.0)
+    feed(engine, imgs[1], 11.0)
+    feed(engine, imgs[2], 11.0)  # repeated
+    feed(engine, imgs[3], 10.8)  # 0.2 s back: out of order, below time_jump_threshold
+    feed(engine, imgs[4], 12.0)
+    c = engine.counters.snapshot()
+    assert c.frames_dropped_stamp == 2 and c.time_jumps == 0 and c.frames_processed == 3
+    stamps = engine.trajectory.stamps()
+    assert list(stamps) == [10.0, 11.0, 12.0]
+    assert any("same stamp" in m for _, m in log.lines) and any("older than the previous" in m for _, m in log.lines)
+
+
+def test_time_jump_resets_by_default(model):
+    engine, sink, log, session, _ = clocked_engine(model)
+    imgs = frames(6)
+    for i in range(3):
+        feed(engine, imgs[i], 100.0 + i)
+    feed(engine, imgs[3], 5.0)  # a bag played again from the start
+    assert engine.counters.snapshot().time_jumps == 1
+    assert len(engine._collected) == 1 and len(engine.trajectory) == 0  # a new sequence collects scale frames
+    feed(engine, imgs[4], 6.0)
+    assert [o.frame_index for o in sink.frames[-2:]] == [1, 2]
+    assert list(engine.trajectory.stamps()) == [5.0, 6.0]
+    assert any("time jump" in m and "new sequence" in m for lvl, m in log.lines if lvl == "warning")
+
+
+def test_time_jump_drop_mode_waits_until_the_stamps_pass_the_last_one(model):
+    engine, sink, _, session, _ = clocked_engine(model, on_time_jump="drop")
+    imgs = frames(7)
+    for i in range(3):
+        feed(engine, imgs[i], 100.0 + i)
+    feed(engine, imgs[3], 5.0)
+    feed(engine, imgs[4], 6.0)
+    c = engine.counters.snapshot()
+    assert c.time_jumps == 1 and c.frames_dropped_stamp == 2 and session.frames_pushed == 3
+    feed(engine, imgs[5], 103.0)
+    assert sink.frames[-1].frame_index == 4 and list(engine.trajectory.stamps())[-1] == 103.0
+
+
+def test_frame_summary_reports_motion_since_the_last_keyframe(model):
+    engine, sink, _, session, _ = clocked_engine(model, keyframe_interval=2)
+    imgs = frames(6)
+    for i in range(6):
+        feed(engine, imgs[i], 1.0 + i)
+    infos = {i.frame_index: i for i in sink.infos}
+    poses = {o.frame_index: o.T_map_cam for o in sink.frames}
+    assert set(infos) == set(range(1, 7))
+    stored = [i for i, info in infos.items() if info.stored]
+    assert stored == [i for i in range(1, 7) if session.is_keyframe_index(i - 1) or i <= 2]
+    for i, info in infos.items():
+        ref = max(k for k in stored if k < i) if any(k < i for k in stored) else None
+        if ref is None:
+            assert info.translation_since_keyframe == 0.0
+            continue
+        want = np.linalg.norm(poses[i][:3, 3] - poses[ref][:3, 3])
+        assert info.translation_since_keyframe == pytest.approx(want, rel=1e-6, abs=1e-9)
+        assert 0.0 <= info.valid_fraction <= 1.0 and info.confidence_median > 0
+        assert not info.decision_pending
+
+
+def held_engine(model, **overrides):
+    engine, sink, log, session, mono = clocked_engine(model, keyframe_decision_timeout=0.5, **overrides)
+    imgs = frames(8)
+    for i in range(3):  # 2 scale frames (never held) + frame 3, held
+        feed(engine, imgs[i], 1.0 + i)
+    return engine, sink, log, session, mono, imgs
+
+
+def test_hold_keeps_the_next_frame_waiting_until_a_decision(model):
+    engine, sink, _, session, mono, imgs = held_engine(model)
+    assert sink.infos[-1].frame_index == 3 and sink.infos[-1].decision_pending
+    assert not sink.infos[0].decision_pending  # scale frames are not held
+    feed(engine, imgs[3], 4.0)  # waits in the slot: frame 3 is not decided
+    assert session.frames_pushed == 3 and engine.queue.pending_frame()
+    with pytest.raises(SessionError, match="not the frame waiting for a decision"):
+        engine.commit_eviction(2)
+    assert session.frames_pushed == 3 and engine.counters.snapshot().decisions_refused == 1
+    engine.commit_eviction(3)  # keep
+    with pytest.raises(SessionError, match="already decided"):
+        engine.rollback(3)  # a second decision about frame 3
+    while engine.run_once(0):
+        pass
+    assert session.frames_pushed == 4 and sink.infos[-1].frame_index == 4 and sink.infos[-1].decision_pending
+    c = engine.counters.snapshot()
+    assert (c.decisions_kept, c.decisions_refused) == (1, 2)
+
+
+def test_hold_drop_rolls_the_frame_back_and_the_timeout_applies_the_default(model):
+    engine, sink, log, session, mono, imgs = held_engine(model, keyframe_decision_default="drop")
+    before = session.stats().temporal_index
+    assert engine.rollback(3) == 3  # drop
+    assert session.stats().temporal_index == before - 1 and len(engine.trajectory) == 2
+    feed(engine, imgs[3], 4.0)  # held again (index 3 again: the dropped frame left no trace)
+    assert sink.infos[-1].frame_index == 3 and sink.infos[-1].decision_pending
+    mono[0] = 0.6  # nobody decides (a client that died)
+    assert engine.run_once(0) is False  # the deadline passes: default "drop" applies
+    c = engine.counters.snapshot()
+    assert (c.decisions_dropped, c.decisions_timed_out) == (1, 1) and session.frames_pushed == 2
+    with pytest.raises(SessionError, match="already decided"):
+        engine.commit_eviction(3)  # too late
+    assert any("keyframe_decision_timeout" in m for lvl, m in log.lines if lvl == "warning")
+    feed(engine, imgs[4], 5.0)
+    assert sink.frames[-1].frame_index == 3
+
+
+def test_reset_during_a_hold_releases_it(model):
+    engine, sink, _, session, mono, imgs = held_engine(model)
+    engine.reset()
+    assert not engine.queue.pending_frame() and session.frames_pushed == 0
+    feed(engine, imgs[3], 10.0)
+    assert len(engine._collected) == 1 and engine.counters.snapshot().decisions_timed_out == 0
