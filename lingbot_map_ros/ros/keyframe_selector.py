@@ -199,7 +199,9 @@ class KeyframeSelector(Node):
                                           f"{self.drop_client.service_name} not available; waiting")
                 self._available = False
             if time.monotonic() - arrived > self.timeout:
-                self.counts["unavailable"] += 1  # never sent: the node's default decision applies
+                self.get_logger().debug(f"frame {msg.frame_index}: not sent (services unavailable for "
+                                        f"{self.timeout} s); the node's default decision applies")
+                self.counts["unavailable"] += 1
                 self._waiting = None
             return
         if not self._available:

@@ -1,0 +1,286 @@
+"""The reference keyframe selector in a real ROS 2 graph (DDS on loopback, a private ROS_DOMAIN_ID).
+
+The selector runs as a process (``scripts/keyframe_selector`` or ``python -m``) against a
+fake mapping node in this process: ``FakeMapper`` publishes FrameInfo on ``/fake/frame``
+for a synthetic trajectory, measures translation and rotation from the last frame it kept
+(as the node does) and serves ``/fake/commit_eviction`` and ``/fake/rollback_last_frame``,
+accepting a decision only when ``expected_frame_index`` names the frame it holds. Checked:
+the exact keep/drop list of a trajectory, frames not stored get no call, a refused
+decision, a stalled service (the call is given up, its late answer is not counted),
+services not there yet (no call, counted), a restart of the fake with indices from 1,
+and a Ctrl-C exit with status 0, no error line and exact final counters.
+"""
+from __future__ import annotations
+
+import math
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
+
+from geometry_msgs.msg import Pose  # noqa: E402
+from rclpy.executors import SingleThreadedExecutor  # noqa: E402
+from rclpy.qos import QoSProfile, ReliabilityPolicy  # noqa: E402
+
+from lingbot_map_ros.msg import FrameInfo  # noqa: E402
+from lingbot_map_ros.srv import CommitEviction, RollbackFrame  # noqa: E402
+
+pytestmark = [pytest.mark.ros, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+DOMAIN_ID = 1 + (os.getpid() * 7 + 63) % 100  # 1..100, never test_node_graph's (+13) in the same process
+FAKE = "/fake"
+SERVICE_TIMEOUT = 2.0  # the selector's
+WAIT = 20.0            # bound of every wait for the graph
+FORBIDDEN = ("ERROR", "Traceback", "Failed to publish")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def private_domain():
+    saved = {k: os.environ.get(k) for k in ("ROS_DOMAIN_ID", "ROS_AUTOMATIC_DISCOVERY_RANGE")}
+    os.environ.update(ROS_DOMAIN_ID=str(DOMAIN_ID), ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST")
+    yield
+    for key, value in saved.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def wait_for(predicate, what: str, timeout: float = WAIT):
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.02)
+
+
+class FakeMapper:
+    """Stand-in for the mapping node with the decision hold (frame poses: x in map units, yaw in degrees).
+
+    ``requests`` records every call as (frame index, "keep"|"drop", accepted). While ``gate``
+    is cleared the service callbacks block, as a stalled node would.
+    """
+
+    def __init__(self) -> None:
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context)
+        self.node = rclpy.create_node(FAKE[1:], context=self.context)
+        self.pub = self.node.create_publisher(FrameInfo, f"{FAKE}/frame",
+                                              QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+        self.cond = threading.Condition()
+        self.gate = threading.Event()
+        self.gate.set()
+        self.requests: list[tuple[int, str, bool]] = []
+        self.held: tuple[int, float, float] | None = None  # (index, x, yaw) of the frame awaiting a decision
+        self.keyframe: tuple[float, float] | None = None   # (x, yaw) of the last kept frame
+        self.services: list = []
+        self.open_services()
+        self.executor = SingleThreadedExecutor(context=self.context)
+        self.executor.add_node(self.node)
+        self.thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self.thread.start()
+
+    def open_services(self) -> None:
+        self.services = [self.node.create_service(CommitEviction, f"{FAKE}/commit_eviction", self._serve("keep")),
+                         self.node.create_service(RollbackFrame, f"{FAKE}/rollback_last_frame", self._serve("drop"))]
+
+    def close_services(self) -> None:
+        for service in self.services:
+            self.node.destroy_service(service)
+        self.services = []
+        wait_for(lambda: self.node.count_services(f"{FAKE}/commit_eviction") == 0, "the services gone")
+
+    def close(self) -> None:
+        if not self.context.ok():
+            return
+        self.gate.set()
+        self.executor.shutdown(timeout_sec=2.0)
+        self.node.destroy_node()
+        rclpy.try_shutdown(context=self.context)
+
+    def wait_for_selector(self) -> None:
+        wait_for(lambda: self.pub.get_subscription_count() >= 1
+                 and self.node.count_clients(f"{FAKE}/commit_eviction") >= 1
+                 and self.node.count_clients(f"{FAKE}/rollback_last_frame") >= 1, "the selector in the graph")
+
+    def _serve(self, kind: str):
+        def serve(request, response):
+            self.gate.wait(WAIT)
+            with self.cond:
+                expected = int(request.expected_frame_index)
+                ok = self.held is not None and expected == self.held[0]
+                response.success = ok
+                response.message = "ok" if ok else f"frame {expected} is not the frame awaiting a decision"
+                if ok and kind == "keep":
+                    self.keyframe = self.held[1:]
+                if ok:
+                    self.held = None
+                self.requests.append((expected, kind, ok))
+                self.cond.notify_all()
+            return response
+        return serve
+
+    def publish(self, index: int, x: float, yaw: float, valid: float, stored: bool = True, pending: bool = True,
+                hold: bool = True) -> None:
+        """Publish frame ``index``; ``hold`` = False: announce it but hold no frame (its decision is refused)."""
+        with self.cond:
+            kx, kyaw = self.keyframe if self.keyframe is not None else (x, yaw)
+            msg = FrameInfo(frame_index=index, stored=stored, decision_pending=pending and stored,
+                            valid_fraction=valid, translation_since_keyframe=abs(x - kx),
+                            rotation_since_keyframe_deg=abs(yaw - kyaw), pose=Pose())
+            msg.pose.position.x = x
+            msg.pose.orientation.z, msg.pose.orientation.w = math.sin(math.radians(yaw) / 2), math.cos(math.radians(yaw) / 2)
+            if stored and hold:
+                self.held = (index, x, yaw)
+        self.pub.publish(msg)
+
+    def apply_default_keep(self) -> None:
+        """The hold timed out: the held frame is kept (keyframe_decision_default keep)."""
+        with self.cond:
+            self.keyframe, self.held = self.held[1:], None
+
+    def wait_request(self, index: int) -> tuple[int, str, bool]:
+        with self.cond:
+            ok = self.cond.wait_for(lambda: any(r[0] == index for r in self.requests), WAIT)
+            assert ok, f"no decision about frame {index} within {WAIT} s"
+            return next(r for r in self.requests if r[0] == index)
+
+
+class Selector:
+    """The selector process; its stdout and stderr go to a log file."""
+
+    def __init__(self, log: Path, *cmd: str) -> None:
+        self.log = log
+        with open(log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, *cmd, "--ros-args", "-p", f"target_node:={FAKE}", "-p",
+                 f"service_timeout:={SERVICE_TIMEOUT}", "-p", "summary_period:=0.5", "--log-level",
+                 "keyframe_selector:=debug"], env=dict(os.environ), cwd=REPO, stdout=out,
+                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def wait_log(self, needle: str, timeout: float = WAIT) -> None:
+        wait_for(lambda: needle in self.text(), f"{needle!r} in the selector's log", timeout)
+
+    def stop(self) -> tuple[int, str]:
+        """SIGINT, as Ctrl-C; returns (exit status, log). Killed (status -9) if it hangs."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        return self.proc.returncode, self.text()
+
+
+@pytest.fixture
+def fake():
+    mapper = FakeMapper()
+    yield mapper
+    mapper.close()
+
+
+def assert_clean_exit(selector: Selector, summary: str) -> str:
+    rc, log = selector.stop()
+    bad = [line for line in log.splitlines() if any(word in line for word in FORBIDDEN)]
+    assert rc == 0 and not bad, f"exit status {rc}, error lines {bad}\n{log}"
+    assert f"final summary: {summary}" in log, log
+    return log
+
+
+# (index, x, yaw_deg, valid_fraction, stored, pending, expected); thresholds: defaults 0.10, 10 deg,
+# floor 0.3, confidence drop 0.25; distances are from the last KEPT frame.
+TRAJECTORY = [
+    (1, 0.00, 0.0, 0.90, True, True, "keep"),    # first frame
+    (2, 0.04, 0.0, 0.90, True, True, "drop"),    # 0.04 from frame 1
+    (3, 0.06, 0.0, 0.90, False, False, None),    # not stored: no call
+    (4, 0.08, 0.0, 0.88, True, True, "drop"),    # 0.08
+    (5, 0.12, 0.0, 0.90, True, True, "keep"),    # moved 0.12
+    (6, 0.15, 4.0, 0.85, True, True, "drop"),    # 0.03, 4 deg
+    (7, 0.16, 11.0, 0.85, True, True, "keep"),   # turned 11 deg
+    (8, 0.60, 12.0, 0.20, True, True, "drop"),   # moved 0.44 but unreliable (0.20 < 0.3)
+    (9, 0.18, 13.0, 0.60, True, True, "keep"),   # confidence dropped: 0.60 < 0.75 x 0.85
+    (10, 0.19, 13.0, 0.55, True, True, "drop"),  # 0.55 >= 0.75 x 0.60
+    (11, 0.19, 13.0, 0.44, True, True, "keep"),  # 0.44 < 0.45
+    (12, 0.25, 13.0, 0.50, True, False, "drop"),  # no hold (stored, not pending): decided all the same
+    (13, 0.30, 13.0, 0.50, True, False, "keep"),  # moved 0.11
+]
+
+
+def test_decisions_follow_the_thresholds(fake: FakeMapper, tmp_path: Path):
+    selector = Selector(tmp_path / "selector.log", "scripts/keyframe_selector")
+    try:
+        fake.wait_for_selector()
+        for index, x, yaw, valid, stored, pending, _ in TRAJECTORY:
+            fake.publish(index, x, yaw, valid, stored, pending)
+            if stored:
+                fake.wait_request(index)
+        selector.wait_log("frame 13: keep done")  # the last answer is in: the counters are final
+        selector.wait_log("]: summary: kept 6, dropped 6, refused 0", timeout=5.0)  # the periodic summary
+    finally:
+        log = assert_clean_exit(selector, "kept 6, dropped 6, refused 0, unanswered 0, unavailable 0, "
+                                          "superseded 0, restarts 0")
+    expected = [(i, want, True) for i, *_, want in TRAJECTORY if want is not None]
+    assert fake.requests == expected
+    assert "frame 9: keep (confidence dropped" in log and "frame 8: drop (unreliable" in log
+
+
+def test_outage_refusal_stall_and_restart(fake: FakeMapper, tmp_path: Path):
+    fake.close_services()  # a node still starting: its services do not exist yet
+    selector = Selector(tmp_path / "selector.log", "-m", "lingbot_map_ros.ros.keyframe_selector")
+    restarted = None
+    try:
+        wait_for(lambda: fake.pub.get_subscription_count() >= 1, "the selector's subscription")
+        # services unavailable: frame 1 waits service_timeout, is never sent, and is counted
+        fake.publish(1, 0.0, 0.0, 0.9)
+        selector.wait_log("frame 1: not sent", timeout=SERVICE_TIMEOUT + WAIT)
+        assert fake.requests == []
+        fake.apply_default_keep()
+        fake.open_services()
+        fake.publish(2, 0.01, 0.0, 0.9)  # the selector's first decision: kept whatever it shows
+        assert fake.wait_request(2) == (2, "keep", True)
+        # refused: the fake holds no frame (as after its own hold timed out)
+        fake.publish(3, 0.5, 0.0, 0.9, hold=False)
+        assert fake.wait_request(3) == (3, "keep", False)
+        selector.wait_log("frame 3: keep refused")
+        # stalled: the call about frame 4 gets no answer in time and is given up
+        fake.gate.clear()
+        fake.publish(4, 1.0, 0.0, 0.9)
+        selector.wait_log("no answer about frame 4")
+        fake.apply_default_keep()
+        fake.publish(5, 1.02, 0.0, 0.9)  # close to frame 4: drop, sent once the call about 4 is given up
+        selector.wait_log("frame 5: drop (")
+        fake.gate.set()  # the stalled call answers late (refused: frame 5 is held now), then 5 is served
+        assert fake.wait_request(5) == (5, "drop", True)
+        assert fake.wait_request(4) == (4, "keep", False)
+        selector.wait_log("late answer")
+        # restart: a new node of the same name, indices from 1
+        fake.close()
+        restarted = FakeMapper()
+        restarted.wait_for_selector()
+        for index, x, want in [(1, 5.0, "keep"), (2, 5.05, "drop"), (3, 5.2, "keep")]:
+            restarted.publish(index, x, 0.0, 0.9)
+            assert restarted.wait_request(index) == (index, want, True)
+        selector.wait_log("frame 3: keep done")
+    finally:
+        log = assert_clean_exit(selector, "kept 3, dropped 2, refused 1, unanswered 1, unavailable 1, "
+                                          "superseded 0, restarts 1")
+        if restarted is not None:
+            restarted.close()
+    assert "frame index went back from 5 to 1" in log
+    assert "not available; waiting" in log and "services available again" in log
+    assert "frame 1: keep (" not in log.split("frame index went back")[0]  # frame 1 was never decided
