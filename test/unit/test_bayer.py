@@ -170,3 +170,12 @@ def test_16bit_step_counts_two_bytes():
     msg = Image(width=4, height=2, encoding="bayer_gbrg16", step=4, data=bytes(8))
     with pytest.raises(cv.ImageConversionError, match="2 bytes per pixel"):
         cv.image_to_rgb(msg)
+
+
+def test_demosaic_function_checks_its_input():
+    from lingbot_map_ros.io.demosaic import demosaic_bilinear
+
+    with pytest.raises(ValueError, match="one of"):
+        demosaic_bilinear(np.zeros((4, 4), np.float32), "rgbg")
+    with pytest.raises(ValueError, match=r"H >= 2, W >= 2"):
+        demosaic_bilinear(np.zeros((1, 4), np.float32), "rggb")
