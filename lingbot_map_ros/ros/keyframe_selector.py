@@ -176,6 +176,7 @@ class KeyframeSelector(Node):
         if not msg.stored:
             return  # not in the cache: nothing to keep or roll back
         if self._waiting is not None:
+            self.get_logger().debug(f"frame {self._waiting[0].frame_index}: not sent, replaced by frame {index}")
             self.counts["superseded"] += 1
         self._waiting = (msg, time.monotonic())
         self._dispatch()
@@ -216,21 +217,22 @@ class KeyframeSelector(Node):
             future = self.keep_client.call_async(CommitEviction.Request(expected_frame_index=index))
         else:
             future = self.drop_client.call_async(RollbackFrame.Request(expected_frame_index=index))
-        self._in_flight = InFlight(index, decision.keep, future, time.monotonic())
-        future.add_done_callback(self._on_answer)
+        call = InFlight(index, decision.keep, future, time.monotonic())
+        self._in_flight = call
+        future.add_done_callback(lambda _: self._on_answer(call))
 
-    def _on_answer(self, future: Any) -> None:
-        call, current = self._in_flight, self._in_flight is not None and self._in_flight.future is future
+    def _on_answer(self, call: InFlight) -> None:
+        """Count the answer to ``call``; one to a call given up or from before a restart is only logged."""
+        word = "keep" if call.keep else "drop"
         try:
-            response = future.result()
+            response = call.future.result()
             success, text = bool(response.success), response.message
         except Exception as exc:  # noqa: BLE001 - a failed call is counted, never raised into the executor
             success, text = False, f"call failed: {exc}"
-        if not current:
-            self.get_logger().debug(f"late answer (success={success}: {text}) for an earlier call")
+        if self._in_flight is not call:
+            self.get_logger().debug(f"frame {call.frame_index}: late answer to {word} (success={success}: {text})")
             return
         self._in_flight = None
-        word = "keep" if call.keep else "drop"
         self.counts[word if success else "refused"] += 1
         self.get_logger().debug(f"frame {call.frame_index}: {word} {'done' if success else 'refused'}: {text}")
         self._dispatch()
@@ -245,6 +247,7 @@ class KeyframeSelector(Node):
         if self.counts != self._logged:
             self._logged = Counter(self.counts)
             self.get_logger().info(f"summary: {self.summary()}")
+
 
 def main(args: list[str] | None = None) -> int:
     """Console entry point ``keyframe_selector``: 0 on shutdown, 1 with one error line for a bad parameter."""

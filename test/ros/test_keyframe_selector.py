@@ -6,7 +6,8 @@ for a synthetic trajectory, measures translation and rotation from the last fram
 (as the node does) and serves ``/fake/commit_eviction`` and ``/fake/rollback_last_frame``,
 accepting a decision only when ``expected_frame_index`` names the frame it holds. Checked:
 the exact keep/drop list of a trajectory, frames not stored get no call, a refused
-decision, a stalled service (the call is given up, its late answer is not counted),
+decision, a stalled service (the call is given up, its late answer is not counted, a
+frame waiting behind it is replaced by a newer one),
 services not there yet (no call, counted), a restart of the fake with indices from 1,
 and a Ctrl-C exit with status 0, no error line and exact final counters.
 """
@@ -140,7 +141,8 @@ class FakeMapper:
                             valid_fraction=valid, translation_since_keyframe=abs(x - kx),
                             rotation_since_keyframe_deg=abs(yaw - kyaw), pose=Pose())
             msg.pose.position.x = x
-            msg.pose.orientation.z, msg.pose.orientation.w = math.sin(math.radians(yaw) / 2), math.cos(math.radians(yaw) / 2)
+            half = math.radians(yaw) / 2  # the pose: for show, the selector reads the distances
+            msg.pose.orientation.z, msg.pose.orientation.w = math.sin(half), math.cos(half)
             if stored and hold:
                 self.held = (index, x, yaw)
         self.pub.publish(msg)
@@ -257,17 +259,22 @@ def test_outage_refusal_stall_and_restart(fake: FakeMapper, tmp_path: Path):
         fake.publish(3, 0.5, 0.0, 0.9, hold=False)
         assert fake.wait_request(3) == (3, "keep", False)
         selector.wait_log("frame 3: keep refused")
-        # stalled: the call about frame 4 gets no answer in time and is given up
+        # stalled: the call about frame 4 gets no answer in time and is given up; meanwhile frame 5
+        # waits and frame 6 replaces it (the fake's holds time out: its default keeps them)
         fake.gate.clear()
         fake.publish(4, 1.0, 0.0, 0.9)
-        selector.wait_log("no answer about frame 4")
+        selector.wait_log("frame 4: keep (")
         fake.apply_default_keep()
-        fake.publish(5, 1.02, 0.0, 0.9)  # close to frame 4: drop, sent once the call about 4 is given up
-        selector.wait_log("frame 5: drop (")
-        fake.gate.set()  # the stalled call answers late (refused: frame 5 is held now), then 5 is served
-        assert fake.wait_request(5) == (5, "drop", True)
+        fake.publish(5, 1.2, 0.0, 0.9)
+        fake.apply_default_keep()
+        fake.publish(6, 1.22, 0.0, 0.9)  # close to frame 5: drop, sent once the call about 4 is given up
+        selector.wait_log("no answer about frame 4")
+        selector.wait_log("frame 6: drop (")
+        fake.gate.set()  # the stalled call answers late (refused: frame 6 is held now), then 6 is served
+        assert fake.wait_request(6) == (6, "drop", True)
         assert fake.wait_request(4) == (4, "keep", False)
-        selector.wait_log("late answer")
+        selector.wait_log("frame 4: late answer to keep (success=False")
+        assert not any(r[0] == 5 for r in fake.requests) and "frame 5: not sent, replaced by frame 6" in selector.text()
         # restart: a new node of the same name, indices from 1
         fake.close()
         restarted = FakeMapper()
@@ -278,9 +285,9 @@ def test_outage_refusal_stall_and_restart(fake: FakeMapper, tmp_path: Path):
         selector.wait_log("frame 3: keep done")
     finally:
         log = assert_clean_exit(selector, "kept 3, dropped 2, refused 1, unanswered 1, unavailable 1, "
-                                          "superseded 0, restarts 1")
+                                          "superseded 1, restarts 1")
         if restarted is not None:
             restarted.close()
-    assert "frame index went back from 5 to 1" in log
+    assert "frame index went back from 6 to 1" in log
     assert "not available; waiting" in log and "services available again" in log
     assert "frame 1: keep (" not in log.split("frame index went back")[0]  # frame 1 was never decided
