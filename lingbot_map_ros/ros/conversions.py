@@ -159,7 +159,7 @@ def image_to_rgb(msg: Image, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray
     if kind == _MONO:
         return np.repeat(pixels, 3, axis=2)
     rgb = pixels[:, :, :3] if kind == _RGB else pixels[:, :, 2::-1]
-    return np.ascontiguousarray(rgb)
+    return np.array(rgb, order="C")  # always a copy: an unpadded rgb8 slice would still view msg.data
 
 
 def _uint16_plane(pixels: np.ndarray, bigendian: bool, height: int, width: int) -> np.ndarray:

@@ -59,6 +59,18 @@ def test_colour_encodings(rgb, encoding, pad):
     np.testing.assert_array_equal(out, rgb)
 
 
+@pytest.mark.parametrize("encoding,bpp", [("rgb8", 3), ("rgba8", 4), ("bgr8", 3), ("mono8", 1), ("mono16", 2),
+                                          ("yuv422", 2), ("bayer_rggb8", 1), ("bayer_bggr16", 2)])
+def test_result_is_a_copy_not_a_view_of_the_message(encoding, bpp):
+    data = np.random.default_rng(RNG_SEED).integers(0, 256, 4 * 6 * bpp, dtype=np.uint8)
+    msg = Image(height=4, width=6, encoding=encoding, step=6 * bpp, data=data.tobytes())
+    out = cv.image_to_rgb(msg)
+    assert out.flags.owndata and out.flags.writeable and out.flags.c_contiguous
+    before = out.copy()
+    msg.data[0] ^= 0xFF  # the message's own buffer (array.array) changes after conversion
+    np.testing.assert_array_equal(out, before)
+
+
 @pytest.mark.parametrize("pad", [0, 5])
 @pytest.mark.parametrize("encoding", ["mono8", "8UC1"])
 def test_mono8(encoding, pad):
