@@ -150,6 +150,7 @@ class Settings:
 def configure(args: argparse.Namespace) -> Settings:
     """Resolve and check everything the flags decide, before any file is read or written."""
     from ..config import ConfigError, ModelConfig, StreamConfig, load_json
+    from ..io.atomic import check_destination
     from ..io.results import DepthPolicy
     from ..io.sources import Selection
     from ..stream.long_stream import LongStreamConfig
@@ -183,6 +184,12 @@ def configure(args: argparse.Namespace) -> Settings:
             raise UserError(f"{flag} must be at least {low}, got {value}")
     if args.ply and args.no_depth:
         raise UserError("--ply needs depth; drop --no-depth")
+    for flag, path in (("--out", args.out), ("--trajectory", args.trajectory), ("--ply", args.ply)):
+        if path is not None:
+            try:
+                check_destination(path)
+            except OSError as exc:
+                raise UserError(f"{flag}: {exc}") from None
     if args.out_bag is not None and args.out_bag.exists():
         raise UserError(f"--out-bag {args.out_bag} exists already (a bag is not overwritten)")
     conf = _node_default("conf_threshold") if args.conf_threshold is None else args.conf_threshold
@@ -442,7 +449,7 @@ def run(args: argparse.Namespace, observer: Callable[[int], None] | None = None)
             detail = f"; {replay.dropped} dropped, the first: {replay.first_problem}" if replay.dropped else ""
             raise UserError(f"only {replay.pushed} frame(s) reached the model, fewer than the {s0} scale frames "
                             f"it needs{detail}")
-    except (UserError, SourceError, CacheError) as exc:
+    except (UserError, SourceError, CacheError, OSError) as exc:  # OSError: a full disk, a folder not writable
         raise UserError(_with_partial(_explain(exc), outputs.abort())) from None
     except KeyboardInterrupt:
         kept = outputs.abort()

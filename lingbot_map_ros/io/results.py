@@ -16,8 +16,10 @@
 
 Files get their final name only when complete: while a run goes on they are
 ``<name>.partial`` (the chunk folder ``<name>.chunks.partial``); ``close()`` flushes,
-fsyncs and renames them (``os.replace``); ``abort()`` finishes them as far as they go
-and leaves them under the ``.partial`` names, which it returns. Frames and units are
+fsyncs and renames them (``os.replace``, the folder fsync-ed; npz files through
+``atomic.atomic_write``); ``abort()`` finishes them as far as they go and leaves them
+under the ``.partial`` names, which it returns. A destination that is a link, a folder
+or a special file is refused (``atomic.UnsafeDestinationError``). Frames and units are
 the caller's (the replay writes the model's OpenCV world, model units).
 """
 from __future__ import annotations
@@ -28,11 +30,12 @@ import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Iterator
 
 import numpy as np
 
 from ..geometry import matrix_to_quaternion
+from .atomic import atomic_write, check_destination, fsync_directory
 
 PARTIAL = ".partial"
 
@@ -42,35 +45,38 @@ def partial_path(path: Path) -> Path:
     return path.with_name(path.name + PARTIAL)
 
 
-def fsync_dir(directory: Path) -> None:
-    """Make a rename inside ``directory`` durable (a no-op where directories cannot be opened)."""
+def open_partial(final: Path, text: bool = False):
+    """A new file ``<final>.partial`` for writing (an earlier run's is replaced; links are not followed).
+
+    Raises:
+        UnsafeDestinationError: ``final`` itself is a link, a folder or a special file.
+    """
+    check_destination(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    path = partial_path(final)
     try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
+        if not path.is_dir():
+            path.unlink()
+    except FileNotFoundError:
         pass
-    finally:
-        os.close(fd)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+    return os.fdopen(fd, "w", encoding="ascii") if text else os.fdopen(fd, "w+b")
 
 
-def finish_file(handle: BinaryIO, final: Path) -> None:
+def finish_file(handle, final: Path) -> None:
     """Flush, fsync and close ``handle`` (open on ``partial_path(final)``), then rename it to ``final``."""
     handle.flush()
     os.fsync(handle.fileno())
     handle.close()
+    check_destination(final)
     os.replace(partial_path(final), final)
-    fsync_dir(final.parent)
+    fsync_directory(final.parent)
 
 
 def save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
-    """``np.savez`` into a temporary file of the same folder, fsync, rename to ``path``."""
+    """``np.savez`` written crash-safely to ``path`` (``atomic.atomic_write``)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(partial_path(path), "wb") as f:
-        np.savez(f, **arrays)
-        finish_file(f, path)
+    atomic_write(path, lambda f: np.savez(f, **arrays))
 
 
 # ----------------------------------------------------------------------------- TUM
@@ -80,8 +86,7 @@ class TumStreamWriter:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(partial_path(self.path), "w", encoding="ascii")
+        self._file = open_partial(self.path, text=True)
         self._file.write("# timestamp tx ty tz qx qy qz qw\n")
         self.count = 0
 
@@ -113,8 +118,7 @@ class PlyStreamWriter:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(partial_path(self.path), "wb")
+        self._file = open_partial(self.path)
         self._file.write(self._header(0))
         self.count = 0
 
@@ -211,6 +215,7 @@ class PredictionStore:
         if chunk_frames < 1:
             raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
         self.path = Path(path)
+        check_destination(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.policy, self.chunk_frames = depth, chunk_frames
         self._columns = {name: _Column(shape, dtype) for name, (shape, dtype) in _SMALL.items()}
@@ -276,7 +281,7 @@ class PredictionStore:
             if self.chunk_dir.exists():
                 shutil.rmtree(self.chunk_dir)  # the previous run's chunks: this npz replaces them
             os.replace(partial_path(self.chunk_dir), self.chunk_dir)
-            fsync_dir(self.chunk_dir.parent)
+            fsync_directory(self.chunk_dir.parent)
             written.append(self.chunk_dir)
         save_npz_atomic(self.path, self._arrays())
         return [self.path, *written]
@@ -285,7 +290,7 @@ class PredictionStore:
         """Write what there is as ``<name>.partial`` (chunks stay in ``<name>.chunks.partial``)."""
         if self._chunks and self._buffer:
             self._flush_chunk()
-        with open(partial_path(self.path), "wb") as f:
+        with open_partial(self.path) as f:
             np.savez(f, **self._arrays(partial_path(self.chunk_dir).name))
         kept = [partial_path(self.path)]
         return kept + ([partial_path(self.chunk_dir)] if self._chunks else [])
@@ -323,5 +328,5 @@ def iter_depth(path: str | Path, chunks: np.ndarray | None = None) -> Iterator[t
             yield chunk["depth_frames"], chunk["depth"], chunk["depth_conf"]
 
 
-__all__ = ["PARTIAL", "partial_path", "finish_file", "save_npz_atomic", "fsync_dir", "TumStreamWriter",
+__all__ = ["PARTIAL", "partial_path", "open_partial", "finish_file", "save_npz_atomic", "TumStreamWriter",
            "PlyStreamWriter", "DepthPolicy", "PredictionStore", "load_predictions", "iter_depth"]

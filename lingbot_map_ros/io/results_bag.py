@@ -33,7 +33,8 @@ from pathlib import Path
 import numpy as np
 
 from ..geometry import matrix_to_quaternion, rotate
-from .results import fsync_dir, partial_path
+from .atomic import fsync_directory
+from .results import partial_path
 
 OPTICAL_TO_REP103 = np.array([[0.0, 0.0, 1.0, 0.0],  # map x (forward) = optical z
                               [-1.0, 0.0, 0.0, 0.0],  # map y (left) = -optical x
@@ -222,7 +223,7 @@ class ResultsBagWriter:
             shutil.rmtree(final)  # an earlier run's partial bag
         os.replace(inner, final)  # fails, keeping the bag in the hidden folder, if ``path`` appeared meanwhile
         self._work.rmdir()
-        fsync_dir(final.parent)
+        fsync_directory(final.parent)
         return final
 
     def close(self) -> Path:

@@ -173,13 +173,13 @@ class BagSource:
         try:
             msg = reader.deserialize(raw, msgtype)
         except Exception as exc:  # truncated or corrupt CDR data
-            return SourceFrame(log_time, name, None, f"cannot deserialize {msgtype}: {_reason(exc)}")
+            return SourceFrame(log_time, name, None, f"{name}: cannot deserialize {msgtype}: {_reason(exc)}")
         stamp = stamp_ns(msg.header) or log_time
         frame_id = msg.header.frame_id or DEFAULT_CAMERA_FRAME
         try:
             rgb = message_to_rgb(msg, msgtype)
         except ImageDecodeError as exc:
-            return SourceFrame(stamp, name, None, str(exc), frame_id)
+            return SourceFrame(stamp, name, None, f"{name}: {exc}", frame_id)
         return SourceFrame(stamp, name, rgb, None, frame_id)
 
 
@@ -276,7 +276,7 @@ class VideoSource:
                 except av.FFmpegError as exc:
                     t = float(packet.pts * stream.time_base) if packet.pts is not None else (last_t or 0.0)
                     yield SourceFrame(round(max(t, 0.0) * NS), f"packet at {t:.3f} s", None,
-                                      f"undecodable video packet: {_reason(exc)}")
+                                      f"{self.path}: undecodable packet at {t:.3f} s: {_reason(exc)}")
                     continue
                 for frame in decoded:
                     t = frame.time if frame.time is not None else (
