@@ -18,6 +18,7 @@ setup(
     extras_require={
         "gpu": ["flashinfer-python"],
         "hub": ["huggingface_hub"],
+        "offline": ["rosbags", "av", "tqdm"],  # lingbot-map-replay --bag / --video, progress bar
         "test": ["pytest"],
     },
     entry_points={
@@ -26,6 +27,7 @@ setup(
             "lingbot-map-demo = lingbot_map_ros.cli.demo:main",
             "lingbot_map_node = lingbot_map_ros.ros.node:main",
             "image_folder_publisher = lingbot_map_ros.ros.image_folder_publisher:main",
+            "keyframe_selector = lingbot_map_ros.ros.keyframe_selector:main",
         ],
     },
 )

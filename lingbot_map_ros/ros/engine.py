@@ -42,7 +42,7 @@ import numpy as np
 
 from ..config import SPECIAL_TOKENS
 from ..geometry import unproject_pixels
-from ..io.export import write_ply, write_tum
+from ..io.map_save import MapSaveError, save_map_pair
 from ..io.preprocess import PATCH_SIZE, input_size, model_input, target_size
 from ..cache.pages import CacheFullError
 from ..stream.session import FrameMismatchError, FrameResult, SessionError
@@ -816,21 +816,19 @@ class SaveSnapshot:
 
 def write_map_files(snapshot: SaveSnapshot, directory: str, output_directory: str,
                     timeout: float) -> tuple[Path, Path]:
-    """Write ``snapshot`` as PLY + TUM into ``directory`` (any thread; see ``save_snapshot``)."""
+    """Write ``snapshot`` as one crash-safe PLY + TUM pair (``io.map_save.save_map_pair``): ``directory``
+    empty = ``output_directory``, relative = under it (may not leave it), absolute = as given; an empty
+    map is refused and existing files stay as they were (any thread; see ``save_snapshot``)."""
     if not snapshot.map.wait(timeout):
         raise SaveError("the output thread did not catch up in time; try again")
     if snapshot.map.error is not None:
         raise SaveError(f"cannot take the map: {snapshot.map.error}")
     points, colors, _ = snapshot.map.result
-    out = Path(directory or output_directory).expanduser().resolve()
     try:
-        out.mkdir(parents=True, exist_ok=True)
-        ply, tum = out / MAP_FILE, out / TRAJECTORY_FILE
-        write_ply(ply, points, colors)
-        write_tum(tum, snapshot.stamps, snapshot.poses)
-    except OSError as exc:
-        raise SaveError(f"cannot write to {out}: {exc}") from None
-    return ply, tum
+        return save_map_pair(directory, output_directory, points, colors, snapshot.stamps, snapshot.poses,
+                             map_name=MAP_FILE, trajectory_name=TRAJECTORY_FILE)
+    except MapSaveError as exc:
+        raise SaveError(str(exc)) from None
 
 
 def _check_resize(shape: tuple[int, ...], width: int) -> None:

@@ -111,9 +111,11 @@ def forged_png(width: int, height: int) -> bytes:
 # sequence (engine._process): bytes per pixel by supported encoding; the model input is
 # WIDTH x min(round(h * WIDTH / w / 14) * 14, WIDTH) and must equal the sequence's.
 BYTES_PER_PIXEL = {"rgb8": 3, "rgba8": 4, "bgr8": 3, "bgra8": 4, "8UC3": 3, "8UC4": 4, "mono8": 1, "8UC1": 1,
-                   "mono16": 2, "16UC1": 2, "yuv422": 2, "uyvy": 2, "yuv422_yuy2": 2, "yuyv": 2}
+                   "mono16": 2, "yuv422": 2, "uyvy": 2, "yuv422_yuy2": 2, "yuyv": 2,
+                   **{f"bayer_{p}{b}": b // 8 for p in ("rggb", "bggr", "gbrg", "grbg") for b in (8, 16)}}
 YUV = {"yuv422", "uyvy", "yuv422_yuy2", "yuyv"}
-UNSUPPORTED = ["32FC1", "32FC3", "64FC1", "16SC1", "8SC3", "bayer_rggb8", "bayer_grbg16", "RGB8", "Rgb8", "rgb16",
+BAYER = {e for e in BYTES_PER_PIXEL if e.startswith("bayer_")}
+UNSUPPORTED = ["32FC1", "32FC3", "64FC1", "16SC1", "8SC3", "16UC1", "bayer_rggb12", "RGB8", "Rgb8", "rgb16",
                "bgr16", "rgba16", "jpeg", "png", "nv12", "", " rgb8", "rgb8 ", "rgb8\u00e9", "mono 8", "x" * 3000]
 
 
@@ -125,7 +127,8 @@ def size_outcome(width: int, height: int) -> str:
 def raw_outcome(width: int, height: int, encoding: str, step: int, size: int) -> str:
     bpp = BYTES_PER_PIXEL.get(encoding)
     if bpp is None or width == 0 or height == 0 or width * height > MAX_PIXELS or step < width * bpp \
-            or size < step * height or (encoding in YUV and width % 2):
+            or size < step * height or (encoding in YUV and width % 2) \
+            or (encoding in BAYER and (width < 2 or height < 2)):
         return REJECT
     return size_outcome(width, height)
 

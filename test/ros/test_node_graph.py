@@ -371,7 +371,7 @@ def _bad_messages(stamp_fn) -> list[tuple[str, Image]]:
     good = generated_frames(1, seed=5)[0]
     bad = []
     msg = image_msg(good, stamp_fn())
-    msg.encoding = "bayer_rggb16"
+    msg.encoding = "bayer_rggb12"
     bad.append(("unsupported encoding", msg))
     msg = image_msg(good, stamp_fn())
     msg.step = msg.width  # rgb8 needs 3 bytes a pixel
