@@ -329,6 +329,14 @@ def test_reset_and_save_map(model, tmp_path):
     assert (c.frames_received, c.frames_processed) == (0, 0)
     assert len(engine.map) == 0 and len(engine.trajectory) == 0 and session.frames_pushed == 0
     assert sink.statuses[-1][0].state == State.WAITING_FOR_IMAGES
+    before = (ply.read_bytes(), tum.read_bytes())
+    with pytest.raises(SaveError, match="empty"):  # before: an empty map silently replaced the saved one
+        engine.save_map(str(tmp_path / "out"))
+    assert (ply.read_bytes(), tum.read_bytes()) == before
+    for i in range(3):
+        feed(engine, imgs[i], 200.0 + i)
+    with pytest.raises(SaveError, match="outside output_directory"):  # a relative path may not leave it
+        engine.save_map("../../..")
     off, _, _, _ = make_engine(model, accumulate_map=False)
     with pytest.raises(SaveError, match="accumulate_map"):
         off.save_map(str(tmp_path))
