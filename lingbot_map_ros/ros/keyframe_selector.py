@@ -3,13 +3,16 @@
     ros2 run lingbot_map_ros keyframe_selector --ros-args -p target_node:=/lingbot_map
     # the mapping node with the decision hold:  -p keyframe_decision_timeout:=0.5
 
-For each stored frame announced on ``<target_node>/frame`` (lingbot_map_ros/FrameInfo)
-it decides keep or drop and calls ``<target_node>/commit_eviction`` (keep) or
-``<target_node>/rollback_last_frame`` (drop) with ``expected_frame_index`` = the frame's
-index. Rules, in order (``KeyframePolicy``; translation in map units, rotation in degrees,
-both measured by the node from the last stored keyframe):
+For each frame that the node holds for a decision (``decision_pending``) announced on
+``<target_node>/frame`` (lingbot_map_ros/FrameInfo) it decides keep or drop and calls
+``<target_node>/commit_eviction`` (keep) or ``<target_node>/rollback_last_frame`` (drop) with
+``expected_frame_index`` = the frame's index. Frames the node stores without a hold (the scale
+frames at the start, a new window's re-fed frames) only become the reference of the next
+decisions; ``decide_unheld`` decides them too, for a node without the hold. Rules, in order
+(``KeyframePolicy``; translation in map units, rotation in degrees, both measured by the node
+from the last stored keyframe):
 
-1. the first frame after start or a reset is kept (there is nothing to compare it with);
+1. kept if no keyframe was seen since start or a reset (there is nothing to compare with);
 2. a frame whose ``valid_fraction`` (share of confident pixels) is below
    ``min_valid_fraction`` is dropped: blur, a blank wall or an occluded lens would put
    poor tokens into the context of every later frame;
@@ -84,6 +87,10 @@ class KeyframePolicy:
     def reset(self) -> None:
         self.reference_valid_fraction = None
 
+    def note_keyframe(self, valid_fraction: float) -> None:
+        """A frame the node stored without asking (e.g. a scale frame) is the reference from now on."""
+        self._keep(valid_fraction, "stored by the node")
+
     def decide(self, translation: float, rotation_deg: float, valid_fraction: float) -> Decision:
         """Decide about one stored frame; a keep makes it the reference of the next ones."""
         t, ref = self.thresholds, self.reference_valid_fraction
@@ -121,6 +128,9 @@ PARAMS = {
                                       0.0, 1.0)),
     "confidence_drop": (0.25, _desc("Keep a frame whose valid fraction fell by more than this share below the "
                                     "last keyframe's (0..1; 0 = off)", 0.0, 1.0)),
+    "decide_unheld": (False, _desc("Also decide stored frames the node does not hold (a node with "
+                                   "keyframe_decision_timeout 0; a drop may then come after the next frame and be "
+                                   "refused); false: they are only references, as the node's scale frames should be")),
     "service_timeout": (1.0, _desc("Seconds a frame waits for the services, and a call for its answer", 0.01, 60.0)),
     "summary_period": (30.0, _desc("Seconds between the info summaries of the counters (0 = only at exit)",
                                    0.0, 86400.0)),
@@ -148,7 +158,7 @@ class KeyframeSelector(Node):
                              f"{p['target_node']!r} ({str(exc).splitlines()[0].rstrip(':')})") from None
         self.policy = KeyframePolicy(Thresholds(p["min_translation"], p["min_rotation_deg"],
                                                 p["min_valid_fraction"], p["confidence_drop"]))
-        self.timeout = p["service_timeout"]
+        self.timeout, self.decide_unheld = p["service_timeout"], p["decide_unheld"]
         self.counts: Counter[str] = Counter()
         self._logged: Counter[str] = Counter()
         self._waiting: tuple[FrameInfo, float] | None = None  # the frame to decide next, its arrival time
@@ -162,7 +172,8 @@ class KeyframeSelector(Node):
         self.create_timer(TIMER_PERIOD, self._on_timer)
         if p["summary_period"] > 0:
             self.create_timer(p["summary_period"], self.log_summary)
-        self.get_logger().info(f"deciding keyframes of {target}: {self.policy.thresholds}")
+        which = "every stored frame" if self.decide_unheld else "the frames it holds"
+        self.get_logger().info(f"deciding keyframes of {target} ({which}): {self.policy.thresholds}")
 
     def _on_frame(self, msg: FrameInfo) -> None:
         index = int(msg.frame_index)
@@ -175,6 +186,10 @@ class KeyframeSelector(Node):
         self._last_index = index
         if not msg.stored:
             return  # not in the cache: nothing to keep or roll back
+        if not (msg.decision_pending or self.decide_unheld):
+            self.get_logger().debug(f"frame {index}: stored without a hold; the reference of the next decisions")
+            self.policy.note_keyframe(msg.valid_fraction)
+            return
         if self._waiting is not None:
             self.get_logger().debug(f"frame {self._waiting[0].frame_index}: not sent, replaced by frame {index}")
             self.counts["superseded"] += 1

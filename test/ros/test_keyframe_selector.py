@@ -83,8 +83,10 @@ class FakeMapper:
         self.gate = threading.Event()
         self.gate.set()
         self.requests: list[tuple[int, str, bool]] = []
-        self.held: tuple[int, float, float] | None = None  # (index, x, yaw) of the frame awaiting a decision
-        self.keyframe: tuple[float, float] | None = None   # (x, yaw) of the last kept frame
+        self.held: tuple[int, float, float] | None = None  # (index, x, yaw) of the frame a decision may name
+        self.keyframe: tuple[float, float] | None = None   # (x, yaw) of the last stored keyframe
+        self.unheld_previous: tuple[float, float] | None = None  # the keyframe before an unheld stored frame
+        self.unheld = False                                # held names a frame stored without a hold
         self.services: list = []
         self.open_services()
         self.executor = SingleThreadedExecutor(context=self.context)
@@ -123,8 +125,10 @@ class FakeMapper:
                 ok = self.held is not None and expected == self.held[0]
                 response.success = ok
                 response.message = "ok" if ok else f"frame {expected} is not the frame awaiting a decision"
-                if ok and kind == "keep":
+                if ok and kind == "keep" and not self.unheld:
                     self.keyframe = self.held[1:]
+                if ok and kind == "drop" and self.unheld:  # rolled back: the keyframe before it again
+                    self.keyframe = self.unheld_previous
                 if ok:
                     self.held = None
                 self.requests.append((expected, kind, ok))
@@ -133,8 +137,10 @@ class FakeMapper:
         return serve
 
     def publish(self, index: int, x: float, yaw: float, valid: float, stored: bool = True, pending: bool = True,
-                hold: bool = True) -> None:
-        """Publish frame ``index``; ``hold`` = False: announce it but hold no frame (its decision is refused)."""
+                accept: bool = True) -> None:
+        """Publish frame ``index``: stored and held (``pending``), stored without a hold (a keyframe at once,
+        as the node's scale frames), or not stored. ``accept`` = False: refuse any decision about it
+        (as after the node's own hold timed out)."""
         with self.cond:
             kx, kyaw = self.keyframe if self.keyframe is not None else (x, yaw)
             msg = FrameInfo(frame_index=index, stored=stored, decision_pending=pending and stored,
@@ -143,8 +149,10 @@ class FakeMapper:
             msg.pose.position.x = x
             half = math.radians(yaw) / 2  # the pose: for show, the selector reads the distances
             msg.pose.orientation.z, msg.pose.orientation.w = math.sin(half), math.cos(half)
-            if stored and hold:
-                self.held = (index, x, yaw)
+            if stored and not pending:
+                self.unheld_previous, self.keyframe = self.keyframe, (x, yaw)
+            if stored:
+                self.held, self.unheld = ((index, x, yaw) if accept else None), not pending
         self.pub.publish(msg)
 
     def apply_default_keep(self) -> None:
@@ -162,13 +170,14 @@ class FakeMapper:
 class Selector:
     """The selector process; its stdout and stderr go to a log file."""
 
-    def __init__(self, log: Path, *cmd: str) -> None:
+    def __init__(self, log: Path, cmd: list[str], *params: str) -> None:
         self.log = log
+        args = [a for p in (f"target_node:={FAKE}", f"service_timeout:={SERVICE_TIMEOUT}", "summary_period:=0.5",
+                            *params) for a in ("-p", p)]
         with open(log, "w") as out:
             self.proc = subprocess.Popen(
-                [sys.executable, *cmd, "--ros-args", "-p", f"target_node:={FAKE}", "-p",
-                 f"service_timeout:={SERVICE_TIMEOUT}", "-p", "summary_period:=0.5", "--log-level",
-                 "keyframe_selector:=debug"], env=dict(os.environ), cwd=REPO, stdout=out,
+                [sys.executable, *cmd, "--ros-args", *args, "--log-level", "keyframe_selector:=debug"],
+                env=dict(os.environ), cwd=REPO, stdout=out,
                 stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
 
     def text(self) -> str:
@@ -205,45 +214,50 @@ def assert_clean_exit(selector: Selector, summary: str) -> str:
 
 
 # (index, x, yaw_deg, valid_fraction, stored, pending, expected); thresholds: defaults 0.10, 10 deg,
-# floor 0.3, confidence drop 0.25; distances are from the last KEPT frame.
+# floor 0.3, confidence drop 0.25; distances are from the last stored keyframe.
 TRAJECTORY = [
-    (1, 0.00, 0.0, 0.90, True, True, "keep"),    # first frame
-    (2, 0.04, 0.0, 0.90, True, True, "drop"),    # 0.04 from frame 1
-    (3, 0.06, 0.0, 0.90, False, False, None),    # not stored: no call
-    (4, 0.08, 0.0, 0.88, True, True, "drop"),    # 0.08
-    (5, 0.12, 0.0, 0.90, True, True, "keep"),    # moved 0.12
-    (6, 0.15, 4.0, 0.85, True, True, "drop"),    # 0.03, 4 deg
-    (7, 0.16, 11.0, 0.85, True, True, "keep"),   # turned 11 deg
-    (8, 0.60, 12.0, 0.20, True, True, "drop"),   # moved 0.44 but unreliable (0.20 < 0.3)
-    (9, 0.18, 13.0, 0.60, True, True, "keep"),   # confidence dropped: 0.60 < 0.75 x 0.85
-    (10, 0.19, 13.0, 0.55, True, True, "drop"),  # 0.55 >= 0.75 x 0.60
-    (11, 0.19, 13.0, 0.44, True, True, "keep"),  # 0.44 < 0.45
-    (12, 0.25, 13.0, 0.50, True, False, "drop"),  # no hold (stored, not pending): decided all the same
-    (13, 0.30, 13.0, 0.50, True, False, "keep"),  # moved 0.11
+    (1, 0.00, 0.0, 0.90, True, False, None),     # scale frames: stored without a hold, not decided,
+    (2, 0.02, 0.0, 0.85, True, False, None),     # the reference of the first decision
+    (3, 0.06, 0.0, 0.90, True, True, "drop"),    # 0.04 from frame 2: no "first frame" keep
+    (4, 0.08, 0.0, 0.90, False, False, None),    # not stored: no call
+    (5, 0.10, 0.0, 0.88, True, True, "drop"),    # 0.08
+    (6, 0.14, 0.0, 0.85, True, True, "keep"),    # moved 0.12
+    (7, 0.17, 4.0, 0.85, True, True, "drop"),    # 0.03, 4 deg
+    (8, 0.18, 11.0, 0.85, True, True, "keep"),   # turned 11 deg
+    (9, 0.60, 12.0, 0.20, True, True, "drop"),   # moved 0.42 but unreliable (0.20 < 0.3)
+    (10, 0.20, 13.0, 0.60, True, True, "keep"),  # confidence dropped: 0.60 < 0.75 x 0.85
+    (11, 0.21, 13.0, 0.55, True, True, "drop"),  # 0.55 >= 0.75 x 0.60
+    (12, 0.21, 13.0, 0.44, True, True, "keep"),  # 0.44 < 0.45
+    (13, 0.27, 13.0, 0.50, True, True, "drop"),  # 0.06
+    (14, 0.32, 13.0, 0.50, True, True, "keep"),  # moved 0.11
 ]
 
 
 def test_decisions_follow_the_thresholds(fake: FakeMapper, tmp_path: Path):
-    selector = Selector(tmp_path / "selector.log", "scripts/keyframe_selector")
+    selector = Selector(tmp_path / "selector.log", ["scripts/keyframe_selector"])
     try:
         fake.wait_for_selector()
-        for index, x, yaw, valid, stored, pending, _ in TRAJECTORY:
+        for index, x, yaw, valid, stored, pending, want in TRAJECTORY:
             fake.publish(index, x, yaw, valid, stored, pending)
-            if stored:
+            if want is not None:
                 fake.wait_request(index)
-        selector.wait_log("frame 13: keep done")  # the last answer is in: the counters are final
-        selector.wait_log("]: summary: kept 6, dropped 6, refused 0", timeout=5.0)  # the periodic summary
+            elif stored:
+                selector.wait_log(f"frame {index}: stored without a hold")
+        selector.wait_log("frame 14: keep done")  # the last answer is in: the counters are final
+        selector.wait_log("]: summary: kept 5, dropped 6, refused 0", timeout=5.0)  # the periodic summary
     finally:
-        log = assert_clean_exit(selector, "kept 6, dropped 6, refused 0, unanswered 0, unavailable 0, "
+        log = assert_clean_exit(selector, "kept 5, dropped 6, refused 0, unanswered 0, unavailable 0, "
                                           "superseded 0, restarts 0")
     expected = [(i, want, True) for i, *_, want in TRAJECTORY if want is not None]
     assert fake.requests == expected
-    assert "frame 9: keep (confidence dropped" in log and "frame 8: drop (unreliable" in log
+    assert "frame 10: keep (confidence dropped" in log and "frame 9: drop (unreliable" in log
+    assert "first frame" not in log  # the scale frames were the reference
 
 
 def test_outage_refusal_stall_and_restart(fake: FakeMapper, tmp_path: Path):
     fake.close_services()  # a node still starting: its services do not exist yet
-    selector = Selector(tmp_path / "selector.log", "-m", "lingbot_map_ros.ros.keyframe_selector")
+    selector = Selector(tmp_path / "selector.log", ["-m", "lingbot_map_ros.ros.keyframe_selector"],
+                        "decide_unheld:=true")
     restarted = None
     try:
         wait_for(lambda: fake.pub.get_subscription_count() >= 1, "the selector's subscription")
@@ -256,7 +270,7 @@ def test_outage_refusal_stall_and_restart(fake: FakeMapper, tmp_path: Path):
         fake.publish(2, 0.01, 0.0, 0.9)  # the selector's first decision: kept whatever it shows
         assert fake.wait_request(2) == (2, "keep", True)
         # refused: the fake holds no frame (as after its own hold timed out)
-        fake.publish(3, 0.5, 0.0, 0.9, hold=False)
+        fake.publish(3, 0.5, 0.0, 0.9, accept=False)
         assert fake.wait_request(3) == (3, "keep", False)
         selector.wait_log("frame 3: keep refused")
         # stalled: the call about frame 4 gets no answer in time and is given up; meanwhile frame 5
@@ -275,12 +289,13 @@ def test_outage_refusal_stall_and_restart(fake: FakeMapper, tmp_path: Path):
         assert fake.wait_request(4) == (4, "keep", False)
         selector.wait_log("frame 4: late answer to keep (success=False")
         assert not any(r[0] == 5 for r in fake.requests) and "frame 5: not sent, replaced by frame 6" in selector.text()
-        # restart: a new node of the same name, indices from 1
+        # restart: a new node of the same name, indices from 1; with decide_unheld, a frame stored
+        # without a hold is decided too (here: the first after the restart, kept)
         fake.close()
         restarted = FakeMapper()
         restarted.wait_for_selector()
-        for index, x, want in [(1, 5.0, "keep"), (2, 5.05, "drop"), (3, 5.2, "keep")]:
-            restarted.publish(index, x, 0.0, 0.9)
+        for index, x, pending, want in [(1, 5.0, False, "keep"), (2, 5.05, True, "drop"), (3, 5.2, True, "keep")]:
+            restarted.publish(index, x, 0.0, 0.9, pending=pending)
             assert restarted.wait_request(index) == (index, want, True)
         selector.wait_log("frame 3: keep done")
     finally:

@@ -78,6 +78,18 @@ def test_zero_turns_the_confidence_rules_off():
     assert policy.decide(0.2, 0.0, 0.0).keep        # no floor: a moved frame is kept at any confidence
 
 
+def test_a_frame_stored_by_the_node_is_the_reference():
+    policy = KeyframePolicy(T)
+    policy.note_keyframe(0.8)  # e.g. a scale frame: the first decision is no "first frame" any more
+    decision = policy.decide(0.01, 0.0, 0.7)
+    assert not decision.keep and decision.reason.startswith("too close")
+    assert policy.decide(0.0, 0.0, 0.59).keep     # 0.59 < 0.75 x 0.8
+    policy.note_keyframe(0.2)
+    assert policy.reference_valid_fraction == pytest.approx(0.2)
+    policy.note_keyframe(math.nan)
+    assert policy.reference_valid_fraction == 0.0  # never NaN: later comparisons stay defined
+
+
 def test_reset_makes_the_next_frame_a_first_frame():
     policy = started()
     assert not policy.decide(0.0, 0.0, 0.8).keep
