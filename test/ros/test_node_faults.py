@@ -496,8 +496,11 @@ def nodes(tmp_path_factory, fixtures):
     tmp = tmp_path_factory.mktemp("faults")
     params = {**FAULT_PARAMS, "checkpoint": str(fixtures / "weights.safetensors"),
               "model_config": str(fixtures / "config.json"), "output_directory": str(tmp / "out")}
-    raw = write_params_file(tmp / "raw.yaml", params)
-    comp = write_params_file(tmp / "compressed.yaml", {**params, "input_transport": "compressed"})
+    # each node its own TF child: two mapping nodes claiming one frame would feed each other's
+    # TF listener stamps from the past (TF_OLD_DATA), a set-up error of its own
+    raw = write_params_file(tmp / "raw.yaml", {**params, "camera_tf_frame": "fuzz_raw_lingbot"})
+    comp = write_params_file(tmp / "compressed.yaml", {**params, "input_transport": "compressed",
+                                                       "camera_tf_frame": "fuzz_compressed_lingbot"})
     os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
     os.environ["ROS_DOMAIN_ID"] = str(DOMAIN_ID)
     logs = {RAW: tmp / "raw.log", COMP: tmp / "compressed.log"}
