@@ -6,6 +6,7 @@
 # here by benchmarks/node_latency_bundle.sh):
 #
 #   bash benchmarks/node_latency.sh [--frames 300] [--rate 15] [--heights "378 294"]
+#   bash benchmarks/node_latency.sh --frames 300 --rate 15 --heights 378 --compare-selector
 #
 # What it does, all offline:
 #   1. installs FlashInfer into /tmp/site, unpacks the ROS 2 bundle into /tmp/lingbot_ros
@@ -19,10 +20,18 @@
 #      back (model load, FlashInfer JIT ~90 s on a fresh machine, CUDA-graph capture,
 #      window filling: excluded), then publishes --frames frames at --rate Hz and
 #      measures image header stamp -> pose received (same clock).
+#      With --keyframe-selector the demo also starts the reference keyframe client
+#      (lingbot_map_ros/ros/keyframe_selector.py) against the node before the warm-up and sets
+#      the node's decision hold (keyframe_decision_timeout = --decision-timeout, default 0.5 s:
+#      each stored frame after the scale frames waits for the selector's keep/drop before the
+#      next frame is stored); --compare-selector runs each height without, then with it.
 # Results in $OUT (default ./node_latency_out), few files (the device tool returns at most
 # 8): node_latency_518xH.json per height (latency median/p95/p99/max, frames
 # published/processed/dropped, output rate, the node's own per-frame model/total times,
-# window restarts, GPU memory), node_latency.log (this script's output, env included) and
+# window restarts, GPU memory; the run's commit, device, command and date), with the selector
+# node_latency_518xH_selector.json (the same, plus the node's decisions kept/dropped/timed
+# out/refused over the timed part, the decision round trip and the frames that waited behind
+# a hold, defined in lingbot_map_ros/cli/demo_selector.py), node_latency.log (this script's output, env included) and
 # logs.tar.gz (env.txt, per run: node.log, publisher logs, params.yaml; the run folders
 # themselves are under $RUNS, default /tmp/node_latency_runs). Each run is bounded so that
 # the whole script ends before --deadline seconds (default 560); a height that no longer
@@ -40,6 +49,10 @@
 #               parts, CPU per thread) and keep its report as node_probe_518xH.json in $OUT
 #   --simulate MS  the real node with a simulated MS-ms model step instead of the model (no GPU:
 #               tiny preset on cpu, --probe implied): the node's own overhead and frame losses
+#   --keyframe-selector  only the runs with the selector in the loop (files *_selector.json)
+#   --compare-selector   per height, a run without and one with the selector, back to back
+#               (a COMPARE line in the log: latency, output rate and drops with vs without)
+#   --decision-timeout S the node's keyframe_decision_timeout with the selector (default 0.5)
 #   --no-bundle (use this python's own ROS/FlashInfer: no install step)
 #   --cpu-smoke (a quick local check of this script: --no-bundle, tiny preset on cpu,
 #               width 98, heights 70, 12 frames at 5 Hz, 5 warm-up poses)
@@ -48,14 +61,17 @@
 # except those named above; with 80 warm-up + 300 timed frames the default window_frames
 # (320 stored frames) restarts the cache window once inside the timed part, as on a long
 # stream (the JSON counts window_restarts; --node-param window_frames=1000 avoids it).
-# PYTHON selects the interpreter (default python3).
+# PYTHON selects the interpreter (default python3). LINGBOT_COMMIT names the commit in the
+# results when the tree is not a git checkout (the device machine's copy may not be one).
 set -uo pipefail
+COMMAND="bash benchmarks/node_latency.sh${*:+ $*}"
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 OUT=${OUT:-./node_latency_out}
 PYTHON=${PYTHON:-python3}
 FRAMES=300 RATE=15 HEIGHTS="378" WIDTH=518 WARMUP=80 STARTUP_TIMEOUT=420 TIMEOUT=60 DEADLINE=560 INPUT_QOS=reliable
 DEVICE=cuda BACKEND=flashinfer-fa3 DTYPE=bf16 PRESET=lingbot-map BUNDLE=1 DDS_PROFILE=1 PROBE=0 SIM_MS=""
+SELECTOR_MODES="off" DECISION_TIMEOUT=0.5
 EXTRA=()
 while (( $# )); do
   case "$1" in
@@ -74,6 +90,9 @@ while (( $# )); do
     --no-bundle) BUNDLE=0; shift ;;
     --no-dds-profile) DDS_PROFILE=0; shift ;;
     --probe) PROBE=1; shift ;;
+    --keyframe-selector) SELECTOR_MODES="on"; shift ;;
+    --compare-selector) SELECTOR_MODES="off on"; shift ;;
+    --decision-timeout) DECISION_TIMEOUT=$2; shift 2 ;;
     --simulate) SIM_MS=$2 PROBE=1 PRESET=tiny DEVICE=cpu BACKEND=auto DTYPE=fp32; shift 2 ;;
     --cpu-smoke) BUNDLE=0 DEVICE=cpu BACKEND=auto DTYPE=fp32 PRESET=tiny WIDTH=98 HEIGHTS=70 FRAMES=12 RATE=5
                  WARMUP=5 STARTUP_TIMEOUT=120 DEADLINE=300; shift ;;
@@ -114,7 +133,8 @@ fi
 {
   echo "date: $(date -u +%FT%TZ)  host: $(hostname)  ROS_DOMAIN_ID=$ROS_DOMAIN_ID"
   echo "FASTDDS_DEFAULT_PROFILES_FILE=${FASTDDS_DEFAULT_PROFILES_FILE:-(unset)}"
-  echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo n/a)"
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || echo "${LINGBOT_COMMIT:-unknown}")"
+  echo "command: $COMMAND"
   "$PYTHON" - <<'EOF'
 import platform, sys
 print("python", sys.version.split()[0], platform.platform())
@@ -142,19 +162,35 @@ if ! timeout 60 "$PYTHON" benchmarks/ros_roundtrip.py; then
   say "ROS round trip failed; not running the node"; exit 1
 fi
 
+if [[ "$SELECTOR_MODES" == *on* ]] && ! "$PYTHON" -c \
+    'from lingbot_map_ros.msg import FrameInfo, Status; Status().decisions_kept' 2>/dev/null; then
+  say "the ROS interfaces lack FrameInfo or Status.decisions_*: rebuild the bundle (benchmarks/node_latency_bundle.sh)"
+  exit 1
+fi
+export LINGBOT_BENCH_COMMAND="$COMMAND"
+
 # ---- 3. runs ---------------------------------------------------------------------
 status=0
 last_run=0
+measured=" "  # the runs of this invocation that wrote their JSON
 for H in $HEIGHTS; do
+for SEL in $SELECTOR_MODES; do
   left=$(( DEADLINE - SECONDS ))
+  name="${WIDTH}x$H"
+  sel_args=()
+  sel_text=""
+  if [[ "$SEL" == on ]]; then
+    name="${name}_selector"
+    sel_args=(--keyframe-selector --decision-timeout "$DECISION_TIMEOUT")
+    sel_text=", keyframe selector in the loop (decision timeout $DECISION_TIMEOUT s)"
+  fi
   # A later run compiles nothing new (FlashInfer's JIT cache stays): ~60% of the first.
   if (( last_run > 0 && left < last_run * 6 / 10 + 30 )); then
-    say "skipping ${WIDTH}x$H: ${left} s left before --deadline $DEADLINE, the last run took ${last_run} s"
+    say "skipping $name: ${left} s left before --deadline $DEADLINE, the last run took ${last_run} s"
     status=1; continue
   fi
-  name="${WIDTH}x$H"
   say "run $name: $PRESET random weights, $DEVICE, $DTYPE, $BACKEND, $FRAMES frames at $RATE Hz after" \
-      "$WARMUP warm-up poses (limit ${left} s)"
+      "$WARMUP warm-up poses$sel_text (limit ${left} s)"
   start=$SECONDS
   probe_args=()
   if (( PROBE )); then
@@ -169,7 +205,7 @@ for H in $HEIGHTS; do
     --startup-timeout "$STARTUP_TIMEOUT" --timeout "$TIMEOUT" --no-save-map \
     --node-param map_voxel_size=0.01 --node-param input_qos="$INPUT_QOS" \
     --domain-id "$ROS_DOMAIN_ID" --out "$RUNS/$name" --json "$OUT/node_latency_$name.json" \
-    "${probe_args[@]}" "${EXTRA[@]}"
+    "${sel_args[@]}" "${probe_args[@]}" "${EXTRA[@]}"
   rc=$?
   last_run=$(( SECONDS - start ))
   if (( rc != 0 )); then
@@ -178,6 +214,7 @@ for H in $HEIGHTS; do
     status=1
     continue
   fi
+  measured+="$name "
   "$PYTHON" - "$OUT/node_latency_$name.json" "$last_run" <<'EOF'
 import json, sys
 d = json.load(open(sys.argv[1]))
@@ -189,7 +226,20 @@ print(f"node_latency: RESULT {d['setting']['frame_size'][0]}x{d['setting']['fram
       f"dropped {f['dropped_stale']} stale / {f['dropped_invalid']} invalid / {f['dropped_error']} error; "
       f"node model median {m.get('median')} ms, p95 {m.get('p95')}; window restarts {d['window_restarts']}; "
       f"first pose after {d['startup'].get('first_pose_s')} s; run {sys.argv[2]} s")
+dec = d.get("decisions")
+if dec:
+    n, rt, w = dec["node"], dec["round_trip_ms"], dec["hold_waits"]
+    print(f"node_latency: RESULT decisions (timed part): kept {n['kept']}, dropped {n['dropped']}, timed out "
+          f"{n['timed_out']}, refused {n['refused']}; round trip median {rt.get('median')} ms, p95 {rt.get('p95')}, "
+          f"max {rt.get('max')} (n {rt['n']}); {w['frames']} frame(s) waited behind a hold"
+          + (f" (median {w['ms']['median']} ms, max {w['ms']['max']})" if w["frames"] else "")
+          + f"; the selector's own counters (whole run): {dec['selector']}")
 EOF
+done
+  if [[ "$measured" == *" ${WIDTH}x$H "* && "$measured" == *" ${WIDTH}x${H}_selector "* ]]; then
+    "$PYTHON" benchmarks/node_latency_compare.py "$OUT/node_latency_${WIDTH}x$H.json" \
+      "$OUT/node_latency_${WIDTH}x${H}_selector.json"
+  fi
 done
 say "done (exit $status); results in $OUT"
 exit $status

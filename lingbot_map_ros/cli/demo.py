@@ -25,13 +25,23 @@ load, JIT compilation, CUDA-graph capture, filling the window; bounded by
 timed frames: only poses of images stamped after that point are measured.
 ``--json PATH`` writes the measurement (latency image stamp -> pose received
 median/p95/max, frames published/processed/dropped, output rate, the node's own
-per-frame times from its status messages).
+per-frame times from its status messages) and where it ran (commit, device, command, date).
+
+Keyframe selector in the loop: ``--keyframe-selector`` also starts the reference keyframe
+client (``lingbot_map_ros.ros.keyframe_selector``, parameters by ``--selector-param``) as a
+third process against the node, before the warm-up, and turns on the node's decision hold
+(``keyframe_decision_timeout`` = ``--decision-timeout``, default 0.5 s): each stored frame
+waits for the selector's keep/drop before the next one is stored. The JSON then also holds
+the node's decision counters over the timed part, the decision round trip and the frames
+that waited behind a hold (definitions in ``lingbot_map_ros/cli/demo_selector.py``).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import platform
+import shlex
 import signal
 import subprocess
 import sys
@@ -43,6 +53,8 @@ from pathlib import Path
 import numpy as np
 
 from ..config import BACKENDS, DTYPES
+from ..io.atomic import atomic_write
+from . import demo_selector
 
 PROG = "lingbot-map-demo"
 REPO = Path(__file__).resolve().parents[2]
@@ -87,7 +99,33 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--node-script", type=Path, default=None,
                    help="run the node from this Python script instead of lingbot_map_ros.ros.node (e.g. "
                         "benchmarks/node_probe.py: the real node under probes, optionally with a simulated model step)")
+    p.add_argument("--keyframe-selector", action="store_true",
+                   help="also run the reference keyframe client against the node, with the node's decision hold on")
+    p.add_argument("--decision-timeout", type=float, default=None,
+                   help="with --keyframe-selector: node parameter keyframe_decision_timeout in s "
+                        f"(default {demo_selector.DEFAULT_DECISION_TIMEOUT})")
+    p.add_argument("--selector-param", action="append", default=[], metavar="NAME=VALUE",
+                   help="with --keyframe-selector: a parameter of the selector (e.g. min_translation=0.05); repeatable")
     return p
+
+
+def decision_timeout(args: argparse.Namespace) -> float:
+    """The node's keyframe_decision_timeout (s) with --keyframe-selector."""
+    return args.decision_timeout if args.decision_timeout is not None else demo_selector.DEFAULT_DECISION_TIMEOUT
+
+
+def check_selector_options(args: argparse.Namespace) -> None:
+    """One-line DemoError for selector options that cannot work."""
+    if not args.keyframe_selector:
+        if args.decision_timeout is not None or args.selector_param:
+            raise DemoError("--decision-timeout and --selector-param need --keyframe-selector")
+        return
+    if not 0.0 < decision_timeout(args) <= 60.0:
+        raise DemoError(f"need 0 < --decision-timeout <= 60 s (the node's limit), got {args.decision_timeout}")
+    try:
+        demo_selector.selector_cmd(args.selector_param)
+    except ValueError as exc:
+        raise DemoError(str(exc)) from None
 
 
 def parse_node_params(items: list[str]) -> dict:
@@ -201,6 +239,8 @@ def node_parameters(args: argparse.Namespace, model: dict, out: Path) -> dict:
         values["dtype"] = args.dtype
     if args.no_cuda_graphs:
         values["cuda_graphs"] = False
+    if args.keyframe_selector:
+        values["keyframe_decision_timeout"] = decision_timeout(args)
     values.update(parse_node_params(args.node_param))
     return values
 
@@ -240,6 +280,7 @@ def run(args: argparse.Namespace) -> int:
         raise DemoError("need --height a positive multiple of 14, at most --width")
     if args.warmup_poses < 0:
         raise DemoError("need --warmup-poses >= 0")
+    check_selector_options(args)
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     domain = args.domain_id if args.domain_id is not None else 1 + os.getpid() % 100
@@ -299,9 +340,10 @@ def _run_graph(args: argparse.Namespace, images: Path, params: Path, out: Path, 
     from ..ros.recorder import Recorder
 
     startup_timeout = args.startup_timeout if args.startup_timeout is not None else args.timeout
-    node_proc = pub_proc = None
+    node_proc = pub_proc = sel_proc = None
     rclpy.init()
     recorder = Recorder("/lingbot_map")
+    status_log = demo_selector.StatusLog(recorder, "/lingbot_map") if args.keyframe_selector else None
     executor = SingleThreadedExecutor()
     executor.add_node(recorder)
     spinner = threading.Thread(target=executor.spin, daemon=True)
@@ -319,12 +361,17 @@ def _run_graph(args: argparse.Namespace, images: Path, params: Path, out: Path, 
         if recorder.count_publishers("/lingbot_map/pose") == 0:
             raise DemoError(f"the node did not come up within {startup_timeout} s:\n{tail(out / 'node.log')}")
         startup = {"node_up_s": round(time.monotonic() - t_start, 3)}
+        if args.keyframe_selector:
+            sel_proc = _start_selector(args, recorder, env, out)
         frames = min(args.frames, len(list_images(images)))
         since_s = None
         if args.warmup_poses:
-            startup.update(_warm_up(args, recorder, node_proc, images, env, out, startup_timeout, t_start))
+            startup.update(_warm_up(args, recorder, node_proc, images, env, out, startup_timeout, t_start, sel_proc))
             since_s = time.time()  # poses of images stamped from here on are measured
+        if sel_proc is not None:
+            _wait_decided(recorder, deadline=time.monotonic() + decision_timeout(args) + 5.0)
         baseline = _counters(recorder.snapshot()[1])
+        decisions_baseline = demo_selector.decision_counts(recorder.snapshot()[1])
         print(f"{PROG}: node up after {startup['node_up_s']:.1f} s"
               + (f", warmed up with {startup['warmup_poses']} poses in {startup['warmup_s']:.1f} s"
                  if args.warmup_poses else "")
@@ -335,8 +382,7 @@ def _run_graph(args: argparse.Namespace, images: Path, params: Path, out: Path, 
         budget = frames / args.rate + args.timeout + (0 if args.warmup_poses else startup_timeout)
         deadline = time.monotonic() + budget
         while time.monotonic() < deadline and pub_proc.poll() is None:
-            if node_proc.poll() is not None:
-                raise DemoError(f"the node exited with status {node_proc.returncode}:\n{tail(out / 'node.log')}")
+            _check_alive(node_proc, sel_proc, out)
             time.sleep(0.1)
         if pub_proc.poll() is None:
             raise DemoError(f"the publisher did not finish within {budget:.0f} s:\n{tail(out / 'publisher.log')}")
@@ -345,6 +391,14 @@ def _run_graph(args: argparse.Namespace, images: Path, params: Path, out: Path, 
         _wait_until_idle(recorder, frames, deadline=time.monotonic() + args.timeout,
                          baseline=sum(baseline[name] for name in COUNTERS[1:]))
         published = _published(out / "publisher.log")
+        decisions = None
+        if sel_proc is not None:
+            _wait_decided(recorder, deadline=time.monotonic() + decision_timeout(args) + 5.0)
+            _check_alive(node_proc, sel_proc, out)
+            stop(sel_proc)  # it logs its final summary on the way out
+            decisions = demo_selector.decision_measurement(
+                status_log.events(), since_s, decisions_baseline, recorder.snapshot()[1], decision_timeout(args),
+                demo_selector.selector_summary(out / "selector.log"))
 
         response = None
         if not args.no_save_map:
@@ -353,21 +407,60 @@ def _run_graph(args: argparse.Namespace, images: Path, params: Path, out: Path, 
             if response is None or not response.success:
                 raise DemoError(f"~/save_map failed: {'timed out' if response is None else response.message}")
         result = measurement(recorder, since_s, baseline, frames if published is None else published, startup,
-                             args, values or {}, images)
+                             args, values or {}, images, decisions)
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(result, indent=2, default=_json_default) + "\n")
+            text = json.dumps(result, indent=2, default=_json_default) + "\n"
+            atomic_write(args.json, lambda f: f.write(text.encode()))
         return _report(recorder, out, response, since_s, result)
     finally:
         stop(pub_proc)
+        stop(sel_proc)
         stop(node_proc)
         executor.shutdown(timeout_sec=1.0)
         recorder.destroy_node()
         rclpy.try_shutdown()
 
 
+def _check_alive(node_proc: subprocess.Popen, sel_proc: subprocess.Popen | None, out: Path, when: str = "") -> None:
+    """DemoError (with the tail of its log) when the node or the selector has exited."""
+    if node_proc.poll() is not None:
+        raise DemoError(f"the node exited with status {node_proc.returncode}{when}:\n{tail(out / 'node.log')}")
+    if sel_proc is not None and sel_proc.poll() is not None:
+        raise DemoError(f"the keyframe selector exited with status {sel_proc.returncode}{when}:\n"
+                        f"{tail(out / 'selector.log')}")
+
+
+def _start_selector(args: argparse.Namespace, recorder, env: dict, out: Path) -> subprocess.Popen:
+    """Start the keyframe selector and wait until it subscribes to the node's ~/frame
+    (bounded by ``--timeout``)."""
+    proc = start(demo_selector.selector_cmd(args.selector_param), env, out / "selector.log")
+    deadline = time.monotonic() + args.timeout
+    while recorder.count_subscribers("/lingbot_map/frame") == 0:
+        if proc.poll() is not None:
+            raise DemoError(f"the keyframe selector exited with status {proc.returncode}:\n"
+                            f"{tail(out / 'selector.log')}")
+        if time.monotonic() > deadline:
+            stop(proc)
+            raise DemoError(f"the keyframe selector did not subscribe to /lingbot_map/frame within {args.timeout} s:"
+                            f"\n{tail(out / 'selector.log')}")
+        time.sleep(0.1)
+    print(f"{PROG}: keyframe selector up; node decision hold keyframe_decision_timeout={decision_timeout(args)} s",
+          flush=True)
+    return proc
+
+
+def _wait_decided(recorder, deadline: float) -> None:
+    """Wait until the node's latest status holds no frame for a decision (or the deadline)."""
+    while time.monotonic() < deadline:
+        _, status = recorder.snapshot()
+        if status is not None and not status.decision_pending:
+            return
+        time.sleep(0.05)
+
+
 def _warm_up(args: argparse.Namespace, recorder, node_proc, images: Path, env: dict, out: Path, timeout: float,
-             t_start: float) -> dict:
+             t_start: float, sel_proc: subprocess.Popen | None = None) -> dict:
     """Loop the images until ``--warmup-poses`` poses came back, stop, wait until the node is idle."""
     t0 = time.monotonic()
     log = out / "warmup_publisher.log"
@@ -381,9 +474,7 @@ def _warm_up(args: argparse.Namespace, recorder, node_proc, images: Path, env: d
                 first_pose_s = round(time.monotonic() - t_start, 3)
             if len(poses) >= args.warmup_poses:
                 break
-            if node_proc.poll() is not None:
-                raise DemoError(f"the node exited with status {node_proc.returncode} during the warm-up:\n"
-                                f"{tail(out / 'node.log')}")
+            _check_alive(node_proc, sel_proc, out, " during the warm-up")
             if proc.poll() is not None:
                 raise DemoError(f"the warm-up publisher exited with status {proc.returncode}:\n{tail(log)}")
             if time.monotonic() > deadline:
@@ -434,14 +525,7 @@ def _wait_until_idle(recorder, frames: int, deadline: float, baseline: int = 0) 
         time.sleep(0.1)
 
 
-def _stats(values, digits: int = 2) -> dict:
-    if not len(values):
-        return {"n": 0}
-    a = np.asarray(values, dtype=float)
-    return {"n": int(a.size), "median": round(float(np.median(a)), digits),
-            "p95": round(float(np.percentile(a, 95)), digits), "p99": round(float(np.percentile(a, 99)), digits),
-            "max": round(float(a.max()), digits), "mean": round(float(a.mean()), digits),
-            "min": round(float(a.min()), digits)}
+_stats = demo_selector.stats
 
 
 def _json_default(value):
@@ -452,10 +536,61 @@ def _json_default(value):
     raise TypeError(f"not JSON serialisable: {type(value).__name__}")
 
 
+def _git(*argv: str) -> str | None:
+    try:
+        done = subprocess.run(["git", "-C", str(REPO), *argv], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None
+
+
+def _device_name(device: str | None) -> str:
+    """What ``device`` (the node's parameter) is on this machine: the GPU's or the CPU's name."""
+    if device and device.startswith("cuda"):
+        index = device.partition(":")[2] or "0"
+        try:
+            done = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", index],
+                                  capture_output=True, text=True, timeout=20)
+            if done.returncode == 0 and done.stdout.strip():
+                return f"{done.stdout.strip().splitlines()[0]} ({device})"
+        except (OSError, subprocess.SubprocessError):
+            pass
+        return f"{device} (no name: nvidia-smi unavailable)"
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{model}, {os.cpu_count()} CPUs ({device or 'cpu'})"
+
+
+def run_info(args: argparse.Namespace, values: dict) -> dict:
+    """Where and how a measurement was made: commit ("unknown" outside a git checkout, unless
+    LINGBOT_COMMIT names it), whether tracked files differed from it, device, command, date.
+    LINGBOT_BENCH_COMMAND: the script command that ran the demo (benchmarks/node_latency.sh)."""
+    commit = _git("rev-parse", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no") if commit else None
+    argv = getattr(args, "argv", None)
+    return {
+        "commit": commit or os.environ.get("LINGBOT_COMMIT") or "unknown",
+        "tracked_files_modified": None if dirty is None else bool(dirty),
+        "device": _device_name(values.get("device")),
+        "host": platform.node(),
+        "command": shlex.join(["python", "-m", "lingbot_map_ros.cli.demo", *(argv if argv is not None else [])])
+        if argv is not None else None,
+        "script_command": os.environ.get("LINGBOT_BENCH_COMMAND"),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
 def measurement(recorder, since_s: float | None, baseline: dict, published: int, startup: dict,
-                args: argparse.Namespace, values: dict, images: Path) -> dict:
+                args: argparse.Namespace, values: dict, images: Path, decisions: dict | None = None) -> dict:
     """The run's numbers: poses of images stamped at or after ``since_s`` (all when None), the
-    node's counters relative to ``baseline``, and the node's own per-frame times."""
+    node's counters relative to ``baseline``, the node's own per-frame times, and with the
+    keyframe selector ``decisions`` (demo_selector.decision_measurement)."""
     from ..io.preprocess import list_images, load_image
 
     poses, status = recorder.snapshot()
@@ -470,6 +605,7 @@ def measurement(recorder, since_s: float | None, baseline: dict, published: int,
     frame_size = list(load_image(list_images(images)[0]).size)
     windows = sorted({f.window_index for f in frame_status})
     return {
+        "run": run_info(args, values),
         "setting": {
             "weights": values.get("checkpoint") or f"random {args.preset or 'tiny'} (seed {args.seed})",
             "preset": args.preset, "device": values.get("device"), "backend": values.get("backend", "auto"),
@@ -478,6 +614,8 @@ def measurement(recorder, since_s: float | None, baseline: dict, published: int,
             "frames": args.frames, "warmup_poses": args.warmup_poses, "node_parameters": values,
             "node_script": str(args.node_script) if args.node_script else None,
             "fastdds_profile": os.environ.get("FASTDDS_DEFAULT_PROFILES_FILE"),
+            "keyframe_selector": bool(getattr(args, "keyframe_selector", False)),
+            "selector_parameters": list(getattr(args, "selector_param", [])),
         },
         "startup": startup,
         "frames": {"published": published, "received": delta["frames_received"],
@@ -497,6 +635,7 @@ def measurement(recorder, since_s: float | None, baseline: dict, published: int,
         "window_restarts": max(len(windows) - 1, 0), "window_indices": windows,
         "gpu_memory_mb": {"allocated_max": round(max((f.gpu_allocated_mb for f in frame_status), default=0.0), 1),
                           "reserved_max": round(max((f.gpu_reserved_mb for f in frame_status), default=0.0), 1)},
+        "decisions": decisions,  # None without the keyframe selector
     }
 
 
@@ -518,6 +657,12 @@ def _report(recorder, out: Path, response, since_s: float | None = None, result:
           f"{summary.model_mean_ms:.1f} ms/frame = {1e3 / summary.model_mean_ms:.0f} FPS possible")
     print(f"latency          : median {summary.latency_median_ms:.1f} ms, p95 {summary.latency_p95_ms:.1f} ms, "
           f"max {summary.latency_max_ms:.1f} ms (image stamp -> pose received; the scale frames wait for each other)")
+    decisions = (result or {}).get("decisions")
+    if decisions:
+        n, rt, waits = decisions["node"], decisions["round_trip_ms"], decisions["hold_waits"]
+        print(f"decisions        : kept {n['kept']}, dropped {n['dropped']}, timed out {n['timed_out']}, refused "
+              f"{n['refused']}; round trip median {rt.get('median')} ms, p95 {rt.get('p95')} ms, max {rt.get('max')} "
+              f"ms; {waits['frames']} frame(s) waited behind a hold")
     if response is not None:
         stamps, T_map_cam = read_tum(response.trajectory_path)
         png = out / "trajectory.png"
@@ -535,6 +680,7 @@ def _report(recorder, out: Path, response, since_s: float | None = None, result:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
     try:
         return run(args)
     except DemoError as exc:
