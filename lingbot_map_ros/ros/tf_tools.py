@@ -38,6 +38,11 @@ Waiting and refusing (throttled warnings, nothing published):
   two parents): e.g. ``map_to_base`` on a robot whose odometry publishes
   ``odom -> base_link`` (use ``map_to_odom``), or ``camera_tf_frame`` naming a URDF frame.
 
+Image stamps that go back by more than ``time_jump_threshold`` (a bag played in a loop)
+clear the tf2 buffer's dynamic transforms (tf2 ignores data older than its newest by more
+than its 10 s cache, so odometry of the new pass would never get in); the static ones
+(the URDF) stay, and so does the chosen mode.
+
 ``TfOutput`` reads ``self.settings`` on every publish (the node may replace it while
 running, e.g. ``publish_tf`` set at run time) and creates its tf2_ros broadcaster and
 listener only when it first needs them (at construction when ``publish_tf`` is on then,
@@ -202,8 +207,9 @@ class TfOutput:
         self._auto_since: float | None = None
         self._parents: dict[str, str] = {}
         self._parents_at = -float("inf")
+        self._last_stamp_s: float | None = None
         if settings.publish_tf:
-            self._start()
+            self.start()
 
     # -------------------------------------------------------------- public
     def publish(self, T_map_cam: np.ndarray, stamp: Any, camera_frame: str) -> bool:
@@ -212,7 +218,8 @@ class TfOutput:
         s = self.settings
         if not s.publish_tf:
             return False
-        self._start()
+        self.start()
+        self._check_time_jump(stamp, getattr(s, "time_jump_threshold", 1.0))
         if self._send is None:
             self._warn_once("tf-none", "publish_tf is on but neither tf2_ros nor tf2_msgs is importable: "
                                        "no TF is published (poses still go to ~/pose and ~/odometry)")
@@ -248,9 +255,10 @@ class TfOutput:
             self._buffer.clear()
         self._parents, self._parents_at = {}, -float("inf")
 
-    # -------------------------------------------------------------- steps
-    def _start(self) -> None:
-        """Create the broadcaster and the listener (once)."""
+    def start(self) -> None:
+        """Create the broadcaster and the listener (once; ``publish`` calls it). Call it from
+        the executor thread when ``publish_tf`` is switched on at run time, so that the
+        listener's subscriptions are not created on the inference thread."""
         if self._started:
             return
         self._started = True
@@ -272,6 +280,15 @@ class TfOutput:
                 self.backend = "tf2_msgs"
             except ImportError:
                 pass
+
+    # -------------------------------------------------------------- steps
+    def _check_time_jump(self, stamp: Any, threshold_s: float) -> None:
+        stamp_s = stamp.sec + stamp.nanosec * 1e-9
+        last, self._last_stamp_s = self._last_stamp_s, stamp_s
+        if last is not None and stamp_s < last - threshold_s and self._buffer is not None:
+            self.clear()
+            self._info(f"TF: the image stamps went back {last - stamp_s:.1f} s (a bag played in a loop?): cleared "
+                       "the TF buffer's dynamic transforms (static ones stay)")
 
     def _extrinsic(self, base_frame: str, camera_frame: str) -> np.ndarray | None:
         """``T_cam_base`` (latest; None when the camera frame is the base)."""

@@ -278,6 +278,22 @@ def test_tf_output_map_to_odom_at_the_image_stamp():
     assert warnings[-1].startswith("no TF odom -> base_link (odometry) at the image stamp 9.000000000")
 
 
+def test_tf_output_clears_its_buffer_when_the_stamps_jump_back():
+    """A bag played in a loop: tf2 drops odometry older than its newest by over 10 s, so the
+    new pass would never get in; the buffer is cleared on the jump (the URDF stays)."""
+    out, node, warnings, _ = tf_output(tf_mode="map_to_odom", base_frame="base_link")
+    put(out, T_BASE_CAM, "base_link", "cam_optical")
+    put(out, T_ODOM_BASE, "odom", "base_link", sec=500)
+    assert out.publish(T_MAP_CAM0, stamp(500), "cam_optical")
+    put(out, T_ODOM_BASE, "odom", "base_link", sec=480)  # the loop starts again: ignored by tf2 (old data)
+    assert not out.publish(T_MAP_CAM0, stamp(480), "cam_optical")
+    assert any("went back 20.0 s" in line for line in node.infos)
+    put(out, T_ODOM_BASE, "odom", "base_link", sec=481)
+    assert out.publish(T_MAP_CAM0, stamp(481), "cam_optical")
+    assert (node.sent[-1].header.stamp.sec, out.mode) == (481, "map_to_odom")
+    np.testing.assert_allclose(sent(node)[2], rigid_rt(R_Z90.T, [-1.2, 3.0, -0.5]), atol=1e-9)
+
+
 def test_tf_output_auto_mode_choices_and_announcements():
     out, node, warnings, _ = tf_output(tf_mode="auto")  # no base frame: no robot
     assert out.publish(T_MAP_CAM0, stamp(1), "cam")
