@@ -161,7 +161,8 @@ class Launch:
         # exec through a shim that sets SIGINT to its default: a process started from a
         # non-interactive shell's background job inherits SIGINT ignored, and `ros2 launch`
         # then ignores the Ctrl-C this test sends
-        shim = "import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])"
+        shim = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                "os.execvp(sys.argv[1], sys.argv[1:])")
         cmd = [sys.executable, "-c", shim, "ros2", "launch", "lingbot_map_ros", "lingbot_map.launch.py", *arguments]
         with open(log, "w") as out:
             self.proc = subprocess.Popen(cmd, env=ros_env(), stdout=out, stderr=subprocess.STDOUT,

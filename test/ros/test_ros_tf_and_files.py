@@ -25,8 +25,9 @@ REPO = Path(__file__).resolve().parents[2]
 LAUNCH_ARGUMENTS = {"params_file", "checkpoint", "image_topic", "camera_info_topic", "input_transport", "device",
                     "dtype", "namespace", "use_sim_time", "rviz", "keyframe_selector", "keyframe_decision_timeout",
                     "dds_profile"}
-NO_TF2 = "tf2_ros not importable: install ../shared/ros_extras (bash ../shared/ros_extras/install.sh .venv)"
-NO_LAUNCH = "launch/launch_ros not importable: install ../shared/ros_extras (bash ../shared/ros_extras/install.sh .venv)"
+EXTRAS_HINT = "install ../shared/ros_extras (bash ../shared/ros_extras/install.sh .venv)"
+NO_TF2 = f"tf2_ros not importable: {EXTRAS_HINT}"
+NO_LAUNCH = f"launch/launch_ros not importable: {EXTRAS_HINT}"
 
 
 def rigid(seed: int) -> np.ndarray:
@@ -362,7 +363,8 @@ def test_launch_file_declares_the_listed_arguments():
     assert "lingbot_map_node" in src and "rviz2" in src and "image/compressed" in src
     assert args["use_sim_time"] == "false" and args["rviz"] == "false"
     assert args["dds_profile"] == "large_messages" and "FASTDDS_DEFAULT_PROFILES_FILE" in src
-    assert '"large_messages": "fastdds_large_messages.xml"' in src and (REPO / "config" / "fastdds_large_messages.xml").is_file()
+    assert '"large_messages": "fastdds_large_messages.xml"' in src
+    assert (REPO / "config" / "fastdds_large_messages.xml").is_file()
     assert args["device"] == args["dtype"] == ""  # empty = as in the params file (auto there)
     assert args["keyframe_selector"] == "false" and args["keyframe_decision_timeout"] == "0.5"
 
