@@ -391,3 +391,41 @@ def apply_sim3_to_poses(
     out[..., :3, :3] = np.asarray(rot) @ c2w[..., :3, :3]
     out[..., :3, 3] = apply_sim3(scale, rot, trans, c2w[..., :3, 3])
     return out
+
+
+# ----------------------------------------------------------------------------- REP 103 map frame
+OPTICAL_TO_REP103 = np.array(
+    [[0.0, 0.0, 1.0, 0.0],    # map x (forward) = optical z
+     [-1.0, 0.0, 0.0, 0.0],   # map y (left)    = -optical x
+     [0.0, -1.0, 0.0, 0.0],   # map z (up)      = -optical y
+     [0.0, 0.0, 0.0, 1.0]])
+"""``T_M_W``: points of the model's world frame (optical axes x right, y down,
+z forward) expressed in the REP-103 map frame (x forward, y left, z up)."""
+OPTICAL_TO_REP103.setflags(write=False)
+
+_REP103_TO_OPTICAL = OPTICAL_TO_REP103.T.copy()  # inverse of a pure rotation
+_REP103_TO_OPTICAL.setflags(write=False)
+
+
+def optical_pose_to_map(c2w: np.ndarray, optical_child: bool = True) -> np.ndarray:
+    """Re-express the model's camera-to-world pose in the REP-103 map frame.
+
+    Args:
+        c2w: [..., 4, 4] ``T_W_C``, camera optical frame -> model world frame.
+        optical_child: True returns ``T_M_C`` (child = the camera's optical
+            frame, as for images and TF to ``*_optical_frame``); False returns
+            the pose of a REP-103 camera body frame (x forward, y left, z up)
+            at the same place, ``T_M_C @ inv(OPTICAL_TO_REP103)``.
+
+    Returns:
+        [..., 4, 4] float64 pose in the map frame.
+    """
+    pose = OPTICAL_TO_REP103 @ np.asarray(c2w, dtype=np.float64)
+    return pose if optical_child else pose @ _REP103_TO_OPTICAL
+
+
+def points_to_map(points: np.ndarray) -> np.ndarray:
+    """[..., 3] points of the model's world frame -> REP-103 map frame (float32 stays float32)."""
+    pts = np.asarray(points)
+    rot = OPTICAL_TO_REP103[:3, :3].astype(np.result_type(pts.dtype, np.float32))
+    return rotate(pts, rot)

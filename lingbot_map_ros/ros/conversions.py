@@ -39,7 +39,8 @@ from nav_msgs.msg import Odometry
 from sensor_msgs.msg import CameraInfo, CompressedImage, Image, PointCloud2, PointField
 from std_msgs.msg import Header
 
-from lingbot_map_ros.geometry import matrix_to_quaternion, quaternion_to_matrix, rotate
+from lingbot_map_ros.geometry import (OPTICAL_TO_REP103, matrix_to_quaternion, optical_pose_to_map,  # noqa: F401
+                                      points_to_map, quaternion_to_matrix)
 from lingbot_map_ros.io.demosaic import BAYER_PATTERNS, demosaic_bilinear
 
 __all__ = [
@@ -425,43 +426,6 @@ def read_pointcloud2(msg: PointCloud2) -> dict[str, np.ndarray]:
 
 
 # ----------------------------------------------------------------------------- poses and frames
-
-OPTICAL_TO_REP103 = np.array(
-    [[0.0, 0.0, 1.0, 0.0],    # map x (forward) = optical z
-     [-1.0, 0.0, 0.0, 0.0],   # map y (left)    = -optical x
-     [0.0, -1.0, 0.0, 0.0],   # map z (up)      = -optical y
-     [0.0, 0.0, 0.0, 1.0]])
-"""``T_M_W``: points of the model's world frame (optical axes x right, y down,
-z forward) expressed in the REP-103 map frame (x forward, y left, z up)."""
-OPTICAL_TO_REP103.setflags(write=False)
-
-_REP103_TO_OPTICAL = OPTICAL_TO_REP103.T.copy()  # inverse of a pure rotation
-_REP103_TO_OPTICAL.setflags(write=False)
-
-
-def optical_pose_to_map(c2w: np.ndarray, optical_child: bool = True) -> np.ndarray:
-    """Re-express the model's camera-to-world pose in the REP-103 map frame.
-
-    Args:
-        c2w: [..., 4, 4] ``T_W_C``, camera optical frame -> model world frame.
-        optical_child: True returns ``T_M_C`` (child = the camera's optical
-            frame, as for images and TF to ``*_optical_frame``); False returns
-            the pose of a REP-103 camera body frame (x forward, y left, z up)
-            at the same place, ``T_M_C @ inv(OPTICAL_TO_REP103)``.
-
-    Returns:
-        [..., 4, 4] float64 pose in the map frame.
-    """
-    pose = OPTICAL_TO_REP103 @ np.asarray(c2w, dtype=np.float64)
-    return pose if optical_child else pose @ _REP103_TO_OPTICAL
-
-
-def points_to_map(points: np.ndarray) -> np.ndarray:
-    """[..., 3] points of the model's world frame -> REP-103 map frame (float32 stays float32)."""
-    pts = np.asarray(points)
-    rot = OPTICAL_TO_REP103[:3, :3].astype(np.result_type(pts.dtype, np.float32))
-    return rotate(pts, rot)
-
 
 def _check_transform(T: np.ndarray) -> np.ndarray:
     m = np.asarray(T, dtype=np.float64)

@@ -41,12 +41,11 @@ from typing import Any, Callable, Protocol
 import numpy as np
 
 from ..config import SPECIAL_TOKENS
-from ..geometry import unproject_pixels
+from ..geometry import optical_pose_to_map, points_to_map, unproject_pixels
 from ..io.map_save import MapSaveError, save_map_pair
 from ..io.preprocess import PATCH_SIZE, input_size, model_input, target_size
 from ..cache.pages import CacheFullError
 from ..stream.session import FrameMismatchError, FrameResult, SessionError
-from .conversions import optical_pose_to_map, points_to_map
 from .mapping import MapAccumulator, PoseEntry, Trajectory
 from .output_worker import OutputWorker
 from .params import NodeSettings

@@ -10,7 +10,6 @@ import pytest
 from lingbot_map_ros.ros.mapping import MapAccumulator, PoseEntry, Trajectory
 from lingbot_map_ros.ros.worker import Command, Counters, RateMeter, Throttle, WorkQueue, message_kind
 
-pytestmark = pytest.mark.ros
 
 
 class FakeClock:
@@ -189,6 +188,7 @@ def test_map_merge_keeps_one_point_per_voxel_across_frames():
     assert ok.tolist() == [False, False, True]
 
 
+@pytest.mark.ros
 def test_gil_switch_interval_is_shortened_and_can_be_kept_or_overridden(capsys):
     import sys
 

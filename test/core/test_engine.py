@@ -1,5 +1,6 @@
 """The node's inference loop without ROS: a real tiny session (random weights, CPU), a
-recording sink, and injected faults (non-finite outputs, exceptions)."""
+recording sink, and injected faults (non-finite outputs, exceptions). Runs without rclpy or
+any ROS message package (checked by the first test)."""
 from __future__ import annotations
 
 import threading
@@ -13,16 +14,33 @@ from lingbot_map_ros.geometry import select_points, unproject_depth
 from lingbot_map_ros.io.checkpoint import load_model
 from lingbot_map_ros.io.export import read_ply, read_tum
 from lingbot_map_ros.io.preprocess import preprocess_array
-from lingbot_map_ros.ros.conversions import optical_pose_to_map, points_to_map
+from lingbot_map_ros.geometry import optical_pose_to_map, points_to_map
 from lingbot_map_ros.ros.engine import InferenceEngine, InputFrame, SaveError, State
 from lingbot_map_ros.ros.params import resolve_settings
 from lingbot_map_ros.stream.session import SessionError, StreamingSession
 
-pytestmark = pytest.mark.ros
 
 WIDTH = 98
 SETTINGS = dict(image_width=WIDTH, num_scale_frames=2, sliding_window=3, backend="sdpa", point_stride=1,
                 conf_threshold=0.0, map_voxel_size=0.0)
+
+
+def test_the_engine_imports_no_ros():
+    """ros/engine.py is the node's logic without ROS: importing it pulls in no rclpy and no message package."""
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "class Block:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name.split('.')[0] in BLOCKED: raise ImportError('blocked: ' + name)\n"
+            "BLOCKED = {'rclpy', 'sensor_msgs', 'geometry_msgs', 'nav_msgs', 'std_msgs', 'builtin_interfaces',\n"
+            "           'tf2_ros', 'diagnostic_msgs', 'std_srvs', 'rcl_interfaces'}\n"
+            "sys.meta_path.insert(0, Block())\n"
+            "import lingbot_map_ros.ros.engine, lingbot_map_ros.ros.worker, lingbot_map_ros.ros.params\n"
+            "print('ok')\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
 
 
 @pytest.fixture(scope="module")
