@@ -345,6 +345,8 @@ class LingBotMapNode(Node):
             if p.name in _PARAMETER_TABLE:
                 s = apply_dynamic(s, p.name, p.value)
         self.settings = self.outputs.settings = self.outputs.tf.settings = s
+        if s.publish_tf:
+            self.outputs.tf.start()  # the tf2 broadcaster/listener, made once, on this (executor) thread
         engine_deferred = self.engine.settings.deferred_eviction
         self.engine.settings = replace(s, deferred_eviction=engine_deferred)
         if s.deferred_eviction != engine_deferred:
