@@ -64,6 +64,11 @@ def _node_default(name: str) -> Any:
     return next(p.default for p in PARAMETERS if p.name == name)
 
 
+def _default(value: Any, name: str) -> Any:
+    """``value`` when the flag was given, else the node's default of parameter ``name``."""
+    return _node_default(name) if value is None else value
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -95,6 +100,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flashinfer", "flashinfer-fa2",
                                                           "flashinfer-fa3"])
     m.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    m.add_argument("--threads", type=int, help="CPU threads of torch (default: torch's choice); 1 is often "
+                   "fastest on a small shared machine")
     m.add_argument("--seed", type=int, default=0, help="seed of the random weights when no checkpoint is given")
     m.add_argument("--no-depth", action="store_true", help="skip the depth head (poses only)")
 
@@ -125,6 +132,9 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--out-bag", type=Path, help="results as a rosbag2 (MCAP): /tf, odometry, path, points, "
                    "depth, depth/camera_info, REP-103 map frame")
     o.add_argument("--bag-namespace", default="/lingbot_map", help="topic prefix in --out-bag (the node's)")
+    o.add_argument("--bag-path-rate", type=float, default=None, help="path messages a second of input time in "
+                   "--out-bag, each with the last --bag-path-length poses; 0 = one at the end (node: 2.0)")
+    o.add_argument("--bag-path-length", type=int, default=None, help="poses in a path message (node: 5000)")
     o.add_argument("--map-frame", default=None, help="map frame id in --out-bag (node: map)")
     o.add_argument("--camera-frame", default="", help="camera optical frame id in --out-bag; empty = the "
                    "image's frame_id (camera_optical_frame when it has none)")
@@ -179,7 +189,9 @@ def configure(args: argparse.Namespace) -> Settings:
     if width <= 0 or width % model_cfg.patch_size:
         raise UserError(f"--width {width} is not a positive multiple of the patch size {model_cfg.patch_size}")
     for flag, value, low in (("--max-frames", args.max_frames, 1), ("--chunk-frames", args.chunk_frames, 1),
-                             ("--point-stride", args.point_stride, 1)):
+                             ("--point-stride", args.point_stride, 1), ("--threads", args.threads, 1),
+                             ("--bag-path-length", args.bag_path_length, 1),
+                             ("--bag-path-rate", args.bag_path_rate, 0)):
         if value is not None and value < low:
             raise UserError(f"{flag} must be at least {low}, got {value}")
     if args.ply and args.no_depth:
@@ -192,8 +204,8 @@ def configure(args: argparse.Namespace) -> Settings:
                 raise UserError(f"{flag}: {exc}") from None
     if args.out_bag is not None and args.out_bag.exists():
         raise UserError(f"--out-bag {args.out_bag} exists already (a bag is not overwritten)")
-    conf = _node_default("conf_threshold") if args.conf_threshold is None else args.conf_threshold
-    stride = _node_default("point_stride") if args.point_stride is None else args.point_stride
+    conf = _default(args.conf_threshold, "conf_threshold")
+    stride = _default(args.point_stride, "point_stride")
     bad = args.bad_frames or ("error" if args.images is not None else "skip")
     return Settings(model_cfg, stream_cfg, long_cfg, width, selection, depth, conf, stride, bad)
 
@@ -268,8 +280,8 @@ class Outputs:
             try:
                 self.bag = ResultsBagWriter(a.out_bag, namespace=a.bag_namespace,
                                             map_frame=a.map_frame or _node_default("map_frame"),
-                                            path_rate=_node_default("path_publish_rate"),
-                                            path_max_length=_node_default("path_max_length"))
+                                            path_rate=_default(a.bag_path_rate, "path_publish_rate"),
+                                            path_max_length=_default(a.bag_path_length, "path_max_length"))
             except FileExistsError as exc:
                 raise UserError(str(exc)) from None
         self.writers = [w for w in (self.store, self.tum, self.ply, self.bag) if w is not None]
@@ -414,6 +426,10 @@ def make_session(args: argparse.Namespace, settings: Settings):
     from ..stream.long_stream import LongStreamSession
     from ..stream.session import StreamingSession
 
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
     try:
         t0 = time.perf_counter()
         model = load_model(settings.model, args.checkpoint, settings.stream.device, settings.stream.dtype,

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -68,6 +67,25 @@ def points_in_map(points: np.ndarray) -> np.ndarray:
     return rotate(np.asarray(points, dtype=np.float32), OPTICAL_TO_REP103[:3, :3].astype(np.float32))
 
 
+class _PoseRing:
+    """The last ``capacity`` poses of the path as numpy rows (72 bytes a pose, allocated once)."""
+
+    def __init__(self, capacity: int) -> None:
+        self._stamps = np.zeros(capacity, np.int64)
+        self._rows = np.zeros((capacity, 7))  # x, y, z, qx, qy, qz, qw in the map frame
+        self._next = self.size = 0
+
+    def append(self, stamp_ns: int, row: np.ndarray) -> None:
+        self._stamps[self._next], self._rows[self._next] = stamp_ns, row
+        self._next = (self._next + 1) % len(self._stamps)
+        self.size = min(self.size + 1, len(self._stamps))
+
+    def items(self):
+        """(stamp ns, row) oldest first."""
+        order = np.arange(self._next - self.size, self._next) % len(self._stamps)
+        return zip(self._stamps[order], self._rows[order])
+
+
 class ResultsBagWriter:
     """Writes one frame's results at a time (see the module docstring)."""
 
@@ -93,7 +111,7 @@ class ResultsBagWriter:
                              for suffix, msgtype in TOPIC_TYPES.items()}
         self.map_frame = map_frame
         self._path_period = int(1e9 / path_rate) if path_rate > 0 else None
-        self._path_poses: deque = deque(maxlen=path_max_length)
+        self._path = _PoseRing(path_max_length)
         self._last_path: int | None = None
         self._last_stamp: int | None = None
         self.count = 0
@@ -106,12 +124,14 @@ class ResultsBagWriter:
                                          frame_id=frame_id)
 
     def _pose(self, T: np.ndarray):
+        return self._pose_msg(np.concatenate([T[:3, 3], matrix_to_quaternion(T[:3, :3])]))
+
+    def _pose_msg(self, row: np.ndarray):
+        """geometry_msgs/Pose of ``row`` = (x, y, z, qx, qy, qz, qw)."""
         t = self._t
-        x, y, z, w = (float(v) for v in matrix_to_quaternion(T[:3, :3]))
-        p = T[:3, 3]
-        return t["geometry_msgs/msg/Pose"](
-            position=t["geometry_msgs/msg/Point"](x=float(p[0]), y=float(p[1]), z=float(p[2])),
-            orientation=t["geometry_msgs/msg/Quaternion"](x=x, y=y, z=z, w=w))
+        x, y, z, qx, qy, qz, qw = (float(v) for v in row)
+        return t["geometry_msgs/msg/Pose"](position=t["geometry_msgs/msg/Point"](x=x, y=y, z=z),
+                                           orientation=t["geometry_msgs/msg/Quaternion"](x=qx, y=qy, z=qz, w=qw))
 
     def _write(self, suffix: str, stamp_ns: int, msg) -> None:
         data = self._store.serialize_cdr(msg, TOPIC_TYPES[suffix])
@@ -170,8 +190,10 @@ class ResultsBagWriter:
             roi=roi)
 
     def _path_msg(self, stamp_ns: int):
-        return self._t["nav_msgs/msg/Path"](header=self._header(stamp_ns, self.map_frame),
-                                            poses=list(self._path_poses))
+        stamped = self._t["geometry_msgs/msg/PoseStamped"]
+        poses = [stamped(header=self._header(int(s), self.map_frame), pose=self._pose_msg(row))
+                 for s, row in self._path.items()]
+        return self._t["nav_msgs/msg/Path"](header=self._header(stamp_ns, self.map_frame), poses=poses)
 
     # ------------------------------------------------------------------ frames
     def add(self, stamp_ns: int, camera_frame: str, c2w: np.ndarray, intrinsics: np.ndarray,
@@ -195,8 +217,7 @@ class ResultsBagWriter:
         self._write("/tf", stamp_ns, self._t["tf2_msgs/msg/TFMessage"](
             transforms=[self._transform(T, stamp_ns, camera_frame)]))
         self._write("odometry", stamp_ns, self._odometry(T, stamp_ns, camera_frame))
-        self._path_poses.append(self._t["geometry_msgs/msg/PoseStamped"](
-            header=self._header(stamp_ns, self.map_frame), pose=self._pose(T)))
+        self._path.append(stamp_ns, np.concatenate([T[:3, 3], matrix_to_quaternion(T[:3, :3])]))
         if self._path_period is not None and (self._last_path is None
                                               or stamp_ns - self._last_path >= self._path_period):
             self._write("path", stamp_ns, self._path_msg(stamp_ns))
@@ -212,7 +233,7 @@ class ResultsBagWriter:
         self.count += 1
 
     def _finish(self, final: Path) -> Path:
-        if self._last_stamp is not None and self._last_path != self._last_stamp and self._path_poses:
+        if self._last_stamp is not None and self._last_path != self._last_stamp:
             self._write("path", self._last_stamp, self._path_msg(self._last_stamp))  # the whole path at the end
         self._writer.close()
         inner = self._work / self.path.name

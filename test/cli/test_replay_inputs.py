@@ -259,3 +259,14 @@ def test_bag_needs_topic_and_existing_out_bag_is_refused(loop_frames, tiny, tmp_
     assert code == 2 and "--bag needs --topic" in error_line(err)
     code, err = replay(capsys, "--bag", bag, "--topic", TOPIC, *tiny, "--out-bag", bag)
     assert code == 2 and "exists already" in error_line(err)
+
+
+def test_bag_with_too_few_good_frames_is_one_line(loop_frames, tiny, tmp_path, capsys):
+    bag = tmp_path / "b"
+    write_image_bag(bag, loop_frames[:3], "mcap", "compressed", TOPIC, broken={0: "jpeg", 2: "cdr"})
+    code, err = replay(capsys, "--bag", bag, "--topic", TOPIC, *tiny, "--out", tmp_path / "o.npz")
+    assert code == 2
+    line = error_line(err)
+    assert "only 1 frame(s) reached the model, fewer than the 2 scale frames" in line
+    assert "2 dropped, the first: message 0 of /camera/image: corrupt or truncated JPEG" in line
+    assert not list(tmp_path.glob("o.npz*"))

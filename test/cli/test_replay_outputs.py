@@ -190,3 +190,36 @@ def test_prediction_store_abort_marks_partial(tmp_path):
 def test_depth_policy_rejects(text):
     with pytest.raises(ValueError, match="none, all or every-K"):
         DepthPolicy.parse(text)
+
+
+def test_results_bag_messages_deserialize_with_rclpy(bag_run):
+    """The bytes in the results bag are what a ROS 2 graph carries: rclpy reads them into its own
+    message classes, and the node's cloud reader finds the same points."""
+    serialization = pytest.importorskip("rclpy.serialization", reason="rclpy not installed")
+    conversions = pytest.importorskip("lingbot_map_ros.ros.conversions", reason="ROS messages not installed")
+    from nav_msgs.msg import Odometry, Path
+    from rosbags.highlevel import AnyReader
+    from sensor_msgs.msg import CameraInfo, Image, PointCloud2
+    from tf2_msgs.msg import TFMessage
+
+    classes = {"/tf": TFMessage, "/lingbot_map/odometry": Odometry, "/lingbot_map/path": Path,
+               "/lingbot_map/points": PointCloud2, "/lingbot_map/depth": Image,
+               "/lingbot_map/depth/camera_info": CameraInfo}
+    paths, stamps = bag_run
+    ours = read_bag(paths["out_bag"])
+    seen = set()
+    with AnyReader([paths["out_bag"]]) as reader:
+        for conn, log_time, raw in reader.messages():
+            msg = serialization.deserialize_message(bytes(raw), classes[conn.topic])
+            seen.add(conn.topic)
+            if conn.topic == "/lingbot_map/points" and log_time == stamps[0]:
+                cloud = conversions.read_pointcloud2(msg)
+                rows = ours["/lingbot_map/points"][0][1]
+                assert cloud["points"].shape == (rows.width, 3)
+                np.testing.assert_array_equal(cloud["points"].reshape(-1).view(np.uint8),
+                                              np.frombuffer(rows.data.tobytes(), np.uint8).reshape(-1, 20)[:, :12]
+                                              .reshape(-1))
+            if conn.topic == "/lingbot_map/depth":
+                depth = conversions.image_to_depth(msg)
+                assert depth.shape == (56, 98) and msg.header.frame_id == "cam_optical"
+    assert seen == set(classes)
