@@ -81,7 +81,7 @@ class HealthConfig:
     def __post_init__(self) -> None:
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.type == "int":
+            if f.type in ("int", int):
                 _require(isinstance(value, int) and not isinstance(value, bool) and value >= 1,
                          f"{f.name} must be an integer >= 1, got {value!r}")
             else:

@@ -200,7 +200,7 @@ def source_pixels(camera: CameraModel) -> tuple[np.ndarray, np.ndarray]:
 class _Plan:
     """Gather plan: output pixel i = Σ_k weight[k, i] · source.flat[index[k, i]]."""
 
-    index: np.ndarray  # [K, N] int64 flat source indices (clipped into the image)
+    index: np.ndarray  # [K, N] int32 flat source indices (clipped into the image)
     weight: np.ndarray  # [K, N] float32 (0 for neighbours outside the image)
 
 
@@ -212,7 +212,7 @@ def _bilinear_plan(map_x: np.ndarray, map_y: np.ndarray, height: int, width: int
         xs, ys = x0 + dx, y0 + dy
         inside = (xs >= 0) & (xs <= width - 1) & (ys >= 0) & (ys <= height - 1)
         flat = np.clip(ys, 0, height - 1).astype(np.int64) * width + np.clip(xs, 0, width - 1).astype(np.int64)
-        idx.append(flat.reshape(-1))
+        idx.append(flat.reshape(-1).astype(np.int32))
         wts.append(np.where(inside, w, 0.0).reshape(-1))
     return _Plan(np.stack(idx), np.stack(wts).astype(np.float32))
 
@@ -221,7 +221,7 @@ def _nearest_plan(map_x: np.ndarray, map_y: np.ndarray, height: int, width: int)
     xs, ys = np.rint(map_x), np.rint(map_y)
     inside = (xs >= 0) & (xs <= width - 1) & (ys >= 0) & (ys <= height - 1)
     flat = np.clip(ys, 0, height - 1).astype(np.int64) * width + np.clip(xs, 0, width - 1).astype(np.int64)
-    return _Plan(flat.reshape(1, -1), inside.reshape(1, -1).astype(np.float32))
+    return _Plan(flat.reshape(1, -1).astype(np.int32), inside.reshape(1, -1).astype(np.float32))
 
 
 class UndistortMap:
