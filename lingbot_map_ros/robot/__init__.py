@@ -27,8 +27,8 @@ from .scale import (
 from .undistort import DISTORTION_MODELS, CameraModel, Undistorter, distort_points, needs_undistortion, undistort_points
 
 __all__ = [
-    "CameraModel",
     "DISTORTION_MODELS",
+    "CameraModel",
     "DepthScaleEstimator",
     "FixedScale",
     "HealthConfig",

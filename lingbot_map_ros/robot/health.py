@@ -226,4 +226,4 @@ class TrackingHealth:
         return np.diag([var_t, var_t, var_t, var_r, var_r, var_r])
 
 
-__all__ = ["TrackingState", "HealthConfig", "HealthStatus", "TrackingHealth"]
+__all__ = ["HealthConfig", "HealthStatus", "TrackingHealth", "TrackingState"]

@@ -525,5 +525,16 @@ def scale_depth(depth: np.ndarray, s: float) -> np.ndarray:
     return scale_points(depth, s)
 
 
-__all__ = ["ScaleSource", "RobustFit", "robust_fit", "OdometryScaleEstimator", "DepthScaleEstimator", "FixedScale",
-           "depth_to_metres", "resample_nearest", "apply_scale", "scale_points", "scale_depth"]
+__all__ = [
+    "DepthScaleEstimator",
+    "FixedScale",
+    "OdometryScaleEstimator",
+    "RobustFit",
+    "ScaleSource",
+    "apply_scale",
+    "depth_to_metres",
+    "resample_nearest",
+    "robust_fit",
+    "scale_depth",
+    "scale_points",
+]

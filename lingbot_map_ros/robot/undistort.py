@@ -31,10 +31,10 @@ method (for tests, and for anyone who needs undistorted keypoints).
 from __future__ import annotations
 
 import logging
-import math
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -144,7 +144,7 @@ class CameraModel:
             _coefficients(self.model, self.D)
 
     @classmethod
-    def from_camera_info(cls, info: Any, use_projection: bool = False) -> "CameraModel":
+    def from_camera_info(cls, info: Any, use_projection: bool = False) -> CameraModel:
         """From a ``CameraInfo``-like object (fields ``width height k d distortion_model p``).
 
         ``use_projection``: the undistorted image gets ``P[:3, :3]`` (the calibration's
@@ -335,5 +335,13 @@ class Undistorter:
         return self.map_for(camera).apply_torch(image, interpolation)
 
 
-__all__ = ["DISTORTION_MODELS", "CameraModel", "UndistortMap", "Undistorter", "distort_points", "undistort_points",
-           "needs_undistortion", "source_pixels"]
+__all__ = [
+    "DISTORTION_MODELS",
+    "CameraModel",
+    "UndistortMap",
+    "Undistorter",
+    "distort_points",
+    "needs_undistortion",
+    "source_pixels",
+    "undistort_points",
+]

@@ -7,7 +7,13 @@ import numpy as np
 import pytest
 import torch
 
-from lingbot_map_ros.robot.undistort import CameraModel, Undistorter, distort_points, needs_undistortion, undistort_points
+from lingbot_map_ros.robot.undistort import (
+    CameraModel,
+    Undistorter,
+    distort_points,
+    needs_undistortion,
+    undistort_points,
+)
 
 W, H = 160, 120
 K_PINHOLE = (110.0, 0.0, 81.3, 0.0, 105.0, 58.7, 0.0, 0.0, 1.0)
@@ -45,7 +51,7 @@ def render_blobs(centres: np.ndarray, sigma: float = 1.2) -> np.ndarray:
 
 
 def centroid(img: np.ndarray, near: np.ndarray, half: int = 5) -> np.ndarray:
-    u0, v0 = int(round(near[0])), int(round(near[1]))
+    u0, v0 = round(near[0]), round(near[1])
     patch = img[v0 - half:v0 + half + 1, u0 - half:u0 + half + 1]
     v, u = np.mgrid[v0 - half:v0 + half + 1, u0 - half:u0 + half + 1]
     return np.array([(patch * u).sum(), (patch * v).sum()]) / patch.sum()
