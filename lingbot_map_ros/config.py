@@ -1,6 +1,7 @@
-"""Typed configuration: the model architecture and the streaming policy.
+"""Typed configuration: the model architecture, the streaming policy and the long-stream
+windows (``LongStreamConfig``).
 
-Both are frozen dataclasses that validate themselves and name the bad value.
+All are frozen dataclasses that validate themselves and name the bad value.
 Field names follow the released configuration (SPEC §1) and the fixture
 ``config.json`` so that a JSON file of either can be loaded unchanged.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any, Mapping
@@ -189,6 +191,67 @@ class StreamConfig:
         return replace(self, **{k: v for k, v in overrides.items() if v is not None})
 
 
+KEYFRAME_POLICIES = ("interval", "motion")  # LongStreamConfig.keyframe_policy
+
+
+@dataclass(frozen=True)
+class LongStreamConfig:
+    """Windowed restarts and keyframe selection for unbounded streams.
+
+    window_frames: stored frames per window; storing one more restarts the cache.
+        Must stay below the model's ``max_frame_num`` (the released model was trained
+        on ~320 cached views, hence the default).
+    overlap_frames: keyframes carried into the next window, re-fed as its first frames;
+        None = ``num_scale_frames``. At least ``num_scale_frames`` (they refill phase 1),
+        at most ``num_scale_frames + sliding_window`` (no eviction while re-feeding).
+    keyframe_policy: "interval" (``StreamConfig.keyframe_interval``) or "motion".
+    motion_min_translation: camera-centre distance (global model units) from the last
+        keyframe that makes the next frame a keyframe; 0 disables the criterion.
+    motion_min_rotation_deg: rotation (degrees) from the last keyframe that makes the
+        next frame a keyframe; 0 disables the criterion.
+    auto_restart: restart automatically when the window is full; otherwise a full
+        window attends only until ``restart()`` or ``reset()``.
+    """
+
+    window_frames: int = 320
+    overlap_frames: int | None = None
+    keyframe_policy: str = "interval"
+    motion_min_translation: float = 0.05
+    motion_min_rotation_deg: float = 5.0
+    auto_restart: bool = True
+
+    def __post_init__(self) -> None:
+        _require(isinstance(self.window_frames, int) and self.window_frames >= 2,
+                 f"window_frames must be an integer >= 2, got {self.window_frames!r}")
+        _require(self.overlap_frames is None or (isinstance(self.overlap_frames, int) and self.overlap_frames >= 1),
+                 f"overlap_frames must be None or an integer >= 1, got {self.overlap_frames!r}")
+        _require(self.overlap_frames is None or self.overlap_frames < self.window_frames,
+                 f"overlap_frames {self.overlap_frames} must be smaller than window_frames {self.window_frames}")
+        _require(self.keyframe_policy in KEYFRAME_POLICIES,
+                 f"keyframe_policy must be one of {KEYFRAME_POLICIES}, got {self.keyframe_policy!r}")
+        for name in ("motion_min_translation", "motion_min_rotation_deg"):
+            value = getattr(self, name)
+            _require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
+                     f"{name} must be a finite number >= 0, got {value!r}")
+        _require(self.keyframe_policy != "motion" or self.motion_min_translation > 0
+                 or self.motion_min_rotation_deg > 0,
+                 "keyframe_policy 'motion' needs motion_min_translation > 0 or motion_min_rotation_deg > 0")
+
+    def overlap_for(self, stream: StreamConfig) -> int:
+        return stream.num_scale_frames if self.overlap_frames is None else self.overlap_frames
+
+    def check(self, stream: StreamConfig, max_frame_num: int) -> None:
+        """Raise ConfigError unless these settings fit the stream and the model's horizon."""
+        overlap = self.overlap_for(stream)
+        _require(self.window_frames < max_frame_num,
+                 f"window_frames {self.window_frames} must be below the model's max_frame_num {max_frame_num}")
+        _require(stream.num_scale_frames <= overlap <= stream.num_scale_frames + stream.sliding_window,
+                 f"overlap_frames {overlap} must be between num_scale_frames ({stream.num_scale_frames}) and "
+                 f"num_scale_frames + sliding_window ({stream.num_scale_frames + stream.sliding_window})")
+        _require(overlap < self.window_frames,
+                 f"overlap_frames {overlap} must be smaller than window_frames {self.window_frames}")
+
+
 def load_json(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
@@ -202,4 +265,5 @@ def load_json(path: str | Path) -> dict[str, Any]:
     return data
 
 
-__all__ = ["ModelConfig", "StreamConfig", "ConfigError", "PRESETS", "SPECIAL_TOKENS", "HEAD_DIM", "load_json"]
+__all__ = ["ModelConfig", "StreamConfig", "LongStreamConfig", "ConfigError", "PRESETS", "SPECIAL_TOKENS", "HEAD_DIM",
+           "KEYFRAME_POLICIES", "load_json"]

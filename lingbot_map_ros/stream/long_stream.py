@@ -58,7 +58,6 @@ owns the session, as with ``StreamingSession``.
 from __future__ import annotations
 
 import logging
-import math
 from collections import deque
 from dataclasses import dataclass, replace
 
@@ -67,78 +66,12 @@ import torch
 from torch import Tensor
 
 from ..cache.pages import CacheStats
-from ..config import ConfigError, StreamConfig
+from ..config import KEYFRAME_POLICIES, LongStreamConfig, StreamConfig
 from ..geometry import matrix_to_quaternion
 from .alignment import AlignmentFit, Sim3, estimate_window_sim3, rotation_angle_deg
 from .session import FrameMismatchError, FrameResult, SessionError, StreamingSession
 
 log = logging.getLogger(__name__)
-
-KEYFRAME_POLICIES = ("interval", "motion")
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
-
-
-@dataclass(frozen=True)
-class LongStreamConfig:
-    """Windowed restarts and keyframe selection for unbounded streams.
-
-    window_frames: stored frames per window; storing one more restarts the cache.
-        Must stay below the model's ``max_frame_num`` (the released model was trained
-        on ~320 cached views, hence the default).
-    overlap_frames: keyframes carried into the next window, re-fed as its first frames;
-        None = ``num_scale_frames``. At least ``num_scale_frames`` (they refill phase 1),
-        at most ``num_scale_frames + sliding_window`` (no eviction while re-feeding).
-    keyframe_policy: "interval" (``StreamConfig.keyframe_interval``) or "motion".
-    motion_min_translation: camera-centre distance (global model units) from the last
-        keyframe that makes the next frame a keyframe; 0 disables the criterion.
-    motion_min_rotation_deg: rotation (degrees) from the last keyframe that makes the
-        next frame a keyframe; 0 disables the criterion.
-    auto_restart: restart automatically when the window is full; otherwise a full
-        window attends only until ``restart()`` or ``reset()``.
-    """
-
-    window_frames: int = 320
-    overlap_frames: int | None = None
-    keyframe_policy: str = "interval"
-    motion_min_translation: float = 0.05
-    motion_min_rotation_deg: float = 5.0
-    auto_restart: bool = True
-
-    def __post_init__(self) -> None:
-        _require(isinstance(self.window_frames, int) and self.window_frames >= 2,
-                 f"window_frames must be an integer >= 2, got {self.window_frames!r}")
-        _require(self.overlap_frames is None or (isinstance(self.overlap_frames, int) and self.overlap_frames >= 1),
-                 f"overlap_frames must be None or an integer >= 1, got {self.overlap_frames!r}")
-        _require(self.overlap_frames is None or self.overlap_frames < self.window_frames,
-                 f"overlap_frames {self.overlap_frames} must be smaller than window_frames {self.window_frames}")
-        _require(self.keyframe_policy in KEYFRAME_POLICIES,
-                 f"keyframe_policy must be one of {KEYFRAME_POLICIES}, got {self.keyframe_policy!r}")
-        for name in ("motion_min_translation", "motion_min_rotation_deg"):
-            value = getattr(self, name)
-            _require(isinstance(value, (int, float)) and math.isfinite(value) and value >= 0,
-                     f"{name} must be a finite number >= 0, got {value!r}")
-        _require(self.keyframe_policy != "motion" or self.motion_min_translation > 0
-                 or self.motion_min_rotation_deg > 0,
-                 "keyframe_policy 'motion' needs motion_min_translation > 0 or motion_min_rotation_deg > 0")
-
-    def overlap_for(self, stream: StreamConfig) -> int:
-        return stream.num_scale_frames if self.overlap_frames is None else self.overlap_frames
-
-    def check(self, stream: StreamConfig, max_frame_num: int) -> None:
-        """Raise ConfigError unless these settings fit the stream and the model's horizon."""
-        overlap = self.overlap_for(stream)
-        _require(self.window_frames < max_frame_num,
-                 f"window_frames {self.window_frames} must be below the model's max_frame_num {max_frame_num}")
-        _require(stream.num_scale_frames <= overlap <= stream.num_scale_frames + stream.sliding_window,
-                 f"overlap_frames {overlap} must be between num_scale_frames ({stream.num_scale_frames}) and "
-                 f"num_scale_frames + sliding_window ({stream.num_scale_frames + stream.sliding_window})")
-        _require(overlap < self.window_frames,
-                 f"overlap_frames {overlap} must be smaller than window_frames {self.window_frames}")
-
 
 @dataclass(frozen=True)
 class _Keyframe:

@@ -71,6 +71,17 @@ def test_config_names_the_bad_value(kw, needle):
         LongStreamConfig(**kw)
 
 
+def test_config_lives_in_config_and_the_stream_module_re_exports_it():
+    """ros/params.py and cli/replay.py import LongStreamConfig and KEYFRAME_POLICIES from
+    stream.long_stream; they are the objects of lingbot_map_ros.config."""
+    from lingbot_map_ros import config
+    from lingbot_map_ros.stream import long_stream
+
+    assert long_stream.LongStreamConfig is config.LongStreamConfig is LongStreamConfig
+    assert long_stream.KEYFRAME_POLICIES is config.KEYFRAME_POLICIES == ("interval", "motion")
+    assert config.LongStreamConfig(keyframe_policy="motion").keyframe_policy == "motion"
+
+
 @pytest.mark.parametrize("kw,needle", [
     (dict(window_frames=HORIZON), "below the model's max_frame_num"),
     (dict(overlap_frames=1), "between num_scale_frames"),
