@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 from lingbot_map_ros.config import ModelConfig
-from lingbot_map_ros.io.checkpoint import CheckpointError, load_model, read_state_dict
+from lingbot_map_ros.io.checkpoint import CheckpointError, check_state_dict, load_model, read_state_dict
 
 TINY = ModelConfig.preset("tiny")
 
@@ -30,9 +30,22 @@ def test_pt_layouts_load(state, tmp_path, layout):
 
 
 def test_point_head_is_ignored(state, tmp_path):
+    """Released checkpoints may carry a point head this model does not have: its keys are
+    dropped, every other tensor loads as given, and the same key under another prefix is
+    still refused as unexpected."""
+    extra = {"point_head.scratch.output_conv2.2.weight": torch.zeros(4, 32, 1, 1),
+             "point_head.norm.bias": torch.ones(7)}
     path = tmp_path / "with_point_head.safetensors"
-    save_file({**state, "point_head.scratch.output_conv2.2.weight": torch.zeros(4, 32, 1, 1)}, str(path))
-    load_model(TINY, path)
+    save_file({**state, **extra}, str(path))
+    model = load_model(TINY, path)
+    loaded = model.state_dict()
+    assert not any(k.startswith("point_head.") for k in loaded)
+    assert loaded.keys() == state.keys()
+    assert all(torch.equal(loaded[k], v) for k, v in state.items())
+    usable = check_state_dict(model, {**state, **extra})
+    assert usable.keys() == state.keys()
+    with pytest.raises(CheckpointError, match="unexpected keys: pointhead.norm.bias"):
+        check_state_dict(model, {**state, "pointhead.norm.bias": torch.ones(7)})
 
 
 def test_misfits_are_named(state, tmp_path):
