@@ -84,10 +84,9 @@ def self_check(device: torch.device | str, heads: int, head_dim: int, widths: tu
         out = torch.empty(n, heads, head_dim, dtype=bf16, device=device)
         if not close(merge_states(o, lse, out), merge_reference(o, lse, torch.empty_like(out))):
             return "the split-KV merge kernel disagrees with PyTorch"
-        from ..model.layers import Mlp
-
-        with torch.random.fork_rng(devices=[]):  # its default init must not move the caller's RNG
-            mlp = Mlp(widths[0], 4 * widths[0])
+        with torch.random.fork_rng(devices=[]):  # their default init must not move the caller's RNG
+            mlp = nn.Module()  # what gelu_epilogue_mlp reads of the model's Mlp: fc1, fc2
+            mlp.fc1, mlp.fc2 = nn.Linear(widths[0], 4 * widths[0]), nn.Linear(4 * widths[0], widths[0])
         with torch.no_grad():
             for p in mlp.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
