@@ -39,11 +39,18 @@ import resource
 import sys
 import time
 from collections import deque
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from ..config import ModelConfig, StreamConfig
+    from ..io.results import DepthPolicy
+    from ..io.sources import Selection
+    from ..stream.long_stream import LongStreamConfig
 
 PROG = "lingbot-map-replay"
 MAX_SHOWN_BAD_FRAMES = 10  # warnings for the first bad frames; later ones are only counted
@@ -146,12 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 @dataclass(frozen=True)
 class Settings:
-    model: Any  # ModelConfig
-    stream: Any  # StreamConfig
-    long_stream: Any  # LongStreamConfig, or None for the plain session
-    width: int
-    selection: Any  # io.sources.Selection
-    depth: Any  # io.results.DepthPolicy
+    model: ModelConfig
+    stream: StreamConfig
+    long_stream: LongStreamConfig | None  # None: the plain session
+    width: int  # model input width, pixels
+    selection: Selection
+    depth: DepthPolicy
     conf_threshold: float
     point_stride: int
     bad_frames: str
@@ -160,7 +167,6 @@ class Settings:
 def configure(args: argparse.Namespace) -> Settings:
     """Resolve and check everything the flags decide, before any file is read or written."""
     from ..config import ConfigError, ModelConfig, StreamConfig, load_json
-    from ..io.atomic import check_destination
     from ..io.results import DepthPolicy
     from ..io.sources import Selection
     from ..stream.long_stream import LongStreamConfig
@@ -188,6 +194,32 @@ def configure(args: argparse.Namespace) -> Settings:
     width = args.width or int(data.get("preprocess_width", 518))
     if width <= 0 or width % model_cfg.patch_size:
         raise UserError(f"--width {width} is not a positive multiple of the patch size {model_cfg.patch_size}")
+    _check_numbers_and_outputs(args)
+    conf = _default(args.conf_threshold, "conf_threshold")
+    stride = _default(args.point_stride, "point_stride")
+    bad = args.bad_frames or ("error" if args.images is not None else "skip")
+    return Settings(model_cfg, stream_cfg, long_cfg, width, selection, depth, conf, stride, bad)
+
+
+_PACKAGES = {"rosbags": "rosbags", "av": "av (PyAV)"}
+
+
+def _require(module: str, flag: str) -> None:
+    """A UserError naming the pip package when ``module`` (needed by ``flag``) is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec(module) is None:
+        raise UserError(f"{flag} needs the Python package {_PACKAGES[module]}: pip install {module}")
+
+
+def _check_numbers_and_outputs(args: argparse.Namespace) -> None:
+    from ..io.atomic import check_destination
+
+    if args.bag is not None or args.out_bag is not None:
+        _require("rosbags", "--bag" if args.bag is not None else "--out-bag")
+    if args.video is not None:
+        _require("av", "--video")
+
     for flag, value, low in (("--max-frames", args.max_frames, 1), ("--chunk-frames", args.chunk_frames, 1),
                              ("--point-stride", args.point_stride, 1), ("--threads", args.threads, 1),
                              ("--bag-path-length", args.bag_path_length, 1),
@@ -204,10 +236,6 @@ def configure(args: argparse.Namespace) -> Settings:
                 raise UserError(f"{flag}: {exc}") from None
     if args.out_bag is not None and args.out_bag.exists():
         raise UserError(f"--out-bag {args.out_bag} exists already (a bag is not overwritten)")
-    conf = _default(args.conf_threshold, "conf_threshold")
-    stride = _default(args.point_stride, "point_stride")
-    bad = args.bad_frames or ("error" if args.images is not None else "skip")
-    return Settings(model_cfg, stream_cfg, long_cfg, width, selection, depth, conf, stride, bad)
 
 
 def _long_stream(args: argparse.Namespace, config_class):
@@ -217,8 +245,7 @@ def _long_stream(args: argparse.Namespace, config_class):
         if given:
             raise UserError(f"--{given[0].replace('_', '-')} needs the long-stream mode (drop --no-long-stream)")
         return None
-    values = {name: _node_default(name) if getattr(args, name) is None else getattr(args, name)
-              for name in _LONG_STREAM_FLAGS}
+    values = {name: _default(getattr(args, name), name) for name in _LONG_STREAM_FLAGS}
     values["overlap_frames"] = values["overlap_frames"] or None
     return config_class(**values)
 
@@ -350,9 +377,6 @@ class Replay:
         self._postfix: tuple[int, int] | None = None
 
     def run(self, source) -> None:
-        from tqdm import tqdm
-        from tqdm.contrib.logging import logging_redirect_tqdm
-
         from ..io.preprocess import model_input
         from ..io.sources import Prefetcher
 
@@ -360,8 +384,7 @@ class Replay:
         total = source.expected_frames()
         if total is not None and self.args.max_frames:
             total = min(total, self.args.max_frames)
-        with tqdm(total=total, unit="frame", desc="replay", disable=self.args.quiet, file=sys.stderr,
-                  dynamic_ncols=True, mininterval=0.5, smoothing=0.05) as self.bar, logging_redirect_tqdm(), \
+        with progress_bar(total, self.args.quiet) as self.bar, \
                 Prefetcher(source.frames, lambda rgb: model_input(rgb, width)) as frames:
             waiting = None
             for frame, image in frames:
@@ -418,6 +441,33 @@ class Replay:
         if self._postfix != (window, self.dropped):
             self._postfix = (window, self.dropped)
             self.bar.set_postfix(window=window, dropped=self.dropped, refresh=False)
+
+
+class _NoBar:
+    """Stands in for tqdm's bar when it is not installed or not wanted."""
+
+    def update(self, n: int = 1) -> None:
+        pass
+
+    def set_postfix(self, **kwargs) -> None:
+        pass
+
+
+@contextmanager
+def progress_bar(total: int | None, quiet: bool):
+    """tqdm's bar on stderr (frames/s, ETA; log lines printed above it), or a silent stand-in
+    with --quiet or without tqdm."""
+    try:
+        from tqdm import tqdm
+        from tqdm.contrib.logging import logging_redirect_tqdm
+    except ImportError:
+        quiet = True
+    if quiet:
+        yield _NoBar()
+        return
+    with tqdm(total=total, unit="frame", desc="replay", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
+              smoothing=0.05) as bar, logging_redirect_tqdm():
+        yield bar
 
 
 def make_session(args: argparse.Namespace, settings: Settings):

@@ -270,3 +270,19 @@ def test_bag_with_too_few_good_frames_is_one_line(loop_frames, tiny, tmp_path, c
     assert "only 1 frame(s) reached the model, fewer than the 2 scale frames" in line
     assert "2 dropped, the first: message 0 of /camera/image: corrupt or truncated JPEG" in line
     assert not list(tmp_path.glob("o.npz*"))
+
+
+def test_progress_bar_and_quiet(loop_folder, tiny, tmp_path, capsys):
+    loud = [a for a in tiny if a != "-q"]
+    code, err = replay(capsys, "--images", loop_folder, *loud, "--window-frames", "5", "--trajectory",
+                       tmp_path / "t.tum")
+    assert code == 0, err
+    bar = err.replace("\r", "\n")
+    assert "frame/s" in bar and "8/8" in bar and "window=1" in bar  # rate, count against the total, window
+    assert "model ready" in err and "input: 8 images from" in err
+    summary = err.strip().splitlines()[-1]
+    assert summary.startswith("lingbot-map-replay: 8 frames in") and "FPS" in summary and "0 dropped" in summary
+    assert "2 window(s)" in summary and f"wrote {tmp_path / 't.tum'}" in summary
+    code, err = replay(capsys, "--images", loop_folder, *tiny, "--trajectory", tmp_path / "u.tum")
+    assert code == 0 and "frame/s" not in err and "model ready" not in err
+    assert len(err.strip().splitlines()) == 1 and "8 frames in" in err  # the summary only
