@@ -554,9 +554,30 @@ def say(args: argparse.Namespace, message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
+class _StderrHandler(logging.Handler):
+    """Writes this CLI's log records to the current ``sys.stderr``, above the progress bar."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            message = self.format(record)
+            try:
+                from tqdm import tqdm
+
+                tqdm.write(message, file=sys.stderr)
+            except ImportError:
+                print(message, file=sys.stderr, flush=True)
+        except Exception:
+            self.handleError(record)
+
+
 def main(argv: list[str] | None = None, observer: Callable[[int], None] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format=f"{PROG}: %(levelname)s: %(message)s")
+    fmt = f"{PROG}: %(levelname)s: %(message)s"
+    logging.basicConfig(level=logging.WARNING, format=fmt)  # the library's own warnings
+    handler = _StderrHandler(logging.WARNING)
+    handler.setFormatter(logging.Formatter(fmt))
+    log.addHandler(handler)  # this CLI's warnings (skipped frames): always on stderr, once
+    log.propagate = False
     try:
         return run(args, observer)
     except UserError as exc:
@@ -565,6 +586,9 @@ def main(argv: list[str] | None = None, observer: Callable[[int], None] | None =
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130
+    finally:
+        log.removeHandler(handler)
+        log.propagate = True
 
 
 if __name__ == "__main__":
