@@ -117,6 +117,30 @@ PRESETS: dict[str, ModelConfig] = {
                         camera_num_heads=4, dpt_features=32, dpt_out_channels=(16, 32, 64, 64)),
 }
 
+FA3_TILES = (128, 192, 2)  # query rows, keys, pipeline stages of the project-built FA3 kernel (kernels.fa3_tiles)
+
+
+def check_fa3_tiles(tiles: Any) -> tuple[int, int, int]:
+    """``tiles`` as a (query rows, keys, stages) tuple of ints, or ConfigError naming the bad
+    value: rows and keys multiples of 64 in [64, 256], 2 or 3 pipeline stages."""
+    values = tuple(tiles) if isinstance(tiles, (tuple, list)) else ()
+    _require(len(values) == 3 and all(isinstance(v, int) and not isinstance(v, bool) for v in values),
+             f"fa3_tiles must be 3 integers (query rows, keys, stages), e.g. {FA3_TILES}, got {tiles!r}")
+    q, kv, stages = values
+    _require(q % 64 == 0 and 64 <= q <= 256 and kv % 64 == 0 and 64 <= kv <= 256 and stages in (2, 3),
+             f"fa3_tiles {tiles!r}: query rows and keys must be multiples of 64 in [64, 256] and stages 2 or 3")
+    return q, kv, stages
+
+
+def parse_fa3_tiles(text: str) -> tuple[int, int, int]:
+    """'128x192x2' (query rows x keys x pipeline stages; any case of x) -> (128, 192, 2), for
+    command-line flags; ConfigError naming the text otherwise."""
+    parts = text.strip().lower().split("x")
+    if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        raise ConfigError(f"FA3 tiles must look like 128x192x2 (query rows x keys x pipeline stages), got {text!r}")
+    return check_fa3_tiles(tuple(int(p) for p in parts))
+
+
 BACKENDS = ("auto", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3", "flashinfer-fa3-paged",
             "flashinfer-fa3-stock")
 DTYPES = ("fp32", "bf16")
@@ -142,6 +166,8 @@ class StreamConfig:
     and sums stay float32), read by the ``kernels.gemv`` kernel (so only where
     ``fused_kernels`` applies). ``parallel_heads`` runs the camera head on a
     second CUDA stream, concurrently with the depth head (CUDA only; same results).
+    ``fa3_tiles``: (query rows, keys, pipeline stages) of the project-built FA3 attention
+    kernel that backend ``flashinfer-fa3`` compiles (Hopper, bf16; a tuning knob).
     """
 
     num_scale_frames: int = 8
@@ -159,8 +185,10 @@ class StreamConfig:
     bf16_depth_head: bool = True
     bf16_camera_head: bool = True
     parallel_heads: bool = True
+    fa3_tiles: tuple[int, int, int] = FA3_TILES
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "fa3_tiles", check_fa3_tiles(self.fa3_tiles))
         _require(self.num_scale_frames >= 1, f"num_scale_frames must be >= 1, got {self.num_scale_frames}")
         _require(self.sliding_window >= 1, f"sliding_window must be >= 1, got {self.sliding_window}")
         _require(self.keyframe_interval >= 1, f"keyframe_interval must be >= 1, got {self.keyframe_interval}")
@@ -266,4 +294,4 @@ def load_json(path: str | Path) -> dict[str, Any]:
 
 
 __all__ = ["ModelConfig", "StreamConfig", "LongStreamConfig", "ConfigError", "PRESETS", "SPECIAL_TOKENS", "HEAD_DIM",
-           "KEYFRAME_POLICIES", "load_json"]
+           "KEYFRAME_POLICIES", "FA3_TILES", "check_fa3_tiles", "parse_fa3_tiles", "load_json"]

@@ -34,7 +34,10 @@ least one split per run when not in CUDA-graph mode.
 Interface (the ``AttentionBackend`` protocol plus two optional methods):
 
 * ``FlashInferBackend(device, variant="fa3" | "fa3-stock" | "fa3-paged" | "fa2",
-  dtype=None, graph_pages=None, kv_splits=None, min_graph_pages=1)``: ``dtype``, when
+  dtype=None, graph_pages=None, kv_splits=None, min_graph_pages=1, fa3_tiles=FA3_TILES,
+  fused_merge=None)``: ``fa3_tiles``, the project-built kernel's shape (``fa3``);
+  ``fused_merge``, merge the splits with the Triton kernel (None: where
+  ``kernels.available``; a session passes its own decision). ``dtype``, when
   given, is the pool's dtype and is checked here, so an unsupported one (float32) fails
   at construction rather than mid-step (and with bf16, ``fa3`` builds its kernel then).
   ``graph_pages`` (the pool's page count) puts the wrapper in CUDA-graph mode: its index buffers are preallocated and
@@ -66,6 +69,7 @@ import torch
 from torch import Tensor
 
 from .. import kernels
+from ..config import FA3_TILES, check_fa3_tiles
 from ..kernels.merge import merge_reference, merge_states
 from .pool import DevicePlan
 
@@ -194,13 +198,15 @@ class FlashInferBackend:
     """``BatchPrefillWithPagedKVCacheWrapper`` (NHD layout), one plan per step, split-KV."""
 
     def __init__(self, device: torch.device | str, variant: str = "fa3", dtype: torch.dtype | None = None,
-                 graph_pages: int | None = None, kv_splits: int | None = None, min_graph_pages: int = 1) -> None:
+                 graph_pages: int | None = None, kv_splits: int | None = None, min_graph_pages: int = 1,
+                 fa3_tiles: tuple[int, int, int] = FA3_TILES, fused_merge: bool | None = None) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"flashinfer variant must be one of {VARIANTS}, got {variant!r}")
         if dtype is not None:
             check_kv_dtype(dtype)
         if kv_splits is not None and kv_splits < 1:
             raise ValueError(f"kv_splits must be >= 1 (or None for automatic), got {kv_splits}")
+        fa3_tiles = check_fa3_tiles(fa3_tiles)
         device = torch.device(device)
         if device.type != "cuda":
             raise ValueError(f"the flashinfer backend needs a CUDA device, got {device}")
@@ -220,10 +226,13 @@ class FlashInferBackend:
         self._min_graph_pages = max(1, min_graph_pages)
         self._wrapper = None  # made at the first plan, when the pool's dtype and head width are known
         self._tiled = None  # kernels.fa3_tiles.TiledRaggedAttention when variant fa3 uses it
+        self._fa3_tiles = fa3_tiles  # the shape it is built with
         if variant == "fa3" and dtype == torch.bfloat16:
             self._build_tiled_kernel()
         self.tiles: tuple[int, int, int] | None = None  # (queries, keys, stages) of the project-built FA3 kernel
-        self._merge = None  # chosen on first use (after a session's kernel self-check)
+        if fused_merge is None:
+            fused_merge = kernels.available(device)
+        self._merge = merge_states if fused_merge else merge_reference  # of the split-KV partial results
         self._buffers: dict[tuple, Tensor] = {}
         # plan() fills a pinned host buffer and copies it to the device asynchronously; the
         # next plan() must not overwrite that buffer before the copy ran. The event is
@@ -268,8 +277,6 @@ class FlashInferBackend:
         lse = self._buffer("lse", (s, qo, heads), torch.float32)
         self._wrapper.run(q_rep.view(s * qo, heads, dim), *kv, out=o.view(s * qo, heads, dim),
                           lse=lse.view(s * qo, heads), return_lse=True)
-        if self._merge is None:
-            self._merge = merge_states if kernels.available(self.device) else merge_reference
         return self._merge(o, lse, self._buffer("out", (qo, heads, dim), dtype))
 
     def _buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> Tensor:
@@ -314,7 +321,7 @@ class FlashInferBackend:
 
         if fa3_tiles.unsupported(self.device, torch.bfloat16, fa3_tiles.HEAD_DIM) is None:
             try:
-                fa3_tiles.load()
+                fa3_tiles.load(self._fa3_tiles)
             except RuntimeError:
                 pass  # remembered by load(); _tiled_kernel logs it
 
@@ -329,7 +336,7 @@ class FlashInferBackend:
         reason = fa3_tiles.unsupported(self.device, dtype, head_dim)
         if reason is None:
             try:
-                return fa3_tiles.TiledRaggedAttention(self.device, fixed=self.graph_mode)
+                return fa3_tiles.TiledRaggedAttention(self.device, fixed=self.graph_mode, tiles=self._fa3_tiles)
             except RuntimeError as exc:
                 reason = str(exc)
         if reason not in _tile_fallbacks_logged:

@@ -84,13 +84,16 @@ class CameraKVCache:
     Slot i holds the frame of temporal index i; a step writes its tokens at
     ``start`` (the number of frames stored) and attends to slots [0, start + S).
     An attend-only step's slot is simply overwritten by the next step.
+    ``fused``: ``attend_at`` through the Triton kernel (``kernels.camera_attention``);
+    the owner decides (a session: where its kernels passed their self-check).
     """
 
     def __init__(self, iterations: int, depth: int, capacity: int, num_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, fused: bool = False) -> None:
         shape = (iterations, depth, capacity, num_heads, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.fused = fused
 
     def attend(self, iteration: int, block: int, q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
         """q, k, v [S, H, D] -> [S, H, D] attending over the stored frames and the step's own."""
@@ -104,8 +107,6 @@ class CameraKVCache:
 
     # Static-shape variant of ``attend`` for one frame (CUDA graphs): no Python int decides
     # a shape or an offset, the slot and the visible length come from a device tensor.
-    fused = False  # attend_at through kernels.camera_attention (set where the Triton kernels run)
-
     def visible_bias(self, position: Tensor) -> Tensor | None:
         """Additive mask [1, 1, capacity]: 0 for slots <= position [1] (long), -inf after (None
         with the fused kernel, which reads the position itself)."""

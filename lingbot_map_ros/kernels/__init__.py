@@ -4,32 +4,24 @@ Every kernel here replaces a chain of small PyTorch ops whose launches and
 memory round trips dominate a one-frame step once attention is fast. The PyTorch
 twin (same arguments, same maths) runs where Triton or CUDA is absent and is the
 reference the GPU tests compare the kernel with. ``available()`` says whether the
-Triton versions can run on a device.
+Triton versions can run on a device, ``self_check()`` whether they compile and agree
+with their twins there. Whether to use them is the caller's value, decided once (the
+session: ``StreamingSession.fused``) and passed to whatever launches them; nothing
+here keeps a process-wide switch.
 """
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import torch
 
-_DISABLE_ENV = "LINGBOT_DISABLE_TRITON"
-_disabled: str | None = None  # set by disable(): the kernels failed their self-check in this process
-
 
 def available(device: torch.device | str) -> bool:
-    """True when the Triton kernels can run on ``device`` (CUDA, Triton importable, not disabled
-    through the LINGBOT_DISABLE_TRITON environment variable or by ``disable``)."""
+    """True when the Triton kernels can run on ``device`` (CUDA, Triton importable)."""
     device = torch.device(device)
-    if device.type != "cuda" or _disabled is not None or os.environ.get(_DISABLE_ENV, "") not in ("", "0"):
+    if device.type != "cuda":
         return False
     return importlib.util.find_spec("triton") is not None
-
-
-def disable(reason: str) -> None:
-    """Stop using the kernels in this process (every user falls back to its PyTorch twin)."""
-    global _disabled
-    _disabled = reason
 
 
 def self_check(device: torch.device | str, heads: int, head_dim: int, widths: tuple[int, ...]) -> str | None:

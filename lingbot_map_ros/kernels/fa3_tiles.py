@@ -14,8 +14,8 @@ source is rebuilt.
 Measured on an H200 (``benchmarks/fa3_tiles_ab.sh``, ``results/nvidia_h200_fa3_tiles_ab.txt``,
 the 518x378 stream, queued): FlashInfer's module 24.88 ms per frame, this one 22.98 (25.02
 vs 23.19 in ``gpu_batch.sh``); 128 x 256 tiles 27.7 ms, 3 pipeline stages within noise of
-2. Build: ~90 s on the H200 machine's nvcc. ``LINGBOT_FA3_TILES=QxKVxSTAGES`` builds and
-uses another shape (tuning runs; read at import).
+2. Build: ~90 s on the H200 machine's nvcc. Another shape is an argument (``tiles``; for a
+stream, ``StreamConfig.fa3_tiles``, which the backend passes here).
 
 ``TiledRaggedAttention`` has the two calls ``FlashInferBackend`` makes on FlashInfer's
 ``BatchPrefillWithRaggedKVCacheWrapper`` (``plan`` and ``run``), so the backend can use
@@ -28,7 +28,6 @@ import hashlib
 import heapq
 import logging
 import math
-import os
 import threading
 from pathlib import Path
 
@@ -36,26 +35,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from ..config import FA3_TILES, check_fa3_tiles
+
 HEAD_DIM = 64
-TILES_ENV = "LINGBOT_FA3_TILES"  # "QxKVxSTAGES", e.g. 128x192x2: another shape for tuning runs
-
-
-def _tiles_from_env() -> tuple[int, int, int]:
-    text = os.environ.get(TILES_ENV, "").strip()
-    if not text:
-        return 128, 192, 2
-    try:
-        q, kv, stages = (int(x) for x in text.lower().split("x"))
-    except ValueError:
-        raise ValueError(f"{TILES_ENV} must look like 128x192x2 (query rows x keys x pipeline stages), "
-                         f"got {text!r}") from None
-    if q % 64 or not 64 <= q <= 256 or kv % 64 or not 64 <= kv <= 256 or stages not in (2, 3):
-        raise ValueError(f"{TILES_ENV}={text!r}: query rows and keys must be multiples of 64 in "
-                         "[64, 256] and stages 2 or 3")
-    return q, kv, stages
-
-
-TILES = _tiles_from_env()  # (query rows, keys, pipeline stages) of the kernel this module builds
+TILES = FA3_TILES  # (query rows, keys, pipeline stages) of the kernel built unless told otherwise
 TILE_Q, TILE_KV, STAGES = TILES
 ITEM_ARRAYS = 7  # tile, first query row, first key row, query count, key count, head, request
 SOURCE = Path(__file__).with_name("csrc") / "fa3_ragged.cu"
@@ -130,8 +113,9 @@ def module_name(tiles: tuple[int, int, int] = TILES) -> str:
 
 
 def load(tiles: tuple[int, int, int] = TILES):
-    """The compiled module (built on first use; raises RuntimeError saying why it cannot be)."""
-    key = tile_q, tile_kv, stages = tuple(tiles)
+    """The compiled module (built on first use; raises RuntimeError saying why it cannot be,
+    ConfigError for a shape outside ``config.check_fa3_tiles``)."""
+    key = tile_q, tile_kv, stages = check_fa3_tiles(tiles)
     with _lock:
         if key in _modules:
             return _modules[key]
@@ -186,7 +170,7 @@ class TiledRaggedAttention:
                  tiles: tuple[int, int, int] = TILES) -> None:
         self.device = torch.device(device)
         self.fixed = fixed
-        self.tiles = tuple(tiles)
+        self.tiles = check_fa3_tiles(tiles)
         self.tile_q, self.tile_kv, self.stages = self.tiles
         self._module = load(self.tiles)
         self.num_ctas = torch.cuda.get_device_properties(self.device).multi_processor_count

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from ..cache.flashinfer_backend import FlashInferBackend
+from ..config import FA3_TILES
 from ..cache.pool import CameraKVCache, DevicePlan, KVPool, PoolAttention
 from ..model.lingbot import LingBotMap, StepOutput
 
@@ -194,11 +195,13 @@ def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, nu
                       resolution: tuple[int, int], variant: str, dtype: torch.dtype, *, camera_iterations: int,
                       autocast_dtype: torch.dtype | None, with_depth: bool, fused: bool = False,
                       depth_head=None, camera_head=None, head_stream=None, kv_splits: int | None = None,
-                      min_pages: int = 1) -> GraphedStep:
+                      min_pages: int = 1, fa3_tiles: tuple[int, int, int] = FA3_TILES,
+                      fused_merge: bool | None = None) -> GraphedStep:
     """A GraphedStep with its own FlashInfer wrapper in CUDA-graph mode (sized for ``num_pages``;
-    ``min_pages``, the fewest visible pages of a phase-2 step, bounds its KV split count)."""
+    ``min_pages``, the fewest visible pages of a phase-2 step, bounds its KV split count;
+    ``fa3_tiles`` and ``fused_merge`` as for ``FlashInferBackend``)."""
     backend = FlashInferBackend(pool.k.device, variant, dtype, graph_pages=num_pages, kv_splits=kv_splits,
-                                min_graph_pages=min_pages)
+                                min_graph_pages=min_pages, fa3_tiles=fa3_tiles, fused_merge=fused_merge)
     return GraphedStep(model, pool, camera, backend, resolution, camera_iterations=camera_iterations,
                        autocast_dtype=autocast_dtype, with_depth=with_depth, fused=fused, depth_head=depth_head,
                        camera_head=camera_head, head_stream=head_stream)

@@ -132,19 +132,11 @@ class StreamingSession:
         if agg_dtype != self.dtype:
             raise SessionError(f"the model's aggregator is {agg_dtype} but the stream dtype is {cfg.dtype}; "
                                "load the model with the same dtype (io.checkpoint.load_model(dtype=...))")
-        self.backend = backend or make_backend(cfg.backend, self.device, self.dtype, kv_splits=cfg.kv_splits)
         self.with_depth = with_depth
-        # the Triton kernels: CUDA with bf16 weights (their maths is the bf16 autocast path's)
-        self.fused = cfg.fused_kernels and self.dtype == torch.bfloat16 and kernels.available(self.device)
-        if self.fused:
-            mcfg = model.cfg
-            problem = kernels.self_check(self.device, mcfg.num_heads, mcfg.head_dim,
-                                         (mcfg.embed_dim, mcfg.dino_dim))
-            if problem is not None:
-                log.warning("the Triton kernels cannot be used here (%s); running the PyTorch path instead",
-                            problem)
-                kernels.disable(problem)
-                self.fused = False
+        self.fused, triton = self._resolve_kernels()
+        self._merge_kernel = triton  # FlashInfer's split-KV merge: the Triton kernel wherever Triton runs here
+        self.backend = backend or make_backend(cfg.backend, self.device, self.dtype, kv_splits=cfg.kv_splits,
+                                               fa3_tiles=cfg.fa3_tiles, fused_merge=triton)
         # the depth head's bf16 channels-last copy (CUDA bf16 streams; the model's own head stays float32)
         fast_upsample = fast_norm = None
         if self.fused:
@@ -178,6 +170,21 @@ class StreamingSession:
         self._landing: LandingRing | None = None  # page-locked landing buffers of the outputs (CUDA)
         self._in_flight: deque[PendingResults] = deque()  # submitted, results not yet taken (CUDA)
         self._u8_scale: Tensor | None = None  # 255 on the device (uint8 frames)
+
+    def _resolve_kernels(self) -> tuple[bool, bool]:
+        """(fused, triton): whether this session runs the Triton kernels of the model's step
+        (``cfg.fused_kernels``, CUDA, bf16, and they pass ``kernels.self_check`` here), and
+        whether Triton kernels run here at all (False once the self-check failed). Decided
+        once; the result is handed to everything that launches a kernel."""
+        triton = kernels.available(self.device)
+        if not (self.cfg.fused_kernels and self.dtype == torch.bfloat16 and triton):
+            return False, triton
+        mcfg = self.model.cfg
+        problem = kernels.self_check(self.device, mcfg.num_heads, mcfg.head_dim, (mcfg.embed_dim, mcfg.dino_dim))
+        if problem is not None:
+            log.warning("the Triton kernels cannot be used here (%s); running the PyTorch path instead", problem)
+            return False, False
+        return True, True
 
     # ------------------------------------------------------------------ state
     @property
@@ -342,9 +349,10 @@ class StreamingSession:
                             self.dtype, self.device)
         if self._camera is None:
             head_dim = mcfg.camera_dim // mcfg.camera_num_heads
+            # fused: its graph-step attention through the Triton kernel
             self._camera = CameraKVCache(cfg.camera_iterations, mcfg.camera_trunk_depth, mcfg.max_frame_num,
-                                         mcfg.camera_num_heads, head_dim, torch.float32, self.device)
-            self._camera.fused = self.fused  # its graph-step attention through the Triton kernel
+                                         mcfg.camera_num_heads, head_dim, torch.float32, self.device,
+                                         fused=self.fused)
         self._resolution = (h, w)
         log.info("cache for %dx%d: %d pages of %d tokens, %.1f MiB of K/V", w, h, self._pages.num_pages,
                  page_size, self._pool.nbytes / 2**20)
@@ -439,7 +447,8 @@ class StreamingSession:
                                               fused=self.fused, depth_head=self.depth_head,
                                               camera_head=self.camera_head, head_stream=self._head_stream,
                                               kv_splits=self.cfg.kv_splits or None,
-                                              min_pages=self.cfg.num_scale_frames + 2)
+                                              min_pages=self.cfg.num_scale_frames + 2,
+                                              fa3_tiles=self.cfg.fa3_tiles, fused_merge=self._merge_kernel)
         return self._graphed
 
     def _land(self, frames: Tensor, hosts: list[Tensor], out, plan: StepPlan, first_frame: int, t0: float,

@@ -98,14 +98,20 @@ def test_split_count_follows_the_tile():
     assert auto_kv_splits(783, 16, 64, 74, 132, "fa3", tile_q=128, waves=TILED_WAVES) == 9
 
 
-def test_tile_shape_from_the_environment(monkeypatch):
+def test_tile_shape_is_a_checked_setting():
+    """The FA3 tile shape is data: a StreamConfig field (benchmarks parse their flag with
+    parse_fa3_tiles); no environment variable changes it behind the caller's back."""
+    from lingbot_map_ros.config import FA3_TILES, ConfigError, StreamConfig, parse_fa3_tiles
     from lingbot_map_ros.kernels import fa3_tiles
 
-    monkeypatch.delenv(fa3_tiles.TILES_ENV, raising=False)
-    assert fa3_tiles._tiles_from_env() == (128, 192, 2)
-    monkeypatch.setenv(fa3_tiles.TILES_ENV, "128X256x3")
-    assert fa3_tiles._tiles_from_env() == (128, 256, 3)
-    for bad in ("128x192", "abc", "100x192x2", "128x192x4", "128x320x2"):
-        monkeypatch.setenv(fa3_tiles.TILES_ENV, bad)
-        with pytest.raises(ValueError, match=fa3_tiles.TILES_ENV):
-            fa3_tiles._tiles_from_env()
+    assert StreamConfig().fa3_tiles == FA3_TILES == fa3_tiles.TILES == (128, 192, 2)
+    assert StreamConfig.from_dict({"fa3_tiles": [128, 256, 3]}).fa3_tiles == (128, 256, 3)  # JSON lists
+    assert parse_fa3_tiles("128X256x3") == (128, 256, 3)
+    for bad in ("128x192", "abc", "100x192x2", "128x192x4", "128x320x2", "1.5x192x2"):
+        with pytest.raises(ConfigError, match="128x192x2|fa3_tiles"):
+            parse_fa3_tiles(bad)
+    for bad in ((128, 192), (128.0, 192, 2), (100, 192, 2), "128x192x2"):
+        with pytest.raises(ConfigError, match="fa3_tiles"):
+            StreamConfig(fa3_tiles=bad)
+    with pytest.raises(ConfigError, match="fa3_tiles"):
+        fa3_tiles.load((128, 192, 4))  # refused before anything is built

@@ -278,30 +278,42 @@ def test_self_check_reports_a_kernel_that_cannot_run():
 
 
 def test_session_falls_back_when_the_kernels_fail_their_self_check(fixture_config, fixtures, monkeypatch, caplog):
-    """A machine where Triton imports but cannot compile: the session warns once, runs the
-    PyTorch path, and the process stops offering the kernels (also to FlashInfer's merge)."""
+    """A machine where Triton imports but cannot compile: the session warns, runs the
+    PyTorch path and tells its backend not to merge with Triton either. The decision is
+    the session's value, not the process's: a later session whose check passes uses them."""
     import logging
 
     from lingbot_map_ros import kernels
     from lingbot_map_ros.config import ModelConfig
     from lingbot_map_ros.io.checkpoint import load_model
+    from lingbot_map_ros.stream import session as session_module
 
     model = load_model(ModelConfig.from_dict(fixture_config), fixtures / "weights.safetensors", dtype="bf16")
-    cfg = StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa", dtype="bf16")
-    monkeypatch.setattr(kernels, "_disabled", None)
-    # "Triton is there" on this CPU machine: available() as on CUDA, still honouring disable()
-    monkeypatch.setattr(kernels, "available", lambda device: kernels._disabled is None)
-    calls = []
-    monkeypatch.setattr(kernels, "self_check", lambda *a: calls.append(a) or "RuntimeError: no C compiler")
+    cfg = StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa", dtype="bf16", fa3_tiles=(128, 256, 3))
+    monkeypatch.setattr(kernels, "available", lambda device: True)  # "Triton is there" on this CPU machine
+    checks, backends = [], []
+    monkeypatch.setattr(kernels, "self_check", lambda *a: checks.append(a) or "RuntimeError: no C compiler")
+    real_make_backend = session_module.make_backend
+
+    def make_backend(*args, **kwargs):
+        backends.append(kwargs)
+        return real_make_backend(*args, **kwargs)
+
+    monkeypatch.setattr(session_module, "make_backend", make_backend)
     with caplog.at_level(logging.WARNING, logger="lingbot_map_ros"):
-        session = StreamingSession(model, cfg)
-    assert calls and calls[0][1:] == (model.cfg.num_heads, model.cfg.head_dim,
-                                      (model.cfg.embed_dim, model.cfg.dino_dim))
-    assert not session.fused and "no C compiler" in caplog.text
-    assert not kernels.available("cuda") and kernels._disabled  # disabled for the process
+        failed = StreamingSession(model, cfg)
+    assert checks == [(failed.device, model.cfg.num_heads, model.cfg.head_dim,
+                       (model.cfg.embed_dim, model.cfg.dino_dim))]
+    assert not failed.fused and failed.camera_head is None and "no C compiler" in caplog.text
+    assert backends[-1]["fused_merge"] is False and backends[-1]["fa3_tiles"] == (128, 256, 3)
+
+    monkeypatch.setattr(kernels, "self_check", lambda *a: None)
+    passed = StreamingSession(model, cfg)
+    assert passed.fused and passed.camera_head is not None and backends[-1]["fused_merge"] is True
+    assert not StreamingSession(model, cfg.with_overrides(fused_kernels=False)).fused
     monkeypatch.undo()
     images = torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])
-    assert len(session.push(images[0]) + session.push(images[1])) == 2  # the PyTorch path runs
+    assert len(failed.push(images[0]) + failed.push(images[1])) == 2  # the PyTorch path runs
 
 
 def test_gelu_epilogue_mlp_twin_is_the_mlp_with_tanh_gelu_and_cpu_falls_back():
