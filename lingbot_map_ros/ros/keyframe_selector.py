@@ -25,8 +25,9 @@ from the last stored keyframe):
 One call is in flight at a time, sent with ``call_async``; a newer frame replaces one still
 waiting to be sent. Nothing is sent while the services are not available (the frame waits up
 to ``service_timeout``, then the node's ``keyframe_decision_default`` applies); a call without
-an answer within ``service_timeout`` is given up, and its late answer is logged at debug. A
-frame index that goes back (the node restarted or was reset) starts the policy again.
+an answer within ``service_timeout`` is given up, and its late answer is only logged at
+debug. A frame index below the last one (the node restarted or was reset; after a drop of frame
+N the next frame is N again, which is no restart) starts the policy again.
 Exit status 0 on Ctrl-C, 1 with one error line for a bad parameter.
 """
 from __future__ import annotations
@@ -78,7 +79,9 @@ class Decision(NamedTuple):
 
 
 class KeyframePolicy:
-    """Keep/drop rules 1-5 of the module docstring; remembers the last kept valid fraction."""
+    """Keep/drop rules 1-5 of the module docstring. ``decide`` changes nothing; the caller reports
+    each frame that became a keyframe (a keep the node confirmed, a frame it stored by itself)
+    with ``note_keyframe``: its valid fraction is the reference of rule 4."""
 
     def __init__(self, thresholds: Thresholds) -> None:
         self.thresholds = thresholds
@@ -88,28 +91,24 @@ class KeyframePolicy:
         self.reference_valid_fraction = None
 
     def note_keyframe(self, valid_fraction: float) -> None:
-        """A frame the node stored without asking (e.g. a scale frame) is the reference from now on."""
-        self._keep(valid_fraction, "stored by the node")
+        """The node stored this frame as a keyframe: it is the reference from now on."""
+        self.reference_valid_fraction = valid_fraction if math.isfinite(valid_fraction) else 0.0
 
     def decide(self, translation: float, rotation_deg: float, valid_fraction: float) -> Decision:
-        """Decide about one stored frame; a keep makes it the reference of the next ones."""
+        """Decide about one stored frame (the state is unchanged)."""
         t, ref = self.thresholds, self.reference_valid_fraction
         if ref is None:
-            return self._keep(valid_fraction, "first frame")
+            return Decision(True, "first frame")
         if not math.isfinite(valid_fraction) or valid_fraction < t.min_valid_fraction:
             return Decision(False, f"unreliable: valid fraction {valid_fraction:.2f} < {t.min_valid_fraction:.2f}")
         if translation >= t.min_translation:
-            return self._keep(valid_fraction, f"moved {translation:.3f} >= {t.min_translation:.3f}")
+            return Decision(True, f"moved {translation:.3f} >= {t.min_translation:.3f}")
         if rotation_deg >= t.min_rotation_deg:
-            return self._keep(valid_fraction, f"turned {rotation_deg:.1f} >= {t.min_rotation_deg:.1f} deg")
+            return Decision(True, f"turned {rotation_deg:.1f} >= {t.min_rotation_deg:.1f} deg")
         if t.confidence_drop > 0.0 and valid_fraction < (1.0 - t.confidence_drop) * ref:
-            return self._keep(valid_fraction, f"confidence dropped: valid fraction {valid_fraction:.2f} "
-                                              f"< {1.0 - t.confidence_drop:.2f} x {ref:.2f}")
+            return Decision(True, f"confidence dropped: valid fraction {valid_fraction:.2f} "
+                                  f"< {1.0 - t.confidence_drop:.2f} x {ref:.2f}")
         return Decision(False, "too close to the last keyframe")
-
-    def _keep(self, valid_fraction: float, reason: str) -> Decision:
-        self.reference_valid_fraction = valid_fraction if math.isfinite(valid_fraction) else 0.0
-        return Decision(True, reason)
 
 
 # ------------------------------------------------------------------ node
@@ -140,6 +139,7 @@ PARAMS = {
 class InFlight(NamedTuple):
     frame_index: int
     keep: bool
+    valid_fraction: float
     future: Any  # rclpy Future of the service response
     sent: float  # time.monotonic() at the call
 
@@ -177,7 +177,7 @@ class KeyframeSelector(Node):
 
     def _on_frame(self, msg: FrameInfo) -> None:
         index = int(msg.frame_index)
-        if index <= self._last_index:
+        if index < self._last_index:  # after a drop of frame N the next frame is N again: no restart
             self.get_logger().info(f"frame index went back from {self._last_index} to {index}: the mapping node "
                                    "restarted or was reset; starting again")
             self.counts["restarts"] += 1
@@ -232,7 +232,7 @@ class KeyframeSelector(Node):
             future = self.keep_client.call_async(CommitEviction.Request(expected_frame_index=index))
         else:
             future = self.drop_client.call_async(RollbackFrame.Request(expected_frame_index=index))
-        call = InFlight(index, decision.keep, future, time.monotonic())
+        call = InFlight(index, decision.keep, msg.valid_fraction, future, time.monotonic())
         self._in_flight = call
         future.add_done_callback(lambda _: self._on_answer(call))
 
@@ -249,6 +249,8 @@ class KeyframeSelector(Node):
             return
         self._in_flight = None
         self.counts[word if success else "refused"] += 1
+        if success and call.keep:
+            self.policy.note_keyframe(call.valid_fraction)
         self.get_logger().debug(f"frame {call.frame_index}: {word} {'done' if success else 'refused'}: {text}")
         self._dispatch()
 

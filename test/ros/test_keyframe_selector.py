@@ -87,6 +87,8 @@ class FakeMapper:
         self.keyframe: tuple[float, float] | None = None   # (x, yaw) of the last stored keyframe
         self.unheld_previous: tuple[float, float] | None = None  # the keyframe before an unheld stored frame
         self.unheld = False                                # held names a frame stored without a hold
+        self.next_index = 1  # as the node numbers frames: +1 per frame, a dropped frame's index is reused
+        self.mark = 0        # requests before the last publish
         self.services: list = []
         self.open_services()
         self.executor = SingleThreadedExecutor(context=self.context)
@@ -129,6 +131,8 @@ class FakeMapper:
                     self.keyframe = self.held[1:]
                 if ok and kind == "drop" and self.unheld:  # rolled back: the keyframe before it again
                     self.keyframe = self.unheld_previous
+                if ok and kind == "drop":
+                    self.next_index = expected
                 if ok:
                     self.held = None
                 self.requests.append((expected, kind, ok))
@@ -142,6 +146,8 @@ class FakeMapper:
         as the node's scale frames), or not stored. ``accept`` = False: refuse any decision about it
         (as after the node's own hold timed out)."""
         with self.cond:
+            assert index == self.next_index, f"the node would number this frame {self.next_index}, not {index}"
+            self.next_index, self.mark = index + 1, len(self.requests)
             kx, kyaw = self.keyframe if self.keyframe is not None else (x, yaw)
             msg = FrameInfo(frame_index=index, stored=stored, decision_pending=pending and stored,
                             valid_fraction=valid, translation_since_keyframe=abs(x - kx),
@@ -161,10 +167,11 @@ class FakeMapper:
             self.keyframe, self.held = self.held[1:], None
 
     def wait_request(self, index: int) -> tuple[int, str, bool]:
+        """The first call naming ``index`` since the last publish."""
         with self.cond:
-            ok = self.cond.wait_for(lambda: any(r[0] == index for r in self.requests), WAIT)
+            ok = self.cond.wait_for(lambda: any(r[0] == index for r in self.requests[self.mark:]), WAIT)
             assert ok, f"no decision about frame {index} within {WAIT} s"
-            return next(r for r in self.requests if r[0] == index)
+            return next(r for r in self.requests[self.mark:] if r[0] == index)
 
 
 class Selector:
@@ -183,8 +190,8 @@ class Selector:
     def text(self) -> str:
         return self.log.read_text()
 
-    def wait_log(self, needle: str, timeout: float = WAIT) -> None:
-        wait_for(lambda: needle in self.text(), f"{needle!r} in the selector's log", timeout)
+    def wait_log(self, needle: str, timeout: float = WAIT, count: int = 1) -> None:
+        wait_for(lambda: self.text().count(needle) >= count, f"{needle!r} {count}x in the selector's log", timeout)
 
     def stop(self) -> tuple[int, str]:
         """SIGINT, as Ctrl-C; returns (exit status, log). Killed (status -9) if it hangs."""
@@ -214,22 +221,23 @@ def assert_clean_exit(selector: Selector, summary: str) -> str:
 
 
 # (index, x, yaw_deg, valid_fraction, stored, pending, expected); thresholds: defaults 0.10, 10 deg,
-# floor 0.3, confidence drop 0.25; distances are from the last stored keyframe.
+# floor 0.3, confidence drop 0.25; distances are from the last stored keyframe. As in the node, a
+# dropped (rolled back) frame's index is the next frame's.
 TRAJECTORY = [
-    (1, 0.00, 0.0, 0.90, True, False, None),     # scale frames: stored without a hold, not decided,
-    (2, 0.02, 0.0, 0.85, True, False, None),     # the reference of the first decision
-    (3, 0.06, 0.0, 0.90, True, True, "drop"),    # 0.04 from frame 2: no "first frame" keep
-    (4, 0.08, 0.0, 0.90, False, False, None),    # not stored: no call
-    (5, 0.10, 0.0, 0.88, True, True, "drop"),    # 0.08
-    (6, 0.14, 0.0, 0.85, True, True, "keep"),    # moved 0.12
-    (7, 0.17, 4.0, 0.85, True, True, "drop"),    # 0.03, 4 deg
-    (8, 0.18, 11.0, 0.85, True, True, "keep"),   # turned 11 deg
-    (9, 0.60, 12.0, 0.20, True, True, "drop"),   # moved 0.42 but unreliable (0.20 < 0.3)
-    (10, 0.20, 13.0, 0.60, True, True, "keep"),  # confidence dropped: 0.60 < 0.75 x 0.85
-    (11, 0.21, 13.0, 0.55, True, True, "drop"),  # 0.55 >= 0.75 x 0.60
-    (12, 0.21, 13.0, 0.44, True, True, "keep"),  # 0.44 < 0.45
-    (13, 0.27, 13.0, 0.50, True, True, "drop"),  # 0.06
-    (14, 0.32, 13.0, 0.50, True, True, "keep"),  # moved 0.11
+    (1, 0.00, 0.0, 0.90, True, False, None),    # scale frames: stored without a hold, not decided,
+    (2, 0.02, 0.0, 0.85, True, False, None),    # the reference of the first decision
+    (3, 0.06, 0.0, 0.90, True, True, "drop"),   # 0.04 from frame 2: no "first frame" keep
+    (3, 0.08, 0.0, 0.90, False, False, None),   # not stored: no call
+    (4, 0.10, 0.0, 0.88, True, True, "drop"),   # 0.08
+    (4, 0.14, 0.0, 0.85, True, True, "keep"),   # moved 0.12; index 4 again: no restart
+    (5, 0.17, 4.0, 0.85, True, True, "drop"),   # 0.03, 4 deg
+    (5, 0.18, 11.0, 0.85, True, True, "keep"),  # turned 11 deg
+    (6, 0.60, 12.0, 0.20, True, True, "drop"),  # moved 0.42 but unreliable (0.20 < 0.3)
+    (6, 0.20, 13.0, 0.60, True, True, "keep"),  # confidence dropped: 0.60 < 0.75 x 0.85
+    (7, 0.21, 13.0, 0.55, True, True, "drop"),  # 0.55 >= 0.75 x 0.60
+    (7, 0.21, 13.0, 0.44, True, True, "keep"),  # 0.44 < 0.45
+    (8, 0.27, 13.0, 0.50, True, True, "drop"),  # 0.06
+    (8, 0.32, 13.0, 0.50, True, True, "keep"),  # moved 0.11
 ]
 
 
@@ -243,14 +251,14 @@ def test_decisions_follow_the_thresholds(fake: FakeMapper, tmp_path: Path):
                 fake.wait_request(index)
             elif stored:
                 selector.wait_log(f"frame {index}: stored without a hold")
-        selector.wait_log("frame 14: keep done")  # the last answer is in: the counters are final
+        selector.wait_log("frame 8: keep done")  # the last answer is in: the counters are final
         selector.wait_log("]: summary: kept 5, dropped 6, refused 0", timeout=5.0)  # the periodic summary
     finally:
         log = assert_clean_exit(selector, "kept 5, dropped 6, refused 0, unanswered 0, unavailable 0, "
                                           "superseded 0, restarts 0")
     expected = [(i, want, True) for i, *_, want in TRAJECTORY if want is not None]
     assert fake.requests == expected
-    assert "frame 10: keep (confidence dropped" in log and "frame 9: drop (unreliable" in log
+    assert "frame 6: keep (confidence dropped" in log and "frame 6: drop (unreliable" in log
     assert "first frame" not in log  # the scale frames were the reference
 
 
@@ -294,10 +302,10 @@ def test_outage_refusal_stall_and_restart(fake: FakeMapper, tmp_path: Path):
         fake.close()
         restarted = FakeMapper()
         restarted.wait_for_selector()
-        for index, x, pending, want in [(1, 5.0, False, "keep"), (2, 5.05, True, "drop"), (3, 5.2, True, "keep")]:
+        for index, x, pending, want in [(1, 5.0, False, "keep"), (2, 5.05, True, "drop"), (2, 5.2, True, "keep")]:
             restarted.publish(index, x, 0.0, 0.9, pending=pending)
             assert restarted.wait_request(index) == (index, want, True)
-        selector.wait_log("frame 3: keep done")
+        selector.wait_log("frame 2: keep done", count=2)  # frame 2 before the restart, and this one
     finally:
         log = assert_clean_exit(selector, "kept 3, dropped 2, refused 1, unanswered 1, unavailable 1, "
                                           "superseded 1, restarts 1")
