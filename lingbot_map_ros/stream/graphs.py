@@ -41,7 +41,7 @@ from torch import Tensor
 from ..cache.flashinfer_backend import FlashInferBackend
 from ..config import FA3_TILES
 from ..cache.pool import CameraKVCache, DevicePlan, KVPool, PoolAttention
-from ..model.lingbot import LingBotMap, StepOutput
+from ..model.lingbot import LingBotMap, StepOptions, StepOutput
 
 log = logging.getLogger(__name__)
 
@@ -49,24 +49,18 @@ log = logging.getLogger(__name__)
 class GraphedStep:
     """One phase-2 frame at one resolution: eager warm-up, capture on first use, then replay.
 
-    ``capture=False`` runs the same static-shape computation eagerly on every call (used
-    where graphs are unavailable, and to test the static path itself).
+    ``options``: the stream's ``StepOptions`` (those of its eager steps; a ``head_stream`` is
+    forked and joined inside the heads graph). ``capture=False`` runs the same static-shape
+    computation eagerly on every call (used where graphs are unavailable, and to test the
+    static path itself).
     """
 
     def __init__(self, model: LingBotMap, pool: KVPool, camera: CameraKVCache, backend, resolution: tuple[int, int],
-                 *, camera_iterations: int, autocast_dtype: torch.dtype | None, with_depth: bool,
-                 capture: bool = True, fused: bool = False, depth_head=None, camera_head=None,
-                 head_stream=None) -> None:
+                 options: StepOptions, *, capture: bool = True) -> None:
         self.model, self.pool, self.camera, self.backend = model, pool, camera, backend
         self.resolution = resolution
-        self.camera_iterations = camera_iterations
-        self.autocast_dtype = autocast_dtype
-        self.with_depth = with_depth
+        self.options = options
         self.capture = capture
-        self.fused = fused
-        self.depth_head = depth_head
-        self.camera_head = camera_head
-        self.head_stream = head_stream  # the camera head's stream (forked and joined inside the heads graph)
         device = pool.k.device
         h, w = resolution
         self.image = torch.zeros(1, 3, h, w, dtype=torch.float32, device=device)
@@ -139,8 +133,7 @@ class GraphedStep:
 
     def _trunk(self) -> list[Tensor]:
         return self.model.trunk(self.image, self.positions, PoolAttention(self.pool, self.backend, self.write_slots),
-                                phase1=False, sequence_start=False, autocast_dtype=self.autocast_dtype,
-                                fused=self.fused)
+                                phase1=False, sequence_start=False, options=self.options)
 
     def _heads(self, levels: list[Tensor], positions: Tensor) -> StepOutput:
         camera = self.camera
@@ -150,9 +143,7 @@ class GraphedStep:
             return camera.attend_at(it, block, q, k, v, positions, bias)
 
         h, w = self.resolution
-        return self.model.heads(levels, h, w, camera_attend, camera_iterations=self.camera_iterations,
-                                with_depth=self.with_depth, depth_head=self.depth_head,
-                                camera_head=self.camera_head, head_stream=self.head_stream)
+        return self.model.heads(levels, h, w, camera_attend, self.options)
 
     def _forward(self) -> StepOutput:
         return self._heads(self._trunk(), self.positions)
@@ -192,19 +183,15 @@ class GraphedStep:
 
 
 def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, num_pages: int,
-                      resolution: tuple[int, int], variant: str, dtype: torch.dtype, *, camera_iterations: int,
-                      autocast_dtype: torch.dtype | None, with_depth: bool, fused: bool = False,
-                      depth_head=None, camera_head=None, head_stream=None, kv_splits: int | None = None,
-                      min_pages: int = 1, fa3_tiles: tuple[int, int, int] = FA3_TILES,
+                      resolution: tuple[int, int], variant: str, dtype: torch.dtype, options: StepOptions, *,
+                      kv_splits: int | None = None, min_pages: int = 1, fa3_tiles: tuple[int, int, int] = FA3_TILES,
                       fused_merge: bool | None = None) -> GraphedStep:
     """A GraphedStep with its own FlashInfer wrapper in CUDA-graph mode (sized for ``num_pages``;
     ``min_pages``, the fewest visible pages of a phase-2 step, bounds its KV split count;
     ``fa3_tiles`` and ``fused_merge`` as for ``FlashInferBackend``)."""
     backend = FlashInferBackend(pool.k.device, variant, dtype, graph_pages=num_pages, kv_splits=kv_splits,
                                 min_graph_pages=min_pages, fa3_tiles=fa3_tiles, fused_merge=fused_merge)
-    return GraphedStep(model, pool, camera, backend, resolution, camera_iterations=camera_iterations,
-                       autocast_dtype=autocast_dtype, with_depth=with_depth, fused=fused, depth_head=depth_head,
-                       camera_head=camera_head, head_stream=head_stream)
+    return GraphedStep(model, pool, camera, backend, resolution, options)
 
 
 __all__ = ["GraphedStep", "make_graphed_step"]

@@ -32,7 +32,7 @@ from .. import kernels
 from ..config import SPECIAL_TOKENS, StreamConfig
 from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
 from ..io.preprocess import input_size, uint8_to_image
-from ..model.lingbot import LingBotMap
+from ..model.lingbot import LingBotMap, StepOptions
 from .graphs import GraphedStep, make_graphed_step
 from .landing import LandingRing
 
@@ -132,29 +132,12 @@ class StreamingSession:
         if agg_dtype != self.dtype:
             raise SessionError(f"the model's aggregator is {agg_dtype} but the stream dtype is {cfg.dtype}; "
                                "load the model with the same dtype (io.checkpoint.load_model(dtype=...))")
-        self.with_depth = with_depth
-        self.fused, triton = self._resolve_kernels()
+        fused, triton = self._resolve_kernels()
         self._merge_kernel = triton  # FlashInfer's split-KV merge: the Triton kernel wherever Triton runs here
         self.backend = backend or make_backend(cfg.backend, self.device, self.dtype, kv_splits=cfg.kv_splits,
                                                fa3_tiles=cfg.fa3_tiles, fused_merge=triton)
-        # the depth head's bf16 channels-last copy (CUDA bf16 streams; the model's own head stays float32)
-        fast_upsample = fast_norm = None
-        if self.fused:
-            from ..kernels.layer_norm import layer_norm as fast_norm
-            from ..kernels.upsample import upsample_bilinear as fast_upsample
-        self.depth_head = model.depth_head.reduced_precision_copy(upsample=fast_upsample, norm_to=fast_norm) if (
-            cfg.bf16_depth_head and self.dtype == torch.bfloat16 and self.device.type == "cuda") else None
-        # the camera head's copy with bf16 weights, read by one matrix-vector kernel per product
-        # (only with the kernels: the PyTorch twin would convert the weights on every call)
-        self.camera_head = None
-        if cfg.bf16_camera_head and self.fused:
-            from ..kernels.gemv import gemv
-
-            self.camera_head = model.camera_head.reduced_precision_copy(gemv=gemv)
-        self._autocast = self.dtype if self.dtype != torch.float32 else None
-        # the camera head's stream (it runs beside the depth head; see LingBotMap.step)
-        self._head_stream = torch.cuda.Stream(self.device) if (
-            cfg.parallel_heads and with_depth and self.device.type == "cuda") else None
+        # how every step runs, eager or graphed (a test may replace it before the first frame)
+        self.step_options = self._make_step_options(fused, with_depth)
         self._pages: PageTable | None = None
         self._pool: KVPool | None = None
         self._camera: CameraKVCache | None = None
@@ -186,7 +169,50 @@ class StreamingSession:
             return False, False
         return True, True
 
+    def _make_step_options(self, fused: bool, with_depth: bool) -> StepOptions:
+        """The StepOptions of this session: bf16 streams on CUDA get the heads' reduced-precision
+        copies (the depth head's bf16 channels-last copy; with the kernels, the camera head's
+        copy with bf16 weights read by one matrix-vector kernel per product: the PyTorch twin
+        would convert the weights on every call) and the camera head its own CUDA stream
+        beside the depth head. The model's own heads stay float32."""
+        cfg, model, cuda = self.cfg, self.model, self.device.type == "cuda"
+        depth_head = camera_head = None
+        if cfg.bf16_depth_head and self.dtype == torch.bfloat16 and cuda:
+            fast_upsample = fast_norm = None
+            if fused:
+                from ..kernels.layer_norm import layer_norm as fast_norm
+                from ..kernels.upsample import upsample_bilinear as fast_upsample
+            depth_head = model.depth_head.reduced_precision_copy(upsample=fast_upsample, norm_to=fast_norm)
+        if cfg.bf16_camera_head and fused:
+            from ..kernels.gemv import gemv
+
+            camera_head = model.camera_head.reduced_precision_copy(gemv=gemv)
+        head_stream = torch.cuda.Stream(self.device) if cfg.parallel_heads and with_depth and cuda else None
+        return StepOptions(camera_iterations=cfg.camera_iterations,
+                           autocast_dtype=self.dtype if self.dtype != torch.float32 else None,
+                           with_depth=with_depth, fused=fused, depth_head=depth_head, camera_head=camera_head,
+                           head_stream=head_stream)
+
     # ------------------------------------------------------------------ state
+    @property
+    def fused(self) -> bool:
+        """The step runs the Triton kernels (decided at construction, see ``_resolve_kernels``)."""
+        return self.step_options.fused
+
+    @property
+    def with_depth(self) -> bool:
+        return self.step_options.with_depth
+
+    @property
+    def depth_head(self):
+        """The depth head the steps run (its bf16 copy), or None for the model's own."""
+        return self.step_options.depth_head
+
+    @property
+    def camera_head(self):
+        """The camera head the steps run (its bf16-weight copy), or None for the model's own."""
+        return self.step_options.camera_head
+
     @property
     def resolution(self) -> tuple[int, int] | None:
         return self._resolution
@@ -352,7 +378,7 @@ class StreamingSession:
             # fused: its graph-step attention through the Triton kernel
             self._camera = CameraKVCache(cfg.camera_iterations, mcfg.camera_trunk_depth, mcfg.max_frame_num,
                                          mcfg.camera_num_heads, head_dim, torch.float32, self.device,
-                                         fused=self.fused)
+                                         fused=self.step_options.fused)
         self._resolution = (h, w)
         log.info("cache for %dx%d: %d pages of %d tokens, %.1f MiB of K/V", w, h, self._pages.num_pages,
                  page_size, self._pool.nbytes / 2**20)
@@ -413,10 +439,7 @@ class StreamingSession:
             return camera.attend(it, block, q, k, v, start)
 
         return self.model.step(frames, positions, PoolAttention(pool, self.backend, dplan.write_slots), camera_attend,
-                               phase1=plan.phase1, sequence_start=plan.phase1,
-                               camera_iterations=self.cfg.camera_iterations, autocast_dtype=self._autocast,
-                               with_depth=self.with_depth, fused=self.fused, depth_head=self.depth_head,
-                               camera_head=self.camera_head, head_stream=self._head_stream)
+                               phase1=plan.phase1, sequence_start=plan.phase1, options=self.step_options)
 
     def _speculate(self, graphed: GraphedStep, tokens: int) -> None:
         """Plan the next frame's step as the keyframe policy predicts it and load it into the
@@ -442,11 +465,7 @@ class StreamingSession:
         if self._graphed is None:
             self._graphed = make_graphed_step(self.model, self._pool, self._camera, self._pages.num_pages,
                                               self._resolution, self.backend.variant, self.dtype,
-                                              camera_iterations=self.cfg.camera_iterations,
-                                              autocast_dtype=self._autocast, with_depth=self.with_depth,
-                                              fused=self.fused, depth_head=self.depth_head,
-                                              camera_head=self.camera_head, head_stream=self._head_stream,
-                                              kv_splits=self.cfg.kv_splits or None,
+                                              self.step_options, kv_splits=self.cfg.kv_splits or None,
                                               min_pages=self.cfg.num_scale_frames + 2,
                                               fa3_tiles=self.cfg.fa3_tiles, fused_merge=self._merge_kernel)
         return self._graphed

@@ -7,6 +7,7 @@ kernels. Also the split-KV arithmetic of the FlashInfer backend.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -171,7 +172,7 @@ def test_fused_plumbing_with_twins_equals_plain_path(tiny_model, fixture_config,
 
     def run(fused: bool):
         session = StreamingSession(tiny_model, cfg)
-        session.fused = fused
+        session.step_options = dataclasses.replace(session.step_options, fused=fused)  # before the first frame
         out = []
         for f in images[:6]:
             out += session.push(f)

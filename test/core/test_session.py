@@ -1,6 +1,8 @@
 """StreamingSession transitions: defer/commit/rollback/reset, failures, bad input."""
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -97,6 +99,33 @@ def test_reset_starts_a_new_identical_sequence(tiny_model, fixture_config, image
     second = push_all(s, images[:5])
     for a, b in zip(first, second):
         np.testing.assert_array_equal(a.pose_enc, b.pose_enc)
+
+
+def test_every_step_runs_with_the_one_step_options_object(tiny_model, fixture_config, images, monkeypatch):
+    """The session builds its StepOptions once (frozen) from its configuration and hands the
+    same object to every step; without depth the steps skip the depth head."""
+    s = make(tiny_model, fixture_config, camera_iterations=2)
+    o = s.step_options
+    assert (o.camera_iterations, o.autocast_dtype, o.with_depth, o.fused, o.head_stream) == (2, None, True, False, None)
+    assert (o.depth_head, o.camera_head) == (None, None)  # CPU float32: the model's own heads
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.fused = True
+    seen = []
+    real_step = type(tiny_model).step
+
+    def spy(model, *args, **kwargs):
+        seen.append(kwargs["options"])
+        return real_step(model, *args, **kwargs)
+
+    monkeypatch.setattr(type(tiny_model), "step", spy)
+    assert len(push_all(s, images[:4])) == 4
+    assert len(seen) == 3 and all(x is o for x in seen)  # phase 1, then one step per frame
+    flat = StreamingSession(tiny_model, s.cfg, with_depth=False)
+    assert not flat.step_options.with_depth
+    results = push_all(flat, images[:3])
+    assert len(results) == 3 and all(r.depth is None and r.confidence is None for r in results)
+    np.testing.assert_array_equal(results[2].pose_enc, push_all(make(tiny_model, fixture_config,
+                                                                      camera_iterations=2), images[:3])[2].pose_enc)
 
 
 class FailingBackend(SdpaBackend):

@@ -42,8 +42,7 @@ def with_static_step(session: StreamingSession) -> StreamingSession:
     def graphed_step():
         if session._graphed is None:
             session._graphed = Counting(session.model, session._pool, session._camera, SdpaBackend(),
-                                        session._resolution, camera_iterations=session.cfg.camera_iterations,
-                                        autocast_dtype=None, with_depth=True, capture=False)
+                                        session._resolution, session.step_options, capture=False)
         return session._graphed
 
     session._graphed_step = graphed_step

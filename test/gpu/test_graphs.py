@@ -187,7 +187,7 @@ def test_parallel_heads_give_the_same_results(graphs):
     runs = {}
     for parallel in (False, True):
         session = make_session(backend, graphs=graphs, parallel_heads=parallel)
-        assert (session._head_stream is not None) == parallel
+        assert (session.step_options.head_stream is not None) == parallel
         runs[parallel] = script(session, images, None)
         if graphs:
             assert session._graphed is not None and session._graphed.replays > 12
