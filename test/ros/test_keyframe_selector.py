@@ -149,9 +149,10 @@ class FakeMapper:
             assert index == self.next_index, f"the node would number this frame {self.next_index}, not {index}"
             self.next_index, self.mark = index + 1, len(self.requests)
             kx, kyaw = self.keyframe if self.keyframe is not None else (x, yaw)
+            # float(): an int given to a float32 field arrives as 0.0 (seen with these rclpy wheels)
             msg = FrameInfo(frame_index=index, stored=stored, decision_pending=pending and stored,
-                            valid_fraction=valid, translation_since_keyframe=abs(x - kx),
-                            rotation_since_keyframe_deg=abs(yaw - kyaw), pose=Pose())
+                            valid_fraction=float(valid), translation_since_keyframe=float(abs(x - kx)),
+                            rotation_since_keyframe_deg=float(abs(yaw - kyaw)), pose=Pose())
             msg.pose.position.x = x
             half = math.radians(yaw) / 2  # the pose: for show, the selector reads the distances
             msg.pose.orientation.z, msg.pose.orientation.w = math.sin(half), math.cos(half)
