@@ -77,8 +77,7 @@ def _default(value: Any, name: str) -> Any:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     src = p.add_argument_group("input (one of)").add_mutually_exclusive_group(required=True)
     src.add_argument("--images", type=Path, help="folder of images (sorted by name)")
     src.add_argument("--bag", type=Path, help="rosbag2 directory (sqlite3 or MCAP) or ROS 1 .bag file")
@@ -86,9 +85,9 @@ def build_parser() -> argparse.ArgumentParser:
     sel = p.add_argument_group("selection")
     sel.add_argument("--topic", help="image topic of --bag (sensor_msgs/Image or CompressedImage)")
     sel.add_argument("--start", type=float, default=0.0, help="skip the first S seconds of the recording "
-                     "(bag receive time, video time; a folder's frame i is at i s)")
+                     "(bag receive time, video time; a folder's frame i is at i s); default 0")
     sel.add_argument("--duration", type=float, help="replay D seconds from --start (default: to the end)")
-    sel.add_argument("--stride", type=int, default=1, help="take every N-th frame")
+    sel.add_argument("--stride", type=int, default=1, help="take every N-th frame (default 1)")
     sel.add_argument("--max-frames", type=int, help="stop after N frames reached the model")
     sel.add_argument("--bad-frames", choices=["skip", "error"], help="an undecodable frame is skipped (counted, "
                      "warned) or ends the run; default: skip for --bag/--video, error for --images")
@@ -103,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--sliding-window", type=int)
     m.add_argument("--keyframe-interval", type=int)
     m.add_argument("--camera-iterations", type=int)
-    m.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    m.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     m.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flashinfer", "flashinfer-fa2",
                                                           "flashinfer-fa3"])
     m.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
@@ -127,9 +126,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     o = p.add_argument_group("outputs")
     o.add_argument("--out", type=Path, help="per-frame predictions (.npz)")
-    o.add_argument("--save-depth", default="all", help="depth kept in --out: none, all or every-K")
+    o.add_argument("--save-depth", default="all", help="frames whose depth is kept in --out and "
+                   "--out-bag: none, all (default) or every-K")
     o.add_argument("--chunk-frames", type=int, default=100,
-                   help="depth frames per npz chunk once a run keeps more than this")
+                   help="depth frames per npz chunk once a run keeps more than this (default 100)")
     o.add_argument("--trajectory", type=Path, help="trajectory in TUM format")
     o.add_argument("--ply", type=Path, help="point cloud (binary PLY) of every frame's selected points")
     o.add_argument("--conf-threshold", type=float, default=None,
@@ -138,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "(node: 10)")
     o.add_argument("--out-bag", type=Path, help="results as a rosbag2 (MCAP): /tf, odometry, path, points, "
                    "depth, depth/camera_info, REP-103 map frame")
-    o.add_argument("--bag-namespace", default="/lingbot_map", help="topic prefix in --out-bag (the node's)")
+    o.add_argument("--bag-namespace", default="/lingbot_map", help="topic prefix in --out-bag (the node's: "
+                   "/lingbot_map)")
     o.add_argument("--bag-path-rate", type=float, default=None, help="path messages a second of input time in "
                    "--out-bag, each with the last --bag-path-length poses; 0 = one at the end (node: 2.0)")
     o.add_argument("--bag-path-length", type=int, default=None, help="poses in a path message (node: 5000)")

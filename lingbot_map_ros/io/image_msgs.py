@@ -109,13 +109,9 @@ def message_to_rgb(msg, msgtype: str) -> np.ndarray:
 
 
 def stamp_ns(header) -> int:
-    """Nanoseconds since the epoch of a ``std_msgs/Header`` stamp (ROS 2 sec/nanosec or ROS 1 secs/nsecs)."""
-    stamp = header.stamp
-    sec = getattr(stamp, "sec", None)
-    nsec = getattr(stamp, "nanosec", None)
-    if sec is None:
-        sec, nsec = stamp.secs, stamp.nsecs
-    return int(sec) * 1_000_000_000 + int(nsec)
+    """Nanoseconds since the epoch of a ``std_msgs/Header`` stamp (rosbags reads ROS 1 stamps with the
+    same sec/nanosec fields)."""
+    return int(header.stamp.sec) * 1_000_000_000 + int(header.stamp.nanosec)
 
 
 __all__ = ["ImageDecodeError", "IMAGE_TYPES", "COMPRESSED_TYPES", "RAW_ENCODINGS", "MAX_PIXELS", "is_image_type",

@@ -90,6 +90,30 @@ def write_image_bag(path: Path, images: Sequence[Path] | Sequence[np.ndarray], s
     return stamps
 
 
+def write_ros1_bag(path: Path, images: Sequence[Path], topic: str = "/camera/image") -> list[int]:
+    """A ROS 1 bag of rgb8 sensor_msgs/Image messages of ``images``, 10 Hz from T0; returns the stamps."""
+    from PIL import Image
+    from rosbags.rosbag1 import Writer
+    from rosbags.typesys import Stores, get_typestore
+
+    store = get_typestore(Stores.ROS1_NOETIC)
+    t = store.types
+    stamps = []
+    with Writer(path) as writer:
+        conn = writer.add_connection(topic, "sensor_msgs/msg/Image", typestore=store)
+        for i, image in enumerate(images):
+            stamp = T0 + i * PERIOD
+            rgb = np.asarray(Image.open(image).convert("RGB"))
+            sec, nanosec = divmod(stamp, NS)
+            header = t["std_msgs/msg/Header"](seq=i, stamp=t["builtin_interfaces/msg/Time"](sec=sec, nanosec=nanosec),
+                                              frame_id="cam_optical")
+            msg = t["sensor_msgs/msg/Image"](header=header, height=rgb.shape[0], width=rgb.shape[1], encoding="rgb8",
+                                             is_bigendian=0, step=rgb.shape[1] * 3, data=rgb.reshape(-1))
+            writer.write(conn, stamp, store.serialize_ros1(msg, "sensor_msgs/msg/Image"))
+            stamps.append(stamp)
+    return stamps
+
+
 def write_video(path: Path, frames: Sequence[np.ndarray], codec: str = "ffv1", rate: int = 10) -> None:
     """Encode uint8 RGB frames [H, W, 3] (even H and W for yuv codecs) at ``rate`` fps with PyAV.
     ffv1 (mkv) and libx264rgb are lossless in RGB; libx264 (yuv420p) is lossy."""

@@ -57,6 +57,18 @@ def test_bag_equals_folder(loop_frames, folder_pred, tiny, tmp_path, capsys, sto
     assert "8 frames" in err and "0 dropped" in err
 
 
+def test_ros1_bag_equals_folder(loop_frames, folder_pred, tiny, tmp_path, capsys):
+    from replay_fixtures import write_ros1_bag
+
+    stamps = write_ros1_bag(tmp_path / "in.bag", loop_frames, TOPIC)
+    out = tmp_path / "pred.npz"
+    code, err = replay(capsys, "--bag", tmp_path / "in.bag", "--topic", TOPIC, *tiny, "--out", out)
+    assert code == 0, err
+    pred = dict(np.load(out))
+    assert_same_predictions(pred, folder_pred)
+    assert pred["stamp_ns"].tolist() == stamps
+
+
 def test_bag_file_inside_the_directory_is_accepted(loop_frames, tiny, tmp_path, capsys):
     bag = tmp_path / "b"
     write_image_bag(bag, loop_frames[:3], "mcap", "compressed", TOPIC)
