@@ -16,12 +16,15 @@ from torch import Tensor
 
 from ..config import FA3_TILES
 from .flashinfer_backend import KV_DTYPES  # the module imports flashinfer only when a backend is built
-from .pool import DevicePlan
+from .pool import DevicePlan, UngraphableStep
 
 log = logging.getLogger(__name__)
 
 
 class AttentionBackend(Protocol):
+    """What a session needs of an attention backend. A CUDA-graph step built on one may
+    raise ``UngraphableStep`` for a step it cannot take (before anything ran)."""
+
     name: str
 
     def begin_step(self, plan: DevicePlan) -> None:
@@ -96,3 +99,7 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype | None = No
 
 def _is_hopper(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(device)[0] == 9
+
+
+__all__ = ["AttentionBackend", "SdpaBackend", "BackendUnavailable", "UngraphableStep", "make_backend",
+           "flashinfer_available"]

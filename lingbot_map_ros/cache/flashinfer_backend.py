@@ -71,7 +71,7 @@ from torch import Tensor
 from .. import kernels
 from ..config import FA3_TILES, check_fa3_tiles
 from ..kernels.merge import merge_reference, merge_states
-from .pool import DevicePlan
+from .pool import DevicePlan, UngraphableStep
 
 VARIANTS = ("fa2", "fa3", "fa3-paged", "fa3-stock")
 RAGGED = ("fa3", "fa3-stock")  # the ragged kernel over the pool's runs: project-built tiles / FlashInfer's module
@@ -131,7 +131,7 @@ def split_pages(num_pages: int, splits: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(splits)]
 
 
-class FragmentedPool(ValueError):
+class FragmentedPool(UngraphableStep):
     """The visible keys form more contiguous runs of the pool than a CUDA-graph step of the
     ragged kernel has splits for (the session then runs that step without its graph)."""
 

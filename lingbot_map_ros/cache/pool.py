@@ -14,6 +14,12 @@ from ..kernels.camera_attention import camera_attention, camera_attention_refere
 from .pages import StepPlan
 
 
+class UngraphableStep(ValueError):
+    """A step the CUDA-graph step of a backend cannot take (e.g. its visible keys form more
+    runs than the graph has splits for); raised before anything ran, so the owner runs
+    that step eagerly instead."""
+
+
 @dataclass
 class DevicePlan:
     """Tensors of one step's plan, built once before the layer loop and reused by all layers."""

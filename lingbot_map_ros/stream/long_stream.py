@@ -68,8 +68,11 @@ from torch import Tensor
 from ..cache.pages import CacheStats
 from ..config import KEYFRAME_POLICIES, LongStreamConfig, StreamConfig
 from ..geometry import matrix_to_quaternion
+from ..io.preprocess import input_size
 from .alignment import AlignmentFit, Sim3, estimate_window_sim3, rotation_angle_deg
-from .session import FrameMismatchError, FrameResult, SessionError, StreamingSession
+from .errors import FrameMismatchError, SessionError
+from .results import FrameResult
+from .session import StreamingSession
 
 log = logging.getLogger(__name__)
 
@@ -274,6 +277,7 @@ class LongStreamSession:
         scale frames of the first window are always stored; a full window without
         ``auto_restart`` never stores).
         """
+        self._check(image)
         before = _Undo(tuple(self._keyframes), self._last_keyframe_c2w, self._latest_c2w)
         stats = self.inner.stats()
         if self._window_index == 0 and not self._restart_pending and (stats is None or stats.temporal_index == 0):
@@ -297,6 +301,13 @@ class LongStreamSession:
                                                  r.c2w.astype(np.float64), _copy(r.depth), _copy(r.confidence)))
             self._last_keyframe_c2w = out[-1].c2w.astype(np.float64)
         return out
+
+    def _check(self, image: Tensor | np.ndarray) -> None:
+        """Refuse a bad frame (InvalidFrameError) before anything moves, a restart included;
+        while a restart is pending the inner cache is empty, so the kept keyframes give the
+        sequence's resolution."""
+        size = input_size(self._keyframes[-1].frame) if self._restart_pending and self._keyframes else None
+        self.inner.check_frame(image, size)
 
     def _decide(self, keyframe: bool | None) -> bool:
         if keyframe is not None:

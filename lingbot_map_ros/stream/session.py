@@ -10,72 +10,38 @@ Keyframes follow the interval policy unless the caller decides
 (``push(image, keyframe=...)``). External keyframe
 logic uses ``set_deferred_eviction``, ``commit_eviction`` and
 ``rollback_last_frame``; ``reset`` starts a new sequence. Every transition is a
-method of this object; a step that raises leaves the cache as it was.
+method of this object; a step that raises leaves the cache as it was. Frames are
+checked here (``check_frame``: layout, size, resolution of the running sequence); a
+refused one raises ``InvalidFrameError`` and changes nothing. The public methods are
+the ``stream.protocol.Session`` protocol, which ``LongStreamSession`` shares.
 """
 from __future__ import annotations
 
 import logging
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 from torch import Tensor
 
-from ..cache.attention import AttentionBackend, make_backend
-from ..cache.flashinfer_backend import FragmentedPool  # importable without FlashInfer
-from ..cache.pages import CacheError, CacheStats, PageTable, StepPlan
+from ..cache.attention import AttentionBackend, UngraphableStep, make_backend
+from ..cache.pages import CacheError, CacheFullError, CacheStats, PageTable, StepPlan
 from ..cache.pool import CameraKVCache, KVPool, PoolAttention, make_device_plan
 from .. import kernels
 from ..config import SPECIAL_TOKENS, StreamConfig
 from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
-from ..io.preprocess import input_size, uint8_to_image
 from ..model.lingbot import LingBotMap, StepOptions
+from .errors import FrameMismatchError, InvalidFrameError, SessionError
 from .graphs import GraphedStep, make_graphed_step
 from .landing import LandingRing
+from .results import FrameResult
 
 LANDING_BUFFERS = 6  # outputs of this many recent steps (in flight or held by callers) land without a copy
 MAX_IN_FLIGHT = 2  # submitted steps whose results are not on the host yet; an older one is waited for first
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class FrameResult:
-    """Per-frame output. World = the first camera of the sequence, OpenCV axes (x right,
-    y down, z forward); units are the model's own (metre-like, not guaranteed metric)."""
-
-    frame_index: int  # frames pushed since reset, this one's 0-based index
-    position: int  # temporal index used by the model (frames stored before it)
-    is_keyframe: bool  # stored in the cache
-    pose_enc: np.ndarray  # [9] translation, quaternion xyzw, fov_h, fov_w
-    c2w: np.ndarray  # [4, 4] camera-to-world
-    intrinsics: np.ndarray  # [3, 3] at the model resolution (pixels)
-    depth: np.ndarray | None  # [H, W] z-depth
-    confidence: np.ndarray | None  # [H, W] >= 1
-    # the model input as pushed: float32 [3, H, W] RGB in [0, 1], or uint8 [H, W, 3] RGB
-    frame: np.ndarray
-    timings: dict[str, float] = field(default_factory=dict)  # ms: model (until outputs on the host), postprocess
-
-    @property
-    def size(self) -> tuple[int, int]:
-        """(H, W) of the model input."""
-        return input_size(self.frame)
-
-    @property
-    def image(self) -> np.ndarray:
-        """The model input as float32 [3, H, W] RGB in [0, 1] (converted from a uint8 frame)."""
-        if self.frame.dtype == np.uint8:
-            return uint8_to_image(self.frame)
-        return self.frame
-
-    def colors(self, pixels: np.ndarray) -> np.ndarray:
-        """uint8 [N, 3] RGB of the input at flat pixel indices ``pixels`` (row-major, [H*W])."""
-        if self.frame.dtype == np.uint8:
-            return self.frame.reshape(-1, 3)[pixels]
-        return np.clip(np.rint(self.frame.reshape(3, -1)[:, pixels].T * 255.0), 0, 255).astype(np.uint8)
 
 
 class PendingResults:
@@ -103,18 +69,6 @@ class PendingResults:
             self._results = finish()
             self._event = None
         return self._results
-
-
-class SessionError(RuntimeError):
-    """A request the session cannot honour; its state is unchanged."""
-
-
-class FrameMismatchError(SessionError):
-    """rollback_last_frame was asked for another frame than the last stored one (0-based indices)."""
-
-    def __init__(self, last_stored: int, expected: int) -> None:
-        super().__init__(f"the last stored frame is {last_stored}, not {expected}")
-        self.last_stored, self.expected = last_stored, expected
 
 
 def _torch_dtype(name: str) -> torch.dtype:
@@ -147,7 +101,7 @@ class StreamingSession:
         self._deferred = cfg.deferred_eviction
         self._last_stored_frame: int | None = None
         self._graphed: GraphedStep | None = None  # the one-frame step as a CUDA graph (see graphs.py)
-        self.graph_fallbacks = 0  # one-frame steps that ran without their graph (FragmentedPool)
+        self.graph_fallbacks = 0  # one-frame steps that ran without their graph (UngraphableStep)
         # the next graphed step, planned and loaded while the GPU ran the current one
         self._next: tuple[StepPlan, object] | None = None
         self._landing: LandingRing | None = None  # page-locked landing buffers of the outputs (CUDA)
@@ -222,6 +176,11 @@ class StreamingSession:
         return self._frames_pushed
 
     @property
+    def window_index(self) -> int:
+        """Always 0: one window, the whole sequence (``LongStreamSession`` restarts windows)."""
+        return 0
+
+    @property
     def deferred_eviction(self) -> bool:
         return self._deferred
 
@@ -287,8 +246,8 @@ class StreamingSession:
         state (frame indices, rollback, commit) moves on at once, as after a ``push``.
         Submit frame t+1 before taking frame t's results to keep the GPU busy; at most
         ``MAX_IN_FLIGHT`` steps are left running (a submit waits for an older one first).
-        Bad input raises here, as in ``push``, and changes nothing."""
-        host = self._check_image(image)
+        Bad input raises InvalidFrameError here, as in ``push``, and changes nothing."""
+        host = self.check_frame(image)
         frame = self._device_frame(host)
         if self._pages is None or self._pages.in_phase1:
             self._pending.append((frame, host))
@@ -325,30 +284,33 @@ class StreamingSession:
         out.copy_(u8.permute(2, 0, 1))
         return out.div_(self._u8_scale)
 
-    def _check_image(self, image: Tensor | np.ndarray) -> Tensor:
-        """Validate one frame; returns it as a tensor where it came from (host or device)."""
+    def check_frame(self, image: Tensor | np.ndarray, resolution: tuple[int, int] | None = None) -> Tensor:
+        """The one place frames are checked: layout and dtype, a positive multiple of the patch
+        size, at least ``SPECIAL_TOKENS`` patches, and the running sequence's resolution
+        (``resolution`` (H, W) instead, when given). Raises InvalidFrameError naming the
+        problem; returns the frame as a tensor where it came from (host or device)."""
         if isinstance(image, np.ndarray):
             image = torch.from_numpy(np.ascontiguousarray(image))
         if image.dtype == torch.uint8:
             if image.ndim != 3 or image.shape[2] != 3:
-                raise ValueError(f"expected a uint8 RGB image [H, W, 3], got shape {tuple(image.shape)}")
+                raise InvalidFrameError(f"expected a uint8 RGB image [H, W, 3], got shape {tuple(image.shape)}")
             h, w = int(image.shape[0]), int(image.shape[1])
         else:
             if image.ndim != 3 or image.shape[0] != 3:
-                raise ValueError(f"expected an image [3, H, W], got shape {tuple(image.shape)}")
+                raise InvalidFrameError(f"expected an image [3, H, W], got shape {tuple(image.shape)}")
             if not torch.is_floating_point(image):
-                raise ValueError(f"expected a float image in [0, 1] or a uint8 image [H, W, 3], got dtype "
-                                 f"{image.dtype}")
+                raise InvalidFrameError(f"expected a float image in [0, 1] or a uint8 image [H, W, 3], got dtype "
+                                        f"{image.dtype}")
             h, w = int(image.shape[1]), int(image.shape[2])
         p = self.model.cfg.patch_size
         if h % p or w % p or h == 0 or w == 0:
-            raise ValueError(f"image size {w}x{h} is not a positive multiple of the patch size {p}")
+            raise InvalidFrameError(f"image size {w}x{h} is not a positive multiple of the patch size {p}")
         if (h // p) * (w // p) < SPECIAL_TOKENS:
-            raise ValueError(f"image {w}x{h} is too small: at least {SPECIAL_TOKENS} patches are needed")
-        expected = self._sequence_resolution()
-        if expected is not None and (h, w) != expected:
-            raise ValueError(f"image size {w}x{h} differs from the sequence's {expected[1]}x{expected[0]}; "
-                             "reset the session to change resolution")
+            raise InvalidFrameError(f"image {w}x{h} is too small: at least {SPECIAL_TOKENS} patches are needed")
+        expected = resolution or self._sequence_resolution()
+        if expected is not None and (h, w) != tuple(expected):
+            raise InvalidFrameError(f"image size {w}x{h} differs from the sequence's {expected[1]}x{expected[0]}; "
+                                    "reset the session to change resolution")
         return image
 
     def _sequence_resolution(self) -> tuple[int, int] | None:
@@ -400,7 +362,7 @@ class StreamingSession:
         if graphed is not None:
             try:
                 out = graphed.launch(frames, dplan, prepared=prepared)
-            except FragmentedPool as exc:  # nothing ran yet: this step goes without the graph
+            except UngraphableStep as exc:  # nothing ran yet: this step goes without the graph
                 self.graph_fallbacks += 1
                 if self.graph_fallbacks == 1 or self.graph_fallbacks % 1000 == 0:
                     log.warning("step without its CUDA graph (%d so far): %s", self.graph_fallbacks, exc)
@@ -454,7 +416,7 @@ class StreamingSession:
         dplan = make_device_plan(plan, tokens, self.device)
         try:
             graphed.prepare(dplan)
-        except FragmentedPool:
+        except UngraphableStep:
             return  # the step will say so and run without the graph
         self._next = (plan, dplan)
 
@@ -549,4 +511,5 @@ class StreamingSession:
         return results
 
 
-__all__ = ["StreamingSession", "FrameResult", "PendingResults", "SessionError", "FrameMismatchError", "CacheError"]
+__all__ = ["StreamingSession", "FrameResult", "PendingResults", "SessionError", "FrameMismatchError",
+           "InvalidFrameError", "CacheError", "CacheFullError"]

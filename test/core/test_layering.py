@@ -171,12 +171,17 @@ def test_the_finder_sees_relative_lazy_and_submodule_imports():
     assert package_of("lingbot_map_ros.config") == "config" and package_of("numpy.linalg") is None
 
 
-@pytest.mark.parametrize("module", ["lingbot_map_ros.config", "lingbot_map_ros.stream"])
-def test_light_modules_import_without_torch(module):
-    """Configuration and the stream's types and errors (what ros/params.py and the engine
-    need) load without torch: the node decides when the heavy part is paid for."""
-    code = f"import sys, {module}; print('torch' in sys.modules)"
+@pytest.mark.parametrize("statement", [
+    "import lingbot_map_ros.config",
+    "from lingbot_map_ros.config import LongStreamConfig, KEYFRAME_POLICIES, StreamConfig",
+    "from lingbot_map_ros.stream import (Session, FrameResult, SessionError, FrameMismatchError, "
+    "InvalidFrameError, CacheError, CacheFullError)",
+])
+def test_light_modules_import_without_torch(statement):
+    """Configuration and the stream's protocol, result type and errors (what ros/params.py
+    and the engine need) load without torch: the node decides when the heavy part is paid for."""
+    code = f"import sys\n{statement}\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          cwd=PACKAGE.parent)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "False", f"importing {module} imports torch"
+    assert out.stdout.strip() == "False", f"{statement!r} imports torch"

@@ -117,6 +117,9 @@ class PoseOracle:
     def is_keyframe_index(self, i):
         return i < self.cfg.num_scale_frames or (i - self.cfg.num_scale_frames) % self.cfg.keyframe_interval == 0
 
+    def check_frame(self, image, resolution=None):
+        return image
+
     def push(self, image, keyframe=None):
         image = np.asarray(image)
         if self.pages.in_phase1:

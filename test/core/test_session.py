@@ -9,7 +9,7 @@ import torch
 
 from lingbot_map_ros.cache.attention import SdpaBackend
 from lingbot_map_ros.config import StreamConfig
-from lingbot_map_ros.stream.session import SessionError, StreamingSession
+from lingbot_map_ros.stream.session import InvalidFrameError, SessionError, StreamingSession
 
 
 @pytest.fixture(scope="module")
@@ -170,16 +170,21 @@ def test_bad_images_are_refused_without_state_change(tiny_model, fixture_config,
     s = make(tiny_model, fixture_config)
     push_all(s, images[:3])
     before = s._pages.state_signature()
-    with pytest.raises(ValueError, match=needle):
+    with pytest.raises(InvalidFrameError, match=needle):
         s.push(bad)
     assert s._pages.state_signature() == before
+    with pytest.raises(InvalidFrameError, match=needle):
+        s.check_frame(bad)
+    assert isinstance(InvalidFrameError("x"), ValueError)  # callers catching ValueError still do
 
 
 def test_resolution_change_needs_reset(tiny_model, fixture_config, images):
     s = make(tiny_model, fixture_config)
     push_all(s, images[:3])
-    with pytest.raises(ValueError, match="reset the session"):
+    with pytest.raises(InvalidFrameError, match="differs from the sequence's 98x56; reset the session"):
         s.push(torch.rand(3, 56, 56))
+    assert s.frames_pushed == 3 and s.window_index == 0
+    s.check_frame(torch.rand(3, 56, 56), resolution=(56, 56))  # another resolution, when the caller names it
     s.reset()
     assert s.push(torch.rand(3, 56, 56)) == []
     assert len(s.push(torch.rand(3, 56, 56))) == 2
@@ -220,12 +225,17 @@ def test_uint8_frames_give_the_float_frames_results(tiny_model, fixture_config, 
     np.testing.assert_array_equal(uint8_to_image(ramp)[0, 0], np.arange(256, dtype=np.float32) / np.float32(255))
 
 
+@pytest.mark.parametrize("refusal", ["FragmentedPool", "UngraphableStep"])
 def test_a_step_its_graph_cannot_take_runs_eagerly_with_the_same_results(tiny_model, fixture_config, images,
-                                                                         caplog):
+                                                                         caplog, refusal):
     """A graphed step whose visible keys fall into more runs than its splits raises
-    FragmentedPool before launching anything; the session runs that step without the graph
-    with the same results (and does not prepare the next step in that graph)."""
-    from lingbot_map_ros.cache.flashinfer_backend import FragmentedPool
+    FragmentedPool (FlashInfer's UngraphableStep; the session knows only the latter) before
+    launching anything; the session runs that step without the graph with the same results
+    (and does not prepare the next step in that graph)."""
+    from lingbot_map_ros.cache import attention, flashinfer_backend
+
+    FragmentedPool = {"FragmentedPool": flashinfer_backend.FragmentedPool,
+                      "UngraphableStep": attention.UngraphableStep}[refusal]
 
     class Fragmented:
         calls = prepares = 0
