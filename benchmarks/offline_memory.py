@@ -8,8 +8,8 @@ Writes a rosbag2 (MCAP) of ``--frames`` JPEG-compressed images (the frames of
 process with the CLI's own ``main`` (long-stream mode; npz with all depth in chunks,
 TUM, PLY, results bag), reading the resident set size (VmRSS, /proc/self/status)
 every ``--every`` frames. Beside each sample it prints what the former replay would
-have held at that point (every frame's depth and confidence float32 and its model
-input, kept until the end for one npz). A benchmark, not a test: nothing here asserts.
+have held at that point (every frame's depth and confidence and its float32 model
+input, 20 bytes a pixel, kept until the end for one npz). A benchmark, not a test: nothing here asserts.
 """
 from __future__ import annotations
 
@@ -86,7 +86,7 @@ def main() -> int:
     from lingbot_map_ros.io.results import iter_depth
 
     h, w = next(iter(iter_depth(work / "p.npz")))[1].shape[1:]
-    per_frame = h * w * (4 + 4 + 3)  # depth, confidence float32, uint8 input: what one FrameResult held
+    per_frame = h * w * (4 + 4 + 12)  # depth, confidence and the float32 input [3, H, W]: a former FrameResult
     print(f"command: python benchmarks/offline_memory.py --frames {args.frames} --every {args.every} "
           f"--width {args.width}", file=sys.stderr)
     print(f"model input {w}x{h}; exit status {code}")

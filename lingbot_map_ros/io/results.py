@@ -8,7 +8,7 @@
   pose_c2w [S, 4, 4], intrinsics [S, 3, 3], is_keyframe [S], stamp_ns [S], window
   [S]: ~150 bytes a frame) are kept and go into one npz at the end. Depth and its
   confidence [H, W] float32 (the ``DepthPolicy`` chooses which frames keep them) are
-  held for at most ``chunk_frames`` frames: a run that keeps no more than that puts
+  held for at most ``chunk_frames`` frames, in two arrays allocated once: a run that keeps no more than that puts
   them into the same npz (``depth`` / ``depth_conf`` [D, H, W], ``depth_frames`` [D]
   row indices), a longer one writes one npz per ``chunk_frames`` frames into the
   folder ``<name>.chunks`` next to it and lists them in ``depth_chunks``.
@@ -208,6 +208,37 @@ _SMALL = {  # name -> (row shape, dtype)
 }
 
 
+class _DepthBuffer:
+    """Depth and confidence of up to ``capacity`` frames in two float32 arrays [capacity, H, W],
+    allocated at the first frame and reused chunk after chunk (no allocation per frame or chunk)."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity, self.size = capacity, 0
+        self._rows = np.zeros(capacity, np.int64)
+        self._depth: np.ndarray | None = None
+        self._conf: np.ndarray | None = None
+
+    @property
+    def full(self) -> bool:
+        return self.size == self.capacity
+
+    def append(self, row: int, depth: np.ndarray, confidence: np.ndarray) -> None:
+        if self._depth is None:
+            self._depth = np.empty((self.capacity, *np.shape(depth)), np.float32)
+            self._conf = np.empty_like(self._depth)
+        if np.shape(depth) != self._depth.shape[1:] or np.shape(confidence) != self._depth.shape[1:]:
+            raise ValueError(f"depth and confidence must be {self._depth.shape[1:]} like the first frame's, got "
+                             f"{np.shape(depth)} and {np.shape(confidence)}")
+        self._rows[self.size], self._depth[self.size], self._conf[self.size] = row, depth, confidence
+        self.size += 1
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows [n], depth [n, H, W], confidence [n, H, W]) held, as views; the buffer is emptied
+        (the views stay valid until the next ``append``)."""
+        n, self.size = self.size, 0
+        return self._rows[:n], self._depth[:n], self._conf[:n]
+
+
 class PredictionStore:
     """The per-frame arrays of a replay (see the module docstring for the layout)."""
 
@@ -220,7 +251,7 @@ class PredictionStore:
         self.policy, self.chunk_frames = depth, chunk_frames
         self._columns = {name: _Column(shape, dtype) for name, (shape, dtype) in _SMALL.items()}
         self._depth_rows: list[int] = []  # every row that kept depth
-        self._buffer: list[tuple[int, np.ndarray, np.ndarray]] = []  # (row, depth, conf) not yet in a chunk
+        self._buffer = _DepthBuffer(chunk_frames)  # depth not yet in a chunk
         self._chunks: list[str] = []  # chunk file names, relative to the npz's folder
 
     @property
@@ -241,24 +272,20 @@ class PredictionStore:
             self._columns[name].append(value)
         if depth is not None and confidence is not None and self.policy.keeps(row):
             self._depth_rows.append(row)
-            self._buffer.append((row, depth, confidence))
-            if len(self._buffer) >= self.chunk_frames:
+            self._buffer.append(row, depth, confidence)
+            if self._buffer.full:
                 self._flush_chunk()
 
     def _flush_chunk(self) -> None:
-        rows = np.array([r for r, _, _ in self._buffer], dtype=np.int64)
+        rows, depth, conf = self._buffer.arrays()
         name = f"{self.chunk_dir.name}/depth_{rows[0]:08d}_{rows[-1]:08d}.npz"
         folder = partial_path(self.chunk_dir)
         if not self._chunks:
             if folder.exists():
                 shutil.rmtree(folder)  # left by an earlier run that was interrupted
             folder.mkdir(parents=True)
-        save_npz_atomic(folder / Path(name).name, {
-            "depth": np.stack([d for _, d, _ in self._buffer]).astype(np.float32, copy=False),
-            "depth_conf": np.stack([c for _, _, c in self._buffer]).astype(np.float32, copy=False),
-            "depth_frames": rows})
+        save_npz_atomic(folder / Path(name).name, {"depth": depth, "depth_conf": conf, "depth_frames": rows})
         self._chunks.append(name)
-        self._buffer.clear()
 
     def _arrays(self, folder: str | None = None) -> dict[str, np.ndarray]:
         """The npz's arrays; ``folder`` renames the chunks' folder in ``depth_chunks``."""
@@ -267,14 +294,13 @@ class PredictionStore:
         if self._chunks:
             names = [name if folder is None else f"{folder}/{name.split('/', 1)[1]}" for name in self._chunks]
             arrays["depth_chunks"] = np.array(names)
-        elif self._buffer:
-            arrays["depth"] = np.stack([d for _, d, _ in self._buffer]).astype(np.float32, copy=False)
-            arrays["depth_conf"] = np.stack([c for _, _, c in self._buffer]).astype(np.float32, copy=False)
+        elif self._buffer.size:
+            _, arrays["depth"], arrays["depth_conf"] = self._buffer.arrays()
         return arrays
 
     def close(self) -> list[Path]:
         """Write the npz (and the last chunk); returns the final paths."""
-        if self._chunks and self._buffer:
+        if self._chunks and self._buffer.size:
             self._flush_chunk()
         written = []
         if self._chunks:
@@ -288,7 +314,7 @@ class PredictionStore:
 
     def abort(self) -> list[Path]:
         """Write what there is as ``<name>.partial`` (chunks stay in ``<name>.chunks.partial``)."""
-        if self._chunks and self._buffer:
+        if self._chunks and self._buffer.size:
             self._flush_chunk()
         with open_partial(self.path) as f:
             np.savez(f, **self._arrays(partial_path(self.chunk_dir).name))

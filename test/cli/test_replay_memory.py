@@ -62,8 +62,8 @@ def test_long_run_memory_is_flat(fixtures, tmp_path):
     growth = rss[2000] - rss[500]
     print(f"RSS KiB by frame: {rss}; growth 500 -> 2000: {growth} KiB")
     # what holding the results would cost (the former replay kept every FrameResult until the end):
-    # depth + confidence float32 and the uint8 frame, for the 1500 frames in between
-    held = 1500 * (WIDTH * HEIGHT * 4 * 2 + WIDTH * HEIGHT * 3) // 1024
+    # depth and confidence float32 and the float32 input [3, H, W], for the 1500 frames in between
+    held = 1500 * WIDTH * HEIGHT * (4 + 4 + 12) // 1024
     assert GROWTH_BOUND_KIB < held / 2  # the bound could catch that
     assert growth < GROWTH_BOUND_KIB, f"RSS grew by {growth} KiB between frames 500 and 2000: {rss}"
 
