@@ -240,8 +240,8 @@ class VideoSource:
                 container.duration / 1e6 if container.duration else 0.0)
             count = stream.frames or (round(seconds * self._rate) if self._rate else 0)
             self._count, self._seconds = count, seconds
-            size = f"{stream.codec_context.width}x{stream.codec_context.height}"
-        self.description = f"{self.path} ({stream.codec_context.name} {size}, {count or '?'} frames)"
+            codec = stream.codec_context
+            self.description = f"{self.path} ({codec.name} {codec.width}x{codec.height}, {count or '?'} frames)"
 
     def expected_frames(self) -> int | None:
         if not self._count:

@@ -298,3 +298,40 @@ def test_progress_bar_and_quiet(loop_folder, tiny, tmp_path, capsys):
     code, err = replay(capsys, "--images", loop_folder, *tiny, "--trajectory", tmp_path / "u.tum")
     assert code == 0 and "frame/s" not in err and "model ready" not in err
     assert len(err.strip().splitlines()) == 1 and "8 frames in" in err  # the summary only
+
+
+def test_prefetcher_reads_ahead_a_few_stops_early_and_hands_over_errors():
+    import threading
+
+    from lingbot_map_ros.io.sources import Prefetcher, SourceError, SourceFrame
+
+    produced, closed = [], threading.Event()
+
+    def frames(fail_at=None):
+        try:
+            for i in range(1000):
+                if i == fail_at:
+                    raise SourceError("broken part-way")
+                produced.append(i)
+                yield SourceFrame(i, f"f{i}", np.full((2, 2, 3), i % 256, np.uint8))
+        finally:
+            closed.set()
+
+    def prepare(rgb):
+        if rgb[0, 0, 0] == 2:
+            raise ValueError("too small")
+        return int(rgb.sum())
+
+    with Prefetcher(frames, prepare, depth=2) as p:
+        seen = []
+        for frame, prepared in p:
+            seen.append((frame.stamp_ns, prepared, frame.error, frame.rgb))
+            if len(seen) == 4:
+                break
+    assert closed.wait(5) and len(produced) <= 4 + 2 + 2  # the queue, one being prepared, one in hand
+    assert seen == [(0, 0, None, None), (1, 12, None, None), (2, None, "f2: too small", None), (3, 36, None, None)]
+    closed.clear()
+    with pytest.raises(SourceError, match="broken part-way"):
+        with Prefetcher(lambda: frames(fail_at=3), prepare) as p:
+            list(p)
+    assert closed.wait(5)
