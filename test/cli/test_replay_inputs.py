@@ -335,3 +335,20 @@ def test_prefetcher_reads_ahead_a_few_stops_early_and_hands_over_errors():
         with Prefetcher(lambda: frames(fail_at=3), prepare) as p:
             list(p)
     assert closed.wait(5)
+
+
+def test_bag_in_bag_out_without_rclpy(loop_frames, fixtures, tmp_path):
+    """Bags in and out need no ROS: a whole run imports neither rclpy nor the ROS message packages."""
+    import subprocess
+    import sys
+
+    write_image_bag(tmp_path / "in", loop_frames[:3], "sqlite3", "raw", TOPIC)
+    script = ("import sys; from lingbot_map_ros.cli.replay import main; "
+              f"code = main(['--bag', {str(tmp_path / 'in')!r}, '--topic', {TOPIC!r}, '--checkpoint', "
+              f"{str(fixtures / 'weights.safetensors')!r}, '--model-config', {str(fixtures / 'config.json')!r}, "
+              f"'-q', '--out-bag', {str(tmp_path / 'res')!r}]); "
+              "ros = sorted(m for m in sys.modules if m.split('.')[0] in ('rclpy', 'sensor_msgs', 'nav_msgs')); "
+              "print(code, ros)")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.stdout.strip() == "0 []", proc.stdout + proc.stderr
+    assert (tmp_path / "res" / "metadata.yaml").is_file()
