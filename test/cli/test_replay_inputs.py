@@ -352,3 +352,22 @@ def test_bag_in_bag_out_without_rclpy(loop_frames, fixtures, tmp_path):
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert proc.stdout.strip() == "0 []", proc.stdout + proc.stderr
     assert (tmp_path / "res" / "metadata.yaml").is_file()
+
+
+def test_plain_session_matches_reference_and_long_stream(fixtures, tiny, tmp_path, capsys):
+    """--no-long-stream (queued submits) gives the reference predictions, as the long-stream default
+    does inside its first window."""
+    preds = {}
+    for mode in ("--no-long-stream", "--long-stream"):
+        out = tmp_path / f"{mode}.npz"
+        code, err = replay(capsys, "--images", fixtures / "frames", *tiny, "--keyframe-interval", "2", mode,
+                           "--out", out)
+        assert code == 0, err
+        preds[mode] = dict(np.load(out))
+    ref = np.load(fixtures / "reference_kf2.npz")
+    pred = preds["--no-long-stream"]
+    scale = np.abs(ref["pose_enc"]).max(axis=1, keepdims=True)
+    assert np.max(np.abs(pred["pose_enc"] - ref["pose_enc"]) / scale) < RTOL
+    assert np.max(np.abs(pred["depth"] - ref["depth"]) / np.abs(ref["depth"])) < RTOL
+    for key in ("pose_enc", "pose_c2w", "depth", "depth_conf", "is_keyframe"):
+        np.testing.assert_array_equal(preds["--long-stream"][key], pred[key])
