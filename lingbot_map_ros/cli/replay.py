@@ -291,34 +291,40 @@ class Outputs:
         self.args, self.settings = args, settings
         self.writers: list = []
         self.store = self.tum = self.ply = self.bag = None
+        self._opened = False
         self.rows = 0
 
     def _open(self) -> None:
+        """Make the writers, each listed as soon as it exists (so that ``abort`` finds it)."""
         from ..io.results import PlyStreamWriter, PredictionStore, TumStreamWriter
         from ..io.results_bag import ResultsBagWriter
 
         a = self.args
         if a.out:
-            self.store = PredictionStore(a.out, self.settings.depth, a.chunk_frames)
+            self.store = self._listed(PredictionStore(a.out, self.settings.depth, a.chunk_frames))
         if a.trajectory:
-            self.tum = TumStreamWriter(a.trajectory)
+            self.tum = self._listed(TumStreamWriter(a.trajectory))
         if a.ply:
-            self.ply = PlyStreamWriter(a.ply)
+            self.ply = self._listed(PlyStreamWriter(a.ply))
         if a.out_bag:
             try:
-                self.bag = ResultsBagWriter(a.out_bag, namespace=a.bag_namespace,
-                                            map_frame=a.map_frame or _node_default("map_frame"),
-                                            path_rate=_default(a.bag_path_rate, "path_publish_rate"),
-                                            path_max_length=_default(a.bag_path_length, "path_max_length"))
+                self.bag = self._listed(ResultsBagWriter(
+                    a.out_bag, namespace=a.bag_namespace, map_frame=a.map_frame or _node_default("map_frame"),
+                    path_rate=_default(a.bag_path_rate, "path_publish_rate"),
+                    path_max_length=_default(a.bag_path_length, "path_max_length")))
             except FileExistsError as exc:
                 raise UserError(str(exc)) from None
-        self.writers = [w for w in (self.store, self.tum, self.ply, self.bag) if w is not None]
+        self._opened = True
+
+    def _listed(self, writer):
+        self.writers.append(writer)
+        return writer
 
     def add(self, r, meta: _Meta, window: int) -> None:
         """One FrameResult ``r`` (model world, OpenCV axes) of the input frame ``meta``."""
         from ..geometry import unproject_pixels
 
-        if not self.writers:
+        if not self._opened:
             self._open()
         row, self.rows = self.rows, self.rows + 1
         keep_depth = r.depth is not None and self.settings.depth.keeps(row)
