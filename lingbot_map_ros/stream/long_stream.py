@@ -54,6 +54,12 @@ a restart cannot be rolled back (the old window's cache is gone), so right after
 restart, before a new frame is stored, there is nothing to roll back. A restart drops
 pending (deferred) evictions along with the old cache. Not thread-safe: one thread
 owns the session, as with ``StreamingSession``.
+
+``submit`` is ``push`` without waiting (the pipelined path of ``StreamingSession.submit``):
+the returned ``LongPendingResults`` gives the global results later, and what this object
+keeps of them (keyframes, poses, the undo record) is recorded then, in submission order.
+What needs them takes the earlier results first: a restart, a rollback, and each
+decision of the motion policy (which therefore pipelines no further than one frame).
 """
 from __future__ import annotations
 
@@ -98,7 +104,7 @@ class _Undo:
 
 class LongStreamSession:
     """A ``StreamingSession`` for unbounded input: windowed restarts with Sim(3)-aligned
-    outputs, interval or motion keyframes. Same public methods as the inner session."""
+    outputs, interval or motion keyframes. A ``stream.Session``, like the inner session."""
 
     def __init__(self, session: StreamingSession, cfg: LongStreamConfig | None = None) -> None:
         cfg = cfg or LongStreamConfig()
@@ -123,6 +129,7 @@ class LongStreamSession:
         self._latest_c2w: np.ndarray | None = None
         self._restart_pending = False
         self._warned_full = False
+        self._unsettled: deque[LongPendingResults] = deque()  # submitted, bookkeeping not done yet
 
     # ------------------------------------------------------------------ state
     @property
@@ -189,8 +196,11 @@ class LongStreamSession:
 
     # ------------------------------------------------------------------ service transitions
     def reset(self) -> None:
-        """Start a new sequence: empty cache, window 0, global frame = the next frame's camera."""
+        """Start a new sequence: empty cache, window 0, global frame = the next frame's camera.
+        Results of frames submitted before stay available (in the old sequence's frame)."""
         self.inner.reset()
+        for pending in self._unsettled:
+            pending.detach()
         self._clear()
 
     def set_deferred_eviction(self, deferred: bool) -> None:
@@ -206,6 +216,7 @@ class LongStreamSession:
         Raises SessionError (state unchanged) when there is nothing to roll back, the index
         does not match, or the last stored frames are a restart's re-fed overlap.
         """
+        self._settle()
         if self._last_stored is None:
             raise SessionError("nothing to roll back" + (" since the window restart" if self._window_index else ""))
         if expected_frame_index is not None and expected_frame_index != self._last_stored:
@@ -226,6 +237,7 @@ class LongStreamSession:
         Raises SessionError when no sequence is running. On an exception from the model
         the inner cache is left empty and the restart pending (redone by the next push).
         """
+        self._settle()  # the keyframes of frames submitted before are kept too
         if not self._keyframes:
             raise SessionError("nothing to restart: no frame stored since reset")
         kept = list(self._keyframes)
@@ -245,6 +257,7 @@ class LongStreamSession:
         self._overlap_indices = tuple(k.index for k in kept)
         self._restart_pending = False
         self._warned_full = False
+        self._unsettled: deque[LongPendingResults] = deque()  # submitted, bookkeeping not done yet
         log.info("window %d starts at frame %d: %d keyframes re-fed, scale %.4g (from %s, %d px), rotation "
                  "residual %.3g deg, centre RMSE %.3g", self._window_index, self._window_start, len(kept),
                  fit.sim3.scale, fit.scale_source, fit.depth_pixels, fit.rotation_residual_deg, fit.centre_rmse)
@@ -271,28 +284,55 @@ class LongStreamSession:
 
     # ------------------------------------------------------------------ frames
     def push(self, image: Tensor | np.ndarray, keyframe: bool | None = None) -> list[FrameResult]:
-        """Feed one frame [3, H, W] RGB float in [0, 1]; returns its results in the global frame.
+        """Feed one frame [3, H, W] RGB float in [0, 1] (or uint8 [H, W, 3]); returns its results
+        in the global frame.
 
         keyframe: None follows ``keyframe_policy``; True/False forces the decision (the
         scale frames of the first window are always stored; a full window without
         ``auto_restart`` never stores).
         """
+        return self.submit(image, keyframe).result()
+
+    def submit(self, image: Tensor | np.ndarray, keyframe: bool | None = None) -> LongPendingResults:
+        """``push`` without waiting for the results (``StreamingSession.submit``): the frame is
+        checked, decided and launched, ``frames_pushed`` moves on at once, and the returned
+        object's ``result()`` gives the global results ``push`` would have. What needs earlier
+        results takes them first, oldest first: the motion policy's decision (the latest
+        pose), a restart (the kept keyframes), ``rollback_last_frame``. Bad input raises
+        InvalidFrameError here and changes nothing."""
         self._check(image)
-        before = _Undo(tuple(self._keyframes), self._last_keyframe_c2w, self._latest_c2w)
         stats = self.inner.stats()
         if self._window_index == 0 and not self._restart_pending and (stats is None or stats.temporal_index == 0):
-            results = self.inner.push(image)  # the sequence's scale frames, collected by the inner session
+            inner = self.inner.submit(image)  # the sequence's scale frames, collected by the inner session
         else:
+            if keyframe is None and self.long_cfg.keyframe_policy == "motion":
+                self._settle()  # the decision reads the latest pose
             store = self._decide(keyframe)
             if self._restart_pending or (store and stats.temporal_index >= self.long_cfg.window_frames):
                 if self.long_cfg.auto_restart or self._restart_pending:
                     self.restart()
                 else:
                     store = self._window_full()
-            results = self.inner.push(image, keyframe=store)
-        out = [self._to_global(r) for r in results]
+            inner = self.inner.submit(image, keyframe=store)
+        self._frames_pushed = self._global_index(self.inner.frames_pushed)
+        pending = LongPendingResults(self, inner, self._alignment, self._global_index(0))
+        self._unsettled.append(pending)
+        return pending
+
+    def _settle(self, until: LongPendingResults | None = None) -> None:
+        """Take the results of submitted frames, oldest first, up to ``until`` (all when None),
+        and keep what they change here: the keyframes a restart re-feeds, the motion
+        policy's poses, the one-step undo."""
+        while self._unsettled:
+            pending = self._unsettled.popleft()
+            self._record(pending.take())
+            if pending is until:
+                return
+
+    def _record(self, out: list[FrameResult]) -> None:
+        """The bookkeeping of one frame's global results (in submission order)."""
+        before = _Undo(tuple(self._keyframes), self._last_keyframe_c2w, self._latest_c2w)
         if out:
-            self._frames_pushed = out[-1].frame_index + 1
             self._latest_c2w = out[-1].c2w.astype(np.float64)
         if out and out[0].is_keyframe:
             self._undo, self._last_stored = before, out[-1].frame_index
@@ -300,7 +340,6 @@ class LongStreamSession:
                 self._keyframes.append(_Keyframe(r.frame_index, np.array(r.frame),
                                                  r.c2w.astype(np.float64), _copy(r.depth), _copy(r.confidence)))
             self._last_keyframe_c2w = out[-1].c2w.astype(np.float64)
-        return out
 
     def _check(self, image: Tensor | np.ndarray) -> None:
         """Refuse a bad frame (InvalidFrameError) before anything moves, a restart included;
@@ -339,20 +378,62 @@ class LongStreamSession:
     def _global_index(self, inner_index: int) -> int:
         return inner_index - len(self._overlap_indices) + self._window_start
 
-    def _to_global(self, r: FrameResult) -> FrameResult:
-        index = self._global_index(r.frame_index)
-        sim = self._alignment
-        if sim.is_identity:
-            return replace(r, frame_index=index)
-        c2w = sim.apply_to_poses(r.c2w)
-        pose_enc = np.concatenate([c2w[:3, 3], matrix_to_quaternion(c2w[:3, :3]), r.pose_enc[7:]])
-        depth = None if r.depth is None else (r.depth * sim.scale).astype(r.depth.dtype)
-        return replace(r, frame_index=index, c2w=c2w.astype(r.c2w.dtype), pose_enc=pose_enc.astype(r.pose_enc.dtype),
-                       depth=depth)
+
+class LongPendingResults:
+    """The results of one ``LongStreamSession.submit``: ``result()`` waits for them (the
+    first time) and returns them in the global frame, as ``push`` does; the session's
+    bookkeeping of them happens then, after that of the frames submitted before. After a
+    ``reset`` the results stay available (in the old sequence's frame), unrecorded."""
+
+    __slots__ = ("_owner", "_inner", "_sim", "_offset", "_results")
+
+    def __init__(self, owner: LongStreamSession, inner, sim: Sim3, offset: int) -> None:
+        # inner: the inner session's PendingResults; sim, offset: the window's world -> global
+        # frame and global - inner frame index, as when the frame was submitted
+        self._owner: LongStreamSession | None = owner
+        self._inner, self._sim, self._offset = inner, sim, offset
+        self._results: list[FrameResult] | None = None
+
+    @property
+    def done(self) -> bool:
+        """The results are ready (``result()`` will not wait for the device)."""
+        return self._results is not None or self._inner.done
+
+    def result(self) -> list[FrameResult]:
+        if self._results is None:
+            if self._owner is not None:
+                self._owner._settle(until=self)  # takes this one's results (and earlier ones)
+            else:
+                self.take()
+        return self._results
+
+    def take(self) -> list[FrameResult]:
+        """The global results (waiting for them); for the owner's ``_settle``."""
+        self._owner = None
+        if self._results is None:
+            self._results = [_globalised(r, self._sim, self._offset) for r in self._inner.result()]
+        return self._results
+
+    def detach(self) -> None:
+        """The owner was reset: the results are no longer its business."""
+        self._owner = None
+
+
+def _globalised(r: FrameResult, sim: Sim3, offset: int) -> FrameResult:
+    """An inner session's result in the global frame: frame index + ``offset``; pose and depth
+    through ``sim`` (the window's world -> global frame)."""
+    index = r.frame_index + offset
+    if sim.is_identity:
+        return replace(r, frame_index=index)
+    c2w = sim.apply_to_poses(r.c2w)
+    pose_enc = np.concatenate([c2w[:3, 3], matrix_to_quaternion(c2w[:3, :3]), r.pose_enc[7:]])
+    depth = None if r.depth is None else (r.depth * sim.scale).astype(r.depth.dtype)
+    return replace(r, frame_index=index, c2w=c2w.astype(r.c2w.dtype), pose_enc=pose_enc.astype(r.pose_enc.dtype),
+                   depth=depth)
 
 
 def _copy(a: np.ndarray | None) -> np.ndarray | None:
     return None if a is None else np.array(a, copy=True)
 
 
-__all__ = ["LongStreamConfig", "LongStreamSession", "KEYFRAME_POLICIES"]
+__all__ = ["LongStreamConfig", "LongStreamSession", "LongPendingResults", "KEYFRAME_POLICIES"]

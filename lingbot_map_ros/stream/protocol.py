@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from .results import FrameResult
 
 
+@runtime_checkable
 class Pending(Protocol):
     """The results of one ``Session.submit``."""
 

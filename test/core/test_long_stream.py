@@ -93,6 +93,16 @@ def test_config_must_fit_the_stream_and_the_horizon(short_model, fixture_config,
 
 
 # ----------------------------------------------------------------------------- a pose oracle
+class Settled:
+    """A submit's results that are there at once (what PendingResults is on CPU)."""
+
+    def __init__(self, results):
+        self.done, self._results = True, results
+
+    def result(self):
+        return self._results
+
+
 class PoseOracle:
     """Stands in for StreamingSession (same calls, real PageTable bookkeeping) and reports a known
     trajectory the way the model would: in each sequence's own world (its first camera), at a
@@ -103,7 +113,7 @@ class PoseOracle:
         self.cfg = StreamConfig(num_scale_frames=num_scale_frames, sliding_window=sliding_window)
         self.model = SimpleNamespace(cfg=SimpleNamespace(max_frame_num=HORIZON))
         self.pages = PageTable(8, num_scale_frames, sliding_window, HORIZON)
-        self.pending, self.frames_pushed, self.anchor = [], 0, None
+        self.pending, self.frames_pushed, self.anchor, self.last_stored = [], 0, None, None
         self.sequences = 0  # resets since construction
 
     def reset(self):
@@ -120,6 +130,9 @@ class PoseOracle:
     def check_frame(self, image, resolution=None):
         return image
 
+    def submit(self, image, keyframe=None):
+        return Settled(self.push(image, keyframe))
+
     def push(self, image, keyframe=None):
         image = np.asarray(image)
         if self.pages.in_phase1:
@@ -135,7 +148,16 @@ class PoseOracle:
             plan = self.pages.plan_step(1, store)
         self.pages.apply(plan)
         first, self.frames_pushed = self.frames_pushed, self.frames_pushed + len(batch)
+        if plan.store:
+            self.last_stored = self.frames_pushed - 1
         return [self._result(first + i, plan, im) for i, im in enumerate(batch)]
+
+    def rollback_last_frame(self, expected_frame_index=None):
+        assert expected_frame_index in (None, self.last_stored)
+        self.pages.rollback_last()
+        frame, self.last_stored = self.last_stored, None
+        self.frames_pushed = 0 if self.pages.in_phase1 else frame
+        return frame
 
     @staticmethod
     def _id(image):
@@ -450,3 +472,101 @@ def test_reset_after_a_failure_starts_a_clean_sequence(short_model, fixture_conf
     want = push_all(StreamingSession(short_model, long.cfg), images[:4])
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a.c2w, b.c2w)
+
+
+# ----------------------------------------------------------------------------- submit
+
+def script_results(long, frames, submit):
+    """The results of a script with restarts, forced decisions and a rollback (of the last stored
+    frame after frame 10), fed with push, or with submit taking every result late (the newest
+    first: that takes all earlier ones); and the frame rolled back."""
+    pending, out, rolled = [], [], None
+    for i, f in enumerate(frames):
+        keyframe = {7: False, 8: True}.get(i)
+        if submit:
+            pending.append(long.submit(f, keyframe=keyframe))
+        else:
+            out.append(long.push(f, keyframe=keyframe))
+        if i == 10:
+            rolled = long.rollback_last_frame()  # needs the results taken so far
+    if submit:
+        assert all(p.done for p in pending)  # CPU: the steps ran at submit
+        out = [p.result() for p in reversed(pending)][::-1]
+        assert out[3] is pending[3].result()  # a second result() returns the same list
+    return out, rolled
+
+
+@pytest.mark.parametrize("policy", ["interval", "motion"])
+def test_submitted_frames_give_the_pushed_results(policy):
+    """LongStreamSession.submit + result() later is push(): same global indices, poses, depths
+    and keyframes across restarts, whatever the order the results are taken in."""
+    n = 24
+    c2w, depth = trajectory(n, step=0.03, turn_deg=2.0)
+    runs = {}
+    for submit in (False, True):
+        oracle = PoseOracle(c2w, depth)
+        long = LongStreamSession(oracle, LongStreamConfig(window_frames=6, keyframe_policy=policy,
+                                                          motion_min_translation=0.05))
+        runs[submit], runs[submit, "rolled"] = script_results(long, oracle_images(n), submit)
+        runs[submit, "state"] = (long.window_index, long.frames_pushed, long.overlap_indices,
+                                 oracle.pages.state_signature())
+    assert runs[True, "state"] == runs[False, "state"] and runs[True, "state"][0] >= 1  # restarted
+    assert runs[True, "rolled"] == runs[False, "rolled"] == (10 if policy == "interval" else 8)
+    assert [len(x) for x in runs[True]] == [len(x) for x in runs[False]]
+    pushed, submitted = sum(runs[False], []), sum(runs[True], [])
+    assert [r.frame_index for r in submitted] == [r.frame_index for r in pushed]
+    assert [r.is_keyframe for r in submitted] == [r.is_keyframe for r in pushed]
+    for a, b in zip(submitted, pushed, strict=True):
+        np.testing.assert_array_equal(a.c2w, b.c2w)
+        np.testing.assert_array_equal(a.depth, b.depth)
+    # and right: the trajectory of the images (after the rollback of frame k, image 11 is frame k)
+    k = runs[False, "rolled"]
+    assert [r.frame_index for r in pushed] == list(range(11)) + list(range(k, k + n - 11))
+    np.testing.assert_allclose(np.stack([r.c2w for r in pushed]), c2w[[PoseOracle._id(r.frame) for r in pushed]],
+                               atol=1e-9)
+
+
+def test_submit_on_the_model_equals_push(short_model, fixture_config, images):
+    """The same with the real inner session (its own PendingResults) over two restarts."""
+    frames = [frame(images, i) for i in range(14)]
+    pushed, rolled = script_results(make_long(short_model, fixture_config), frames, False)
+    long = make_long(short_model, fixture_config)
+    submitted, rolled_too = script_results(long, frames, True)
+    pushed, submitted = sum(pushed, []), sum(submitted, [])
+    assert rolled == rolled_too == 10 and long.window_index == 2 and long.frames_pushed == 13
+    assert [r.frame_index for r in submitted] == [r.frame_index for r in pushed] == list(range(11)) + [10, 11, 12]
+    for a, b in zip(submitted, pushed, strict=True):
+        assert a.is_keyframe == b.is_keyframe
+        np.testing.assert_array_equal(a.pose_enc, b.pose_enc)
+        np.testing.assert_array_equal(a.depth, b.depth)
+
+
+def test_results_submitted_before_a_reset_stay_with_the_old_sequence():
+    n = 8
+    c2w, depth = trajectory(n, step=0.03)
+    long = LongStreamSession(PoseOracle(c2w, depth), LongStreamConfig(window_frames=6))
+    pending = [long.submit(f) for f in oracle_images(n)[:4]]
+    long.reset()
+    assert long.frames_pushed == 0 and long.window_index == 0
+    old = [r for p in pending for r in p.result()]
+    assert [r.frame_index for r in old] == [0, 1, 2, 3]
+    with pytest.raises(SessionError, match="nothing to roll back"):
+        long.rollback_last_frame()  # the old results were not recorded into the new sequence
+    out = push_all(long, oracle_images(n)[4:])
+    assert [r.frame_index for r in out] == [0, 1, 2, 3]
+
+
+def test_a_bad_frame_when_a_restart_is_due_changes_nothing(short_model, fixture_config, images):
+    """The frame is checked before the restart it would trigger."""
+    from lingbot_map_ros.stream import InvalidFrameError
+
+    long = make_long(short_model, fixture_config)
+    push_all(long, [frame(images, i) for i in range(6)])
+    assert long.stats().temporal_index == 6  # full: the next stored frame restarts
+    before = (signature(long), long.window_index, long.frames_pushed)
+    for bad in (torch.rand(3, 56, 56), torch.rand(3, 42, 97)):
+        with pytest.raises(InvalidFrameError):
+            long.submit(bad)
+        assert (signature(long), long.window_index, long.frames_pushed) == before
+    (r,) = long.push(frame(images, 6))
+    assert long.window_index == 1 and r.frame_index == 6
