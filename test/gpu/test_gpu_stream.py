@@ -172,5 +172,5 @@ def test_uint8_frames_become_the_float_frames_on_the_gpu():
     session = StreamingSession(model, StreamConfig(backend="sdpa", device="cuda"))
     rgb = np.random.default_rng(1).integers(0, 256, (378, 518, 3), dtype=np.uint8)
     rgb[0, :256, 0] = np.arange(256)  # every byte value
-    on_gpu = session._device_frame(session._check_image(rgb)).cpu().numpy()
+    on_gpu = session._device_frame(session.check_frame(rgb)).cpu().numpy()
     np.testing.assert_array_equal(on_gpu, uint8_to_image(rgb))
