@@ -300,7 +300,7 @@ class LongStreamSession:
         results takes them first, oldest first: the motion policy's decision (the latest
         pose), a restart (the kept keyframes), ``rollback_last_frame``. Bad input raises
         InvalidFrameError here and changes nothing."""
-        self._check(image)
+        self.check_frame(image)
         stats = self.inner.stats()
         if self._window_index == 0 and not self._restart_pending and (stats is None or stats.temporal_index == 0):
             inner = self.inner.submit(image)  # the sequence's scale frames, collected by the inner session
@@ -341,12 +341,13 @@ class LongStreamSession:
                                                  r.c2w.astype(np.float64), _copy(r.depth), _copy(r.confidence)))
             self._last_keyframe_c2w = out[-1].c2w.astype(np.float64)
 
-    def _check(self, image: Tensor | np.ndarray) -> None:
-        """Refuse a bad frame (InvalidFrameError) before anything moves, a restart included;
-        while a restart is pending the inner cache is empty, so the kept keyframes give the
-        sequence's resolution."""
-        size = input_size(self._keyframes[-1].frame) if self._restart_pending and self._keyframes else None
-        self.inner.check_frame(image, size)
+    def check_frame(self, image: Tensor | np.ndarray, resolution: tuple[int, int] | None = None) -> Tensor:
+        """``StreamingSession.check_frame``: InvalidFrameError for a frame ``push`` would refuse,
+        raised before anything moves (a restart included); while a restart is pending the
+        inner cache is empty, so the kept keyframes give the sequence's resolution."""
+        if resolution is None and self._restart_pending and self._keyframes:
+            resolution = input_size(self._keyframes[-1].frame)
+        return self.inner.check_frame(image, resolution)
 
     def _decide(self, keyframe: bool | None) -> bool:
         if keyframe is not None:

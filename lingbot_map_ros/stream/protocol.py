@@ -63,6 +63,12 @@ class Session(Protocol):
     def submit(self, image: torch.Tensor | np.ndarray, keyframe: bool | None = None) -> Pending:
         """``push`` without waiting for the results."""
 
+    def check_frame(self, image: torch.Tensor | np.ndarray,
+                    resolution: tuple[int, int] | None = None) -> torch.Tensor:
+        """InvalidFrameError unless ``push`` would take the frame's layout, dtype and size
+        (patch multiple, enough patches, the running sequence's resolution, or
+        ``resolution`` (H, W) when given); changes nothing. The frame as a tensor."""
+
     def reset(self) -> None:
         """Empty the cache; the next frame starts a new sequence."""
 

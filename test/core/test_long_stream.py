@@ -16,7 +16,7 @@ from lingbot_map_ros.geometry import quaternion_to_matrix
 from lingbot_map_ros.io.checkpoint import load_model
 from lingbot_map_ros.stream.alignment import estimate_window_sim3
 from lingbot_map_ros.stream.long_stream import LongStreamConfig, LongStreamSession
-from lingbot_map_ros.stream.session import FrameResult, SessionError, StreamingSession
+from lingbot_map_ros.stream.session import FrameResult, InvalidFrameError, SessionError, StreamingSession
 
 HORIZON = 16
 
@@ -445,6 +445,11 @@ def test_failed_step_drops_the_frame_and_the_stream_goes_on(short_model, fixture
     assert long.frames_pushed == pushed
     if call == 1:
         assert long.restart_pending and long.window_index == window and long.stats().temporal_index == 0
+        # the inner cache is empty, yet another resolution is refused: the restart would re-feed the old one
+        with pytest.raises(InvalidFrameError, match="differs from the sequence's"):
+            long.push(torch.rand(3, 56, 56))
+        assert long.restart_pending and long.frames_pushed == pushed
+        long.inner.check_frame(torch.rand(3, 56, 56))  # the empty inner session alone would take it
     elif call == 8:
         assert long.window_index == window + 1 and long.stats().temporal_index == 2
     else:

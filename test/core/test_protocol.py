@@ -22,8 +22,8 @@ def sessions(tiny_model, fixture_config):
 
 def test_the_protocol_names_what_the_node_uses():
     assert sorted(MEMBERS) == sorted(["cfg", "device", "frames_pushed", "window_index", "deferred_eviction", "push",
-                                      "submit", "reset", "rollback_last_frame", "set_deferred_eviction",
-                                      "commit_eviction", "stats"])
+                                      "submit", "check_frame", "reset", "rollback_last_frame",
+                                      "set_deferred_eviction", "commit_eviction", "stats"])
 
 
 @pytest.mark.parametrize("kind", ["plain", "long"])
