@@ -309,8 +309,8 @@ class StreamingSession:
             raise InvalidFrameError(f"image {w}x{h} is too small: at least {SPECIAL_TOKENS} patches are needed")
         expected = resolution or self._sequence_resolution()
         if expected is not None and (h, w) != tuple(expected):
-            raise InvalidFrameError(f"image size {w}x{h} differs from the sequence's {expected[1]}x{expected[0]}; "
-                                    "reset the session to change resolution")
+            raise InvalidFrameError(f"image size changed: {w}x{h}, the sequence's frames are {expected[1]}x"
+                                    f"{expected[0]}; reset the session to change resolution")
         return image
 
     def _sequence_resolution(self) -> tuple[int, int] | None:

@@ -181,7 +181,7 @@ def test_bad_images_are_refused_without_state_change(tiny_model, fixture_config,
 def test_resolution_change_needs_reset(tiny_model, fixture_config, images):
     s = make(tiny_model, fixture_config)
     push_all(s, images[:3])
-    with pytest.raises(InvalidFrameError, match="differs from the sequence's 98x56; reset the session"):
+    with pytest.raises(InvalidFrameError, match="size changed: 56x56, the sequence's frames are 98x56; reset the"):
         s.push(torch.rand(3, 56, 56))
     assert s.frames_pushed == 3 and s.window_index == 0
     s.check_frame(torch.rand(3, 56, 56), resolution=(56, 56))  # another resolution, when the caller names it
@@ -288,7 +288,7 @@ def test_bad_input_to_submit_is_refused_without_state_change(tiny_model, fixture
     for f in images[:3]:
         s.submit(f)
     before = (s._pages.state_signature(), s.frames_pushed)
-    with pytest.raises(ValueError, match="differs from the sequence"):
+    with pytest.raises(ValueError, match="image size changed"):
         s.submit(images[3][:, :42, :42])
     assert (s._pages.state_signature(), s.frames_pushed) == before
 
