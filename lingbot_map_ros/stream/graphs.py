@@ -39,8 +39,8 @@ import torch
 from torch import Tensor
 
 from ..cache.flashinfer_backend import FlashInferBackend
-from ..config import FA3_TILES
 from ..cache.pool import CameraKVCache, DevicePlan, KVPool, PoolAttention
+from ..config import FA3_TILES
 from ..model.lingbot import LingBotMap, StepOptions, StepOutput
 
 log = logging.getLogger(__name__)
