@@ -26,10 +26,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .. import kernels
 from ..cache.attention import AttentionBackend, UngraphableStep, make_backend
 from ..cache.pages import CacheError, CacheFullError, CacheStats, PageTable, StepPlan
 from ..cache.pool import CameraKVCache, KVPool, PoolAttention, make_device_plan
-from .. import kernels
 from ..config import SPECIAL_TOKENS, StreamConfig
 from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
 from ..model.lingbot import LingBotMap, StepOptions
