@@ -414,6 +414,10 @@ class Replay:
         except ValueError as exc:  # size differs from the sequence's, too small: the session is unchanged
             self._bad(f"{meta.name}: {exc}")
             return waiting
+        except BaseException:  # the horizon, out of memory, ^C: the frame before is complete, write it first
+            if waiting is not None:
+                self._take(waiting.result())
+            raise
         self.pushed += 1
         self.pending.append(meta)
         if self.long:

@@ -371,3 +371,27 @@ def test_plain_session_matches_reference_and_long_stream(fixtures, tiny, tmp_pat
     assert np.max(np.abs(pred["depth"] - ref["depth"]) / np.abs(ref["depth"])) < RTOL
     for key in ("pose_enc", "pose_c2w", "depth", "depth_conf", "is_keyframe"):
         np.testing.assert_array_equal(preds["--long-stream"][key], pred[key])
+
+
+def test_horizon_ends_the_plain_session_not_the_long_stream(fixtures, tiny, tmp_path, capsys):
+    """A model whose horizon is 6 frames: the plain session stops there with a hint and keeps the 6
+    frames as partial outputs; the long-stream mode restarts windows and replays all 12."""
+    import json
+
+    config = json.loads((fixtures / "config.json").read_text())
+    config["max_frame_num"] = 6
+    (tmp_path / "cfg.json").write_text(json.dumps(config))
+    flags = [a if a != str(fixtures / "config.json") else str(tmp_path / "cfg.json") for a in tiny]
+    code, err = replay(capsys, "--images", fixtures / "frames", *flags, "--no-long-stream", "--out",
+                       tmp_path / "plain.npz")
+    assert code == 2
+    line = error_line(err)
+    assert "horizon of 6 frames" in line and "drop --no-long-stream" in line
+    assert np.load(tmp_path / "plain.npz.partial")["pose_enc"].shape == (6, 9)
+    code, err = replay(capsys, "--images", fixtures / "frames", *flags, "--window-frames", "4", "--out",
+                       tmp_path / "long.npz")
+    assert code == 0, err
+    pred = np.load(tmp_path / "long.npz")
+    assert pred["pose_enc"].shape == (12, 9)
+    assert pred["window"].tolist() == [0] * 4 + [1] * 2 + [2] * 2 + [3] * 2 + [4] * 2
+    assert np.isfinite(pred["pose_c2w"]).all()
