@@ -395,3 +395,18 @@ def test_horizon_ends_the_plain_session_not_the_long_stream(fixtures, tiny, tmp_
     assert pred["pose_enc"].shape == (12, 9)
     assert pred["window"].tolist() == [0] * 4 + [1] * 2 + [2] * 2 + [3] * 2 + [4] * 2
     assert np.isfinite(pred["pose_c2w"]).all()
+
+
+def test_interrupt_keeps_partial_outputs(loop_folder, tiny, tmp_path, capsys):
+    def interrupt(done):
+        if done == 4:
+            raise KeyboardInterrupt
+
+    out, tum = tmp_path / "p.npz", tmp_path / "t.tum"
+    code = main(["--images", str(loop_folder), *tiny, "--out", str(out), "--trajectory", str(tum)], interrupt)
+    err = capsys.readouterr().err
+    assert code == 130 and "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (f"lingbot-map-replay: interrupted after 4 frames; partial outputs kept: "
+                                            f"{out}.partial, {tum}.partial")
+    assert not out.exists() and not tum.exists()
+    assert np.load(f"{out}.partial")["pose_enc"].shape == (4, 9)
