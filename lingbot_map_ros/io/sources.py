@@ -26,7 +26,6 @@ container.
 """
 from __future__ import annotations
 
-import logging
 import math
 import queue
 import threading
@@ -39,8 +38,6 @@ import numpy as np
 
 from .image_msgs import ImageDecodeError, is_image_type, message_to_rgb, stamp_ns
 from .preprocess import ImageLoadError, list_images, load_image
-
-log = logging.getLogger(__name__)
 
 NS = 1_000_000_000
 DEFAULT_CAMERA_FRAME = "camera_optical_frame"
