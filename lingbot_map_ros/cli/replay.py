@@ -25,8 +25,8 @@ until then, or after a failure, ``<name>.partial``):
 
 By default the frames go through the long-stream session as in the node (window
 restarts aligned by a Sim(3), so any length works); --no-long-stream runs the plain
-session with frame t+1 submitted before frame t's results are taken (highest GPU
-throughput, up to the model's horizon). A progress bar (frames/s, ETA, window) and
+session (up to the model's horizon). Either way frame t+1 is submitted before frame t's
+results are taken (the GPU stays busy while the host writes). A progress bar (frames/s, ETA, window) and
 one summary line go to stderr. Any input problem ends with one line
 ``lingbot-map-replay: error: ...`` and exit status 2; undecodable frames of a bag or
 a video are skipped, counted and warned about (--bad-frames).
@@ -40,7 +40,7 @@ import sys
 import time
 from collections import deque
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -113,8 +113,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ls = p.add_argument_group("long streams (the node's parameters of the same names; defaults as the node's)")
     ls.add_argument("--long-stream", action=argparse.BooleanOptionalAction, default=True,
-                    help="window restarts aligned by Sim(3) (any length); --no-long-stream: the plain session "
-                    "with queued submits, up to the model's horizon")
+                    help="window restarts aligned by Sim(3) (any length); --no-long-stream: the plain session, "
+                    "up to the model's horizon")
     ls.add_argument("--window-frames", type=int, help="stored frames per cache window (node: 320)")
     ls.add_argument("--overlap-frames", type=int, help="keyframes re-fed into the next window; 0 = "
                     "num_scale_frames (node: 0)")
@@ -281,6 +281,7 @@ class _Meta:
     stamp_ns: int
     camera_frame: str
     name: str
+    window: int = 0  # the long-stream window it went into
 
 
 class Outputs:
@@ -320,7 +321,7 @@ class Outputs:
         self.writers.append(writer)
         return writer
 
-    def add(self, r, meta: _Meta, window: int) -> None:
+    def add(self, r, meta: _Meta) -> None:
         """One FrameResult ``r`` (model world, OpenCV axes) of the input frame ``meta``."""
         from ..geometry import unproject_pixels
 
@@ -329,7 +330,7 @@ class Outputs:
         row, self.rows = self.rows, self.rows + 1
         keep_depth = r.depth is not None and self.settings.depth.keeps(row)
         if self.store is not None:
-            self.store.add(r.pose_enc, r.c2w, r.intrinsics, r.is_keyframe, meta.stamp_ns, window,
+            self.store.add(r.pose_enc, r.c2w, r.intrinsics, r.is_keyframe, meta.stamp_ns, meta.window,
                            r.depth, r.confidence)
         if self.tum is not None:
             self.tum.add(meta.stamp_ns / 1e9, r.c2w)
@@ -376,10 +377,10 @@ class Replay:
                  observer: Callable[[int], None] | None = None) -> None:
         self.args, self.settings, self.session, self.outputs = args, settings, session, outputs
         self.observer = observer
-        self.long = settings.long_stream is not None
         self.pending: deque[_Meta] = deque()  # pushed frames whose results have not come yet
         self.pushed = self.done = self.dropped = 0
         self.first_problem: str | None = None
+        self._waiting = None  # the pending results of the frame submitted last
         self.bar = None
         self._postfix: tuple[int, int] | None = None
 
@@ -393,50 +394,56 @@ class Replay:
             total = min(total, self.args.max_frames)
         with progress_bar(total, self.args.quiet) as self.bar, \
                 Prefetcher(source.frames, lambda rgb: model_input(rgb, width)) as frames:
-            waiting = None
-            for frame, image in frames:
-                if image is None:
-                    self._bad(frame.error or f"{frame.name}: no image")
-                    continue
-                meta = _Meta(frame.stamp_ns, frame.camera_frame, frame.name)
-                waiting = self._push(image, meta, waiting)
-                if self.args.max_frames and self.pushed >= self.args.max_frames:
-                    break
-            if waiting is not None:
-                self._take(waiting.result())
+            try:
+                for frame, image in frames:
+                    if image is None:
+                        self._bad(frame.error or f"{frame.name}: no image")
+                        continue
+                    self._push(image, _Meta(frame.stamp_ns, frame.camera_frame, frame.name))
+                    if self.args.max_frames and self.pushed >= self.args.max_frames:
+                        break
+            except BaseException:  # the frame submitted last is complete: it is written before the error
+                self._drain_after_failure()
+                raise
+            self._drain()
 
-    def _push(self, image, meta: _Meta, waiting):
+    def _push(self, image, meta: _Meta) -> None:
+        """Submit a frame, then take the previous one's results (the model runs this one meanwhile)."""
+        from ..stream.errors import InvalidFrameError
+
         try:
-            if self.long:
-                results = self.session.push(image)
-            else:
-                submitted = self.session.submit(image)
-        except ValueError as exc:  # size differs from the sequence's, too small: the session is unchanged
+            submitted = self.session.submit(image)
+        except InvalidFrameError as exc:  # size differs from the sequence's, too small: nothing changed
             self._bad(f"{meta.name}: {exc}")
-            return waiting
-        except BaseException:  # the horizon, out of memory, ^C: the frame before is complete, write it first
-            if waiting is not None:
-                self._take(waiting.result())
-            raise
+            return
         self.pushed += 1
-        self.pending.append(meta)
-        if self.long:
-            self._take(results)
-            return None
+        # a restart happens inside submit, so the window is the frame's own
+        self.pending.append(replace(meta, window=int(getattr(self.session, "window_index", 0))))
+        previous, self._waiting = self._waiting, submitted
+        if previous is not None:
+            self._take(previous.result())
+
+    def _drain(self) -> None:
+        """Write the results of the frame submitted last, if any."""
+        waiting, self._waiting = self._waiting, None
         if waiting is not None:
             self._take(waiting.result())
-        return submitted
+
+    def _drain_after_failure(self) -> None:
+        try:
+            self._drain()
+        except Exception as exc:  # the first failure is the one reported
+            log.warning("the results of the last submitted frame are lost: %s", exc)
 
     def _take(self, results) -> None:
-        window = int(getattr(self.session, "window_index", 0))
         for r in results:
-            self.outputs.add(r, self.pending.popleft(), window)
+            meta = self.pending.popleft()
+            self.outputs.add(r, meta)
             self.done += 1
             if self.observer is not None:
                 self.observer(self.done)
-        if results:
-            self.bar.update(len(results))
-            self._show(window)
+            self.bar.update(1)
+            self._show(meta.window)
 
     def _bad(self, reason: str) -> None:
         if self.settings.bad_frames == "error":

@@ -406,7 +406,9 @@ def test_interrupt_keeps_partial_outputs(loop_folder, tiny, tmp_path, capsys):
     code = main(["--images", str(loop_folder), *tiny, "--out", str(out), "--trajectory", str(tum)], interrupt)
     err = capsys.readouterr().err
     assert code == 130 and "Traceback" not in err
-    assert err.strip().splitlines()[-1] == (f"lingbot-map-replay: interrupted after 4 frames; partial outputs kept: "
-                                            f"{out}.partial, {tum}.partial")
+    n = np.load(f"{out}.partial")["pose_enc"].shape[0]
+    assert n in (4, 5)  # the frame submitted before ^C is complete and may be written too
+    assert err.strip().splitlines()[-1] == (f"lingbot-map-replay: interrupted after {n} frames; partial outputs "
+                                            f"kept: {out}.partial, {tum}.partial")
     assert not out.exists() and not tum.exists()
-    assert np.load(f"{out}.partial")["pose_enc"].shape == (4, 9)
+    assert len(tum.with_name("t.tum.partial").read_text().splitlines()) == n + 1
