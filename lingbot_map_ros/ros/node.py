@@ -640,7 +640,7 @@ def set_gil_switch_interval(environ=os.environ) -> float:
 
 
 def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt  # SIGTERM ends the node the way SIGINT does
+    raise KeyboardInterrupt  # while the model loads, SIGTERM ends the node the way SIGINT does
 
 
 def main(args: list[str] | None = None) -> int:
@@ -668,6 +668,11 @@ def main(args: list[str] | None = None) -> int:
     # inference thread (the multi-threaded executor measured 2x the tail latency of this one,
     # benchmarks/node_probe.py). The services, which wait for the inference thread or write
     # files, get executor threads of their own.
+    # From here a signal only sets a flag that the loop reads: an exception raised by a handler in
+    # the middle of rclpy's C++ calls (taking a message) would surface as an unrelated error.
+    stop = threading.Event()
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
     executor = SingleThreadedExecutor()
     services = MultiThreadedExecutor(num_threads=SERVICE_THREADS)
     services.add_node(node.service_node)
@@ -676,7 +681,7 @@ def main(args: list[str] | None = None) -> int:
     service_thread.start()
     executor.add_node(node)
     try:
-        while rclpy.ok():
+        while rclpy.ok() and not stop.is_set():
             executor.spin_once(timeout_sec=SPIN_PERIOD)  # returns now and then so a signal is seen
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
