@@ -4,7 +4,7 @@
 # against the project-built one (flashinfer-fa3, kernels/fa3_tiles.py, 128 x 192 tiles),
 # each at the given split counts (0 = automatic), runs interleaved over PAIRS rounds so that
 # drift of the machine hits both alike. A run "tiled:SPLITS:QxKVxSTAGES" uses another shape
-# of the project-built kernel (LINGBOT_FA3_TILES). Builds the tiled modules first, in
+# of the project-built kernel (stream_fps.py --fa3-tiles). Builds the tiled modules first, in
 # parallel (timed).
 #
 #   OUT=/tmp/out HEIGHT=378 PAIRS=2 FRAMES=160 bash benchmarks/fa3_tiles_ab.sh stock:12 tiled:0 tiled:12
@@ -25,7 +25,7 @@ start=$SECONDS
 shapes=$(printf '%s\n' "$@" | awk -F: '$1 == "tiled" {print ($3 == "" ? "default" : $3)}' | sort -u)
 for shape in $shapes; do
   [[ "$shape" == default ]] && shape=""
-  (LINGBOT_FA3_TILES=$shape python3 -c "from lingbot_map_ros.kernels import fa3_tiles as f; f.load(); print('tiled FA3 module', f.module_name())" \
+  (python3 -c "from lingbot_map_ros.config import parse_fa3_tiles as p; from lingbot_map_ros.kernels import fa3_tiles as f; t=p('${shape:-128x192x2}'); f.load(t); print('tiled FA3 module', f.module_name(t))" \
     2>&1 | tail -3 | tee -a "$LOG") &
 done
 wait
@@ -39,7 +39,7 @@ for ((round = 1; round <= PAIRS; round++)); do
     c=0
     [[ "$kind" == tiled ]] && { c=$compare; compare=0; }
     json=/tmp/fa3_ab_${kind}_${splits}_${shape}_${round}.json
-    LINGBOT_FA3_TILES=$shape timeout 200 python3 "$ROOT/benchmarks/stream_fps.py" --backend "$backend" --kv-splits "$splits" --height "$HEIGHT" \
+    timeout 200 python3 "$ROOT/benchmarks/stream_fps.py" --backend "$backend" --kv-splits "$splits" --fa3-tiles "${shape:-128x192x2}" --height "$HEIGHT" \
       --frames "$FRAMES" --one-at-a-time-frames 0 --breakdown-frames 0 --compare-frames "$c" --out "$json" \
       >/dev/null 2>>"$LOG"
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); s=d['steady_state']

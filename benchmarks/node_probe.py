@@ -61,6 +61,9 @@ class SimulatedSession:
         self.window_index = 0
         self.reset()
 
+    def check_frame(self, image, resolution=None):
+        return image  # the simulated step takes any frame
+
     def reset(self) -> None:
         self.frames_pushed = 0
         self._stored = 0

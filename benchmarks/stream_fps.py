@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from lingbot_map_ros.config import ModelConfig, StreamConfig
+from lingbot_map_ros.config import FA3_TILES, ModelConfig, StreamConfig, parse_fa3_tiles
 from lingbot_map_ros.io.checkpoint import load_model
 from lingbot_map_ros.stream.session import StreamingSession
 
@@ -43,6 +43,8 @@ def parse_args(argv=None):
     p.add_argument("--height", type=int, default=378)
     p.add_argument("--width", type=int, default=518)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--fa3-tiles", type=parse_fa3_tiles, default=FA3_TILES, metavar="QxKVxSTAGES",
+                   help="tile shape of the project-built FA3 kernel (tuning runs)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
     p.add_argument("--num-scale-frames", type=int, default=8)
     p.add_argument("--sliding-window", type=int, default=64)
@@ -99,7 +101,7 @@ def stream_config(args, dtype=None, backend=None, cuda_graphs=None):
                         cuda_graphs=graphs, kv_splits=args.kv_splits, fused_kernels=not args.no_fused_kernels,
                         bf16_depth_head=not args.fp32_depth_head,
                         bf16_camera_head=not args.fp32_camera_head,
-                        parallel_heads=not args.no_parallel_heads)
+                        parallel_heads=not args.no_parallel_heads, fa3_tiles=args.fa3_tiles)
 
 
 class ReplayTimer:

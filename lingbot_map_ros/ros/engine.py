@@ -40,12 +40,10 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from ..config import SPECIAL_TOKENS
 from ..geometry import optical_pose_to_map, points_to_map, unproject_pixels
 from ..io.map_save import MapSaveError, save_map_pair
-from ..io.preprocess import PATCH_SIZE, input_size, model_input, target_size
-from ..cache.pages import CacheFullError
-from ..stream.session import FrameMismatchError, FrameResult, SessionError
+from ..io.preprocess import model_input, target_size
+from ..stream import CacheFullError, FrameMismatchError, FrameResult, InvalidFrameError, Session, SessionError
 from .mapping import MapAccumulator, PoseEntry, Trajectory
 from .output_worker import OutputWorker
 from .params import NodeSettings
@@ -195,7 +193,7 @@ class _Latency:
 class InferenceEngine:
     """Owns the session and the node's per-sequence memory; runs on one thread."""
 
-    def __init__(self, session, settings: NodeSettings, sink: Sink, log: Logger,
+    def __init__(self, session: Session, settings: NodeSettings, sink: Sink, log: Logger,
                  now: Callable[[], float], monotonic: Callable[[], float] = time.monotonic) -> None:
         self.session = session
         self.settings = settings
@@ -216,7 +214,6 @@ class InferenceEngine:
         self.last_stats = session.stats()
         self.last_intrinsics: tuple[np.ndarray, int, int] | None = None  # K, width, height of the model input
         self._collected: list[InputFrame] = []  # pushed, waiting for their (scale-frame) results
-        self._resolution: tuple[int, int] | None = None  # (H, W) of the current sequence
         self._last_stamp: Any = None
         self._last_index = 0  # 1-based index of the last processed frame
         self._thread: threading.Thread | None = None
@@ -322,14 +319,10 @@ class InferenceEngine:
             image = model_input(frame.rgb, s.image_width)  # uint8 as it came when no resize is needed
         except ValueError as exc:
             return self._drop_invalid(frame.stamp, f"cannot preprocess the image: {exc}")
-        h, w = input_size(image)
-        if (h // PATCH_SIZE) * (w // PATCH_SIZE) < SPECIAL_TOKENS:
-            return self._drop_invalid(frame.stamp, f"image {frame.rgb.shape[1]}x{frame.rgb.shape[0]} gives a model "
-                                      f"input of {w}x{h}, fewer than {SPECIAL_TOKENS} patches")
-        if self._resolution is not None and (h, w) != self._resolution:
-            return self._drop_invalid(frame.stamp, f"image size changed: {frame.rgb.shape[1]}x{frame.rgb.shape[0]} "
-                                      f"gives model input {w}x{h}, the sequence uses {self._resolution[1]}x"
-                                      f"{self._resolution[0]}; call ~/reset to start a new sequence")
+        try:
+            self.session.check_frame(image)
+        except InvalidFrameError as exc:  # layout, size, too few patches, another resolution than the sequence's
+            return self._drop_invalid(frame.stamp, f"image {frame.rgb.shape[1]}x{frame.rgb.shape[0]}: {exc}")
         frame.preprocess_ms = frame.convert_ms + (time.perf_counter() - t0) * 1e3
         self._last_stamp, self._last_stamp_s = frame.stamp, frame.stamp_s
         self._collected.append(frame)
@@ -342,7 +335,6 @@ class InferenceEngine:
             return self._on_inference_error(exc)  # e.g. the model's horizon: a new sequence starts
         except Exception as exc:
             return self._on_inference_error(exc)
-        self._resolution = (h, w)
         if not results:
             n, total = len(self._collected), self.session.cfg.num_scale_frames
             self._set_state(State.INITIALIZING, f"collecting scale frames {n}/{total}")
@@ -369,8 +361,6 @@ class InferenceEngine:
             self.counters.add("frames_dropped_invalid", dropped)
             self.throttle.emit(self.log.warning, f"non-finite pose from the model for frame(s) {bad}: "
                                f"{dropped} frame(s) dropped and {note}", kind="non-finite pose")
-            if self.session.frames_pushed == 0:
-                self._resolution = None
             self._publish_status(f"dropped frame(s) {bad}: non-finite pose", frames[-1].stamp)
             return
         if stored and self.map is not None:
@@ -447,7 +437,7 @@ class InferenceEngine:
             valid = float(np.count_nonzero(conf > self.settings.conf_threshold)) / max(conf.size, 1)
         stats = self.session.stats()
         self.sink.publish_frame_info(FrameSummary(
-            frame_index=index, window_index=int(getattr(self.session, "window_index", 0)), stored=r.is_keyframe,
+            frame_index=index, window_index=self.session.window_index, stored=r.is_keyframe,
             is_keyframe=r.is_keyframe, decision_pending=hold,
             pending_eviction_pages=stats.pending_evictions if stats is not None else 0,
             confidence_mean=mean, confidence_median=median, valid_fraction=valid,
@@ -529,7 +519,6 @@ class InferenceEngine:
     def _clear_sequence(self) -> None:
         self.session.reset()
         self._collected.clear()
-        self._resolution = None
         self._last_index = 0
         self.trajectory.clear()
         if self.map is not None:
@@ -612,8 +601,6 @@ class InferenceEngine:
                 acc.protect_from(forgotten_from)
 
             self.outputs.op(forget)
-        if forgotten_from == 0:
-            self._resolution = None
         self._forget_keyframes_from(index + 1)
         self._last_index = min(self._last_index, forgotten_from)
         self.last_stats = self.session.stats()
@@ -716,7 +703,7 @@ class InferenceEngine:
         if back <= s.time_jump_threshold:
             return self._drop_stamp(frame, f"dropped an image {1e3 * back:.1f} ms older than the previous frame "
                                            "(out of order; the trajectory stays monotonic)", "older stamp")
-        if not getattr(self, "_behind", False):
+        if not self._behind:
             self.counters.add("time_jumps")
         if s.on_time_jump == "drop":
             self._behind = True
@@ -777,7 +764,7 @@ class InferenceEngine:
         c = self.counters.snapshot()
         st = StatusFields(state=int(self.state), state_text=text,
                           frame_index=self._last_index if frame_index is None else frame_index,
-                          window_index=int(getattr(self.session, "window_index", 0)),
+                          window_index=self.session.window_index,
                           is_keyframe=is_keyframe, deferred_eviction=bool(self.session.deferred_eviction),
                           frames_received=c.frames_received, frames_processed=c.frames_processed,
                           frames_dropped_stale=c.frames_dropped_stale,

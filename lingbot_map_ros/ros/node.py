@@ -372,7 +372,7 @@ class LingBotMapNode(Node):
 
     def _load_session(self):
         """The one place the model is built: configs -> weights -> device -> session."""
-        from ..cache.attention import BackendUnavailable
+        from ..stream import BackendUnavailable
         from ..io.checkpoint import CheckpointError, load_model
         from ..stream.long_stream import LongStreamSession
         from ..stream.session import StreamingSession

@@ -18,8 +18,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..config import BACKENDS, DTYPES, ConfigError, ModelConfig, StreamConfig, load_json
-from ..stream.long_stream import KEYFRAME_POLICIES, LongStreamConfig
+from ..config import (BACKENDS, DTYPES, KEYFRAME_POLICIES, ConfigError, LongStreamConfig, ModelConfig, StreamConfig,
+                      load_json)
 
 INPUT_TRANSPORTS = ("raw", "compressed")
 INPUT_QOS = ("sensor_data", "reliable")

@@ -49,8 +49,6 @@ ALLOWED: dict[tuple[str, str], str] = {}
 # only (stream/ re-exports the errors they need). Today's exceptions, with who removes them:
 THROUGH_STREAM = ("cache", "model", "kernels")
 ALLOWED_DIRECT: dict[tuple[str, str], str] = {
-    ("lingbot_map_ros.ros.engine", "cache"): "lead (issue 19 item 2): CacheFullError from lingbot_map_ros.stream",
-    ("lingbot_map_ros.ros.node", "cache"): "lead (issue 19 item 2): BackendUnavailable from lingbot_map_ros.stream",
     ("lingbot_map_ros.cli.replay", "cache"):
         "cli owner (issue 19): CacheError, BackendUnavailable from lingbot_map_ros.stream",
 }
