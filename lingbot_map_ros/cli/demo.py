@@ -568,14 +568,15 @@ def _device_name(device: str | None) -> str:
 
 
 def run_info(args: argparse.Namespace, values: dict) -> dict:
-    """Where and how a measurement was made: commit ("unknown" outside a git checkout, unless
-    LINGBOT_COMMIT names it), whether tracked files differed from it, device, command, date.
+    """Where and how a measurement was made: commit (LINGBOT_COMMIT when set: the device tool's copy
+    of the tree may carry stale git metadata; else git's HEAD; else "unknown"), whether tracked files
+    differed from git's HEAD, device, command, date.
     LINGBOT_BENCH_COMMAND: the script command that ran the demo (benchmarks/node_latency.sh)."""
     commit = _git("rev-parse", "HEAD")
     dirty = _git("status", "--porcelain", "--untracked-files=no") if commit else None
     argv = getattr(args, "argv", None)
     return {
-        "commit": commit or os.environ.get("LINGBOT_COMMIT") or "unknown",
+        "commit": os.environ.get("LINGBOT_COMMIT") or commit or "unknown",
         "tracked_files_modified": None if dirty is None else bool(dirty),
         "device": _device_name(values.get("device")),
         "host": platform.node(),
