@@ -14,12 +14,12 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["lingbot_map_ros", "lingbot_map_ros.*"]),
     package_data={"lingbot_map_ros.kernels": ["csrc/*.cu"]},  # compiled on the GPU machine at first use
-    install_requires=["torch>=2.4", "numpy", "safetensors", "Pillow"],
+    install_requires=["torch>=2.4", "numpy", "safetensors", "Pillow", "tqdm"],
     extras_require={
         "gpu": ["flashinfer-python"],
         "hub": ["huggingface_hub"],
-        "offline": ["rosbags", "av", "tqdm"],  # lingbot-map-replay --bag / --video, progress bar
-        "test": ["pytest"],
+        "offline": ["rosbags>=0.11", "av>=14"],  # lingbot-map-replay --bag / --video, --out-bag
+        "test": ["pytest", "rosbags>=0.11", "av>=14"],
     },
     entry_points={
         "console_scripts": [
