@@ -27,6 +27,12 @@ Failure policy, per frame (the node keeps running and keeps its stored state):
   max_frame_num stored frames since reset): logged, the frames it consumed
   count as ``frames_dropped_error``, the session, path and map are reset (a new
   sequence = a new world frame), state ERROR, then INITIALIZING.
+
+Tracking health (``robot/health.py``): every processed frame updates ``TrackingHealth`` with
+the valid fraction of its (subsampled) confidence and the model's own pose; a non-finite pose
+or depth marks it (``non_finite`` -> lost). Status carries the state and the reasons, each
+``FrameOutput`` the 6x6 pose covariance it implies; ``on_lost=reset`` starts a new sequence
+when the state becomes lost (counted in ``lost_resets``).
 """
 from __future__ import annotations
 
@@ -43,6 +49,7 @@ import numpy as np
 from ..geometry import optical_pose_to_map, points_to_map, unproject_pixels
 from ..io.map_save import MapSaveError, save_map_pair
 from ..io.preprocess import model_input, target_size
+from ..robot.health import HealthStatus, TrackingHealth, TrackingState
 from ..stream import CacheFullError, FrameMismatchError, FrameResult, InvalidFrameError, Session, SessionError
 from .mapping import MapAccumulator, PoseEntry, Trajectory
 from .output_worker import OutputWorker
@@ -100,6 +107,7 @@ class FrameOutput:
     points: np.ndarray | None  # [N, 3] float32 in the map frame; None when not computed
     colors: np.ndarray | None  # [N, 3] uint8 RGB
     confidence: np.ndarray | None  # [N] float32
+    covariance: np.ndarray | None = None  # [36] float64 row-major 6x6 pose covariance (x y z roll pitch yaw)
 
 
 @dataclass
@@ -139,6 +147,9 @@ class StatusFields:
     decisions_dropped: int = 0
     decisions_timed_out: int = 0
     decisions_refused: int = 0
+    tracking_state: str = "initializing"
+    tracking_reasons: str = ""
+    lost_resets: int = 0
 
 
 @dataclass
@@ -229,6 +240,10 @@ class InferenceEngine:
         self._decided: tuple[int, str] | None = None  # last decided frame (hold mode): (index, how)
         self._last_stored_index = 0  # 1-based index of the newest stored frame still in the cache; 0 = none
         self._keyframe_poses: list[tuple[int, np.ndarray]] = []  # (1-based index, T_map_cam) of stored frames
+        # tracking health (robot/health.py): judged once per processed frame on the model's own pose
+        self.health = TrackingHealth()
+        self.tracking_reasons: tuple[str, ...] = ()
+        self.lost_resets = 0  # sequences restarted by on_lost=reset (cleared by ~/reset)
         # clouds, depth images and the map on their own thread (see output_worker.py)
         self.clouds_skipped = 0  # frames whose clouds the output thread dropped (it fell behind)
         self.outputs = OutputWorker(max_pending=2, on_skip=self._clouds_skipped, on_error=self._outputs_failed)
@@ -361,7 +376,9 @@ class InferenceEngine:
             self.counters.add("frames_dropped_invalid", dropped)
             self.throttle.emit(self.log.warning, f"non-finite pose from the model for frame(s) {bad}: "
                                f"{dropped} frame(s) dropped and {note}", kind="non-finite pose")
+            self._judge_health(None, None, finite=False)
             self._publish_status(f"dropped frame(s) {bad}: non-finite pose", frames[-1].stamp)
+            self._reset_if_lost(frames[-1].stamp)
             return
         if stored and self.map is not None:
             first, acc = results[0].frame_index, self.map
@@ -377,6 +394,7 @@ class InferenceEngine:
         if published and self.settings.publish_path:
             self.sink.publish_path(self.trajectory.entries())
         self.last_stats = self.session.stats()
+        self._reset_if_lost(frames[-1].stamp)
 
     def _publish_result(self, r: FrameResult, frame: InputFrame, hold: bool = False) -> bool:
         t0 = time.perf_counter()
@@ -384,6 +402,7 @@ class InferenceEngine:
             self.counters.add("frames_dropped_invalid")
             self.throttle.emit(self.log.warning, f"non-finite depth from the model for frame {r.frame_index + 1}: "
                                "outputs dropped (the frame stays in the cache)", kind="non-finite depth")
+            self._judge_health(None, None, finite=False)
             self._publish_status("dropped: non-finite depth", frame.stamp, frame_index=r.frame_index + 1)
             return False
         T_map_cam = optical_pose_to_map(r.c2w)
@@ -393,11 +412,14 @@ class InferenceEngine:
         self.last_intrinsics = (r.intrinsics, w, h)
         index = r.frame_index + 1
         self.trajectory.append(PoseEntry(r.frame_index, frame.stamp, frame.stamp_s, T_map_cam))
+        conf_stats = _confidence_stats(r.confidence, self.settings.conf_threshold)
+        self._judge_health(conf_stats[2] if conf_stats is not None else None, r.c2w)
         t1 = time.perf_counter()
         pose = FrameOutput(index, frame.stamp, frame.stamp_s, frame.camera_frame, r.is_keyframe, T_map_cam,
-                           r.intrinsics, None, None, None, None)
+                           r.intrinsics, None, None, None, None,
+                           covariance=self.health.covariance().ravel())
         self.sink.publish_frame(pose)
-        self._publish_frame_summary(r, pose, hold)
+        self._publish_frame_summary(r, pose, hold, conf_stats)
         t2 = time.perf_counter()
         if need_points or need_depth:
             self.outputs.frame_job(lambda: self._publish_clouds(r, pose, need_points, need_depth))
@@ -415,7 +437,8 @@ class InferenceEngine:
                        f"{latency.publish:.1f} ms")
         return True
 
-    def _publish_frame_summary(self, r: FrameResult, pose: FrameOutput, hold: bool) -> None:
+    def _publish_frame_summary(self, r: FrameResult, pose: FrameOutput, hold: bool,
+                               conf_stats: tuple[float, float, float] | None = None) -> None:
         """~/frame: what a keyframe client needs about this frame (see msg/FrameInfo.msg); also notes
         a stored frame's pose as the reference of the next frames' motion."""
         index = r.frame_index + 1
@@ -430,11 +453,7 @@ class InferenceEngine:
             translation = float(np.linalg.norm(pose.T_map_cam[:3, 3] - ref[:3, 3]))
             cos = (np.trace(ref[:3, :3].T @ pose.T_map_cam[:3, :3]) - 1.0) / 2.0
             rotation = float(np.degrees(np.arccos(np.clip(cos, -1.0, 1.0))))
-        mean = median = valid = 0.0
-        if r.confidence is not None:
-            conf = r.confidence.reshape(-1)[::CONFIDENCE_SAMPLE]
-            mean, median = float(conf.mean()), float(np.median(conf))
-            valid = float(np.count_nonzero(conf > self.settings.conf_threshold)) / max(conf.size, 1)
+        mean, median, valid = conf_stats if conf_stats is not None else (0.0, 0.0, 0.0)
         stats = self.session.stats()
         self.sink.publish_frame_info(FrameSummary(
             frame_index=index, window_index=self.session.window_index, stored=r.is_keyframe,
@@ -443,6 +462,27 @@ class InferenceEngine:
             confidence_mean=mean, confidence_median=median, valid_fraction=valid,
             translation_since_keyframe=translation, rotation_since_keyframe_deg=rotation,
             latency_ms=max(0.0, (self.now() - pose.stamp_s) * 1e3)), pose)
+
+    def _judge_health(self, valid_fraction: float | None, c2w: np.ndarray | None, finite: bool = True) -> HealthStatus:
+        """Update the tracking health with one frame (``c2w`` [4, 4] in model units, OpenCV world)."""
+        status = self.health.update(valid_fraction, c2w, finite=finite)
+        self.tracking_reasons = status.reasons
+        if status.changed:
+            text = f"tracking {status.state.value}" + (f" ({', '.join(status.reasons)})" if status.reasons else "")
+            log = self.log.warning if status.state in (TrackingState.DEGRADED, TrackingState.LOST) else self.log.info
+            log(text)
+        return status
+
+    def _reset_if_lost(self, stamp: Any) -> None:
+        """on_lost=reset: a lost track starts a new sequence (logged, counted in lost_resets)."""
+        if self.settings.on_lost != "reset" or self.health.state != TrackingState.LOST:
+            return
+        reasons = ", ".join(self.tracking_reasons) or "lost"
+        self.log.warning(f"tracking lost ({reasons}): on_lost=reset, starting a new sequence")
+        self.lost_resets += 1
+        self._clear_sequence()
+        self._set_state(State.INITIALIZING, f"tracking lost ({reasons}): new sequence")
+        self._publish_status(self.state_text, stamp)
 
     def _forget_keyframes_from(self, index: int) -> None:
         """Frames from 1-based ``index`` on left the cache: they are no motion reference any more."""
@@ -529,6 +569,8 @@ class InferenceEngine:
         self._hold = self._decided = self._pending_since = None
         self._last_stored_index = 0
         self._keyframe_poses = []
+        self.health.reset()
+        self.tracking_reasons = ()
 
     # ------------------------------------------------------------------ commands (inference thread)
     def reset(self) -> str:
@@ -537,6 +579,7 @@ class InferenceEngine:
         self._publish_status(self.state_text, self._last_stamp)
         self._clear_sequence()
         self.counters.reset()
+        self.lost_resets = 0
         self.input_rate.clear()
         self.output_rate.clear()
         self._last_stamp = self._last_stamp_s = None
@@ -774,7 +817,8 @@ class InferenceEngine:
                           evictions_auto_committed=c.evictions_auto_committed,
                           decision_pending=self._hold is not None, decisions_kept=c.decisions_kept,
                           decisions_dropped=c.decisions_dropped, decisions_timed_out=c.decisions_timed_out,
-                          decisions_refused=c.decisions_refused)
+                          decisions_refused=c.decisions_refused, tracking_state=self.health.state.value,
+                          tracking_reasons=",".join(self.tracking_reasons), lost_resets=self.lost_resets)
         if stats is not None:
             st.pending_evictions, st.stored_frames = stats.pending_evictions, stats.resident_frames
             st.temporal_index, st.scale_pages = stats.temporal_index, stats.scale_pages
@@ -815,6 +859,18 @@ def write_map_files(snapshot: SaveSnapshot, directory: str, output_directory: st
                              map_name=MAP_FILE, trajectory_name=TRAJECTORY_FILE)
     except MapSaveError as exc:
         raise SaveError(str(exc)) from None
+
+
+def _confidence_stats(confidence: np.ndarray | None, threshold: float) -> tuple[float, float, float] | None:
+    """(mean, median, valid fraction above ``threshold``) of every CONFIDENCE_SAMPLE-th pixel of
+    ``confidence`` [H, W]; None without a confidence map. Computed once per frame (~/frame and health)."""
+    if confidence is None:
+        return None
+    conf = confidence.reshape(-1)[::CONFIDENCE_SAMPLE]
+    if conf.size == 0:
+        return 0.0, 0.0, 0.0
+    valid = float(np.count_nonzero(conf > threshold)) / conf.size
+    return float(conf.mean()), float(np.median(conf)), valid
 
 
 def _check_resize(shape: tuple[int, ...], width: int) -> None:

@@ -191,7 +191,10 @@ class RosOutputs:
         if self.pose is not None:
             self.pose.publish(PoseStamped(header=in_map, pose=pose_to_msg(out.T_map_cam)))
         if self.odometry is not None:
-            self.odometry.publish(odometry_msg(out.T_map_cam, in_map, out.camera_frame))
+            msg = odometry_msg(out.T_map_cam, in_map, out.camera_frame)
+            if out.covariance is not None:  # tracking health's heuristic (robot/health.py)
+                msg.pose.covariance = [float(v) for v in out.covariance]
+            self.odometry.publish(msg)
         if self.settings.publish_tf:
             self.tf.publish(out.T_map_cam, out.stamp, out.camera_frame)
         self.publish_clouds(out)  # nothing when the clouds follow from the output thread
@@ -571,6 +574,7 @@ class LingBotMapNode(Node):
             "frames processed": c.frames_processed, "frames dropped (stale)": c.frames_dropped_stale,
             "frames dropped (error)": c.frames_dropped_error, "clouds skipped (output thread behind)": e.clouds_skipped,
             "output thread queue": e.outputs.pending()}))
+        statuses.append(_tracking_diag(name, e))
         stats = e.last_stats
         if stats is None:
             statuses.append(_diag(f"{name}: cache", DiagnosticStatus.OK, "not allocated yet (no frame)", {}))
@@ -589,6 +593,16 @@ class LingBotMapNode(Node):
         self.engine.stop()
         self.service_node.destroy_node()
         logging.getLogger("lingbot_map_ros").removeHandler(self._log_handler)
+
+
+def _tracking_diag(name: str, engine: InferenceEngine) -> DiagnosticStatus:
+    """/diagnostics "tracking": OK tracking/initializing, WARN degraded, ERROR lost."""
+    state = engine.health.state.value
+    level = {"degraded": DiagnosticStatus.WARN, "lost": DiagnosticStatus.ERROR}.get(state, DiagnosticStatus.OK)
+    reasons = ", ".join(engine.tracking_reasons)
+    return _diag(f"{name}: tracking", level, state + (f" ({reasons})" if reasons else ""), {
+        "state": state, "reasons": reasons or "none", "on_lost": engine.settings.on_lost,
+        "lost resets": engine.lost_resets})
 
 
 def _diag(name: str, level: bytes, message: str, values: dict) -> DiagnosticStatus:

@@ -26,6 +26,7 @@ INPUT_QOS = ("sensor_data", "reliable")
 TF_MODES = ("auto", "map_to_odom", "map_to_base", "map_to_camera")
 DEVICES_HELP = "auto (CUDA when available, else CPU), cpu, cuda or cuda:N"
 ON_TIME_JUMP = ("reset", "drop")
+ON_LOST = ("continue", "reset")
 DECISION_DEFAULTS = ("keep", "drop")
 
 
@@ -115,6 +116,9 @@ PARAMETERS: tuple[Param, ...] = (
     Param("on_time_jump", "reset", "reset: a time jump starts a new sequence (logged, counted); drop: frames "
           "older than the last one are dropped until the stamps pass it again", choices=ON_TIME_JUMP,
           dynamic=True),
+    Param("on_lost", "continue", "continue: keep the sequence when tracking health becomes lost (outputs carry a "
+          "large covariance); reset: start a new sequence at once (logged, counted in lost_resets)",
+          choices=ON_LOST, dynamic=True),
     Param("input_timeout", 5.0, "Seconds without an image before /diagnostics warns and the state becomes "
           "WAITING_FOR_IMAGES", limits=(0.1, 3600.0, 0.0), dynamic=True),
     Param("service_timeout", 30.0, "Seconds a service call waits for the inference thread to run it",
@@ -210,6 +214,7 @@ class NodeSettings:
     keyframe_decision_default: str = "keep"
     time_jump_threshold: float = 1.0
     on_time_jump: str = "reset"
+    on_lost: str = "continue"
     deferred_eviction: bool = False  # the value in force (the session's own flag follows it)
 
 
@@ -304,7 +309,7 @@ _PLAIN_FIELDS = ("seed", "image_width", "input_transport", "input_qos", "max_fra
                  "publish_depth", "output_directory", "publish_tf", "tf_mode", "map_frame", "odom_frame",
                  "base_frame", "camera_frame", "camera_tf_frame", "deferred_eviction_timeout",
                  "keyframe_decision_timeout", "keyframe_decision_default", "time_jump_threshold", "on_time_jump",
-                 "deferred_eviction")
+                 "on_lost", "deferred_eviction")
 DYNAMIC_PARAMETERS = frozenset(p.name for p in PARAMETERS if p.dynamic)
 
 

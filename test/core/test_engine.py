@@ -651,3 +651,60 @@ def test_reset_during_a_hold_releases_it(model):
     assert not engine.queue.pending_frame() and session.frames_pushed == 0
     feed(engine, imgs[3], 10.0)
     assert len(engine._collected) == 1 and engine.counters.snapshot().decisions_timed_out == 0
+
+
+def _odometry_variance_xx(out) -> float:
+    return float(out.covariance[0])
+
+
+def test_non_finite_pose_turns_tracking_lost_and_good_frames_bring_it_back(model):
+    engine, sink, log, session = make_engine(model)
+    imgs = frames(10)
+    for i in range(5):
+        feed(engine, imgs[i], float(i))
+    assert sink.statuses[-1][0].tracking_state == "tracking"
+    tracking_var = _odometry_variance_xx(sink.frames[-1])
+    assert sink.frames[-1].covariance.shape == (36,)
+    session.fault = "pose"
+    feed(engine, imgs[5], 5.0)
+    st = sink.statuses[-1][0]
+    assert (st.tracking_state, st.tracking_reasons) == ("lost", "non_finite")
+    assert engine.lost_resets == 0 and session.frames_pushed == 5  # on_lost=continue keeps the sequence
+    feed(engine, imgs[6], 6.0)  # the first good frame after it: still lost, covariance x1000
+    assert sink.statuses[-1][0].tracking_state == "lost"
+    assert _odometry_variance_xx(sink.frames[-1]) == pytest.approx(1000 * tracking_var)
+    feed(engine, imgs[7], 7.0)
+    feed(engine, imgs[8], 8.0)  # recover_after = 3 good frames in a row
+    assert sink.statuses[-1][0].tracking_state == "tracking"
+    assert _odometry_variance_xx(sink.frames[-1]) == pytest.approx(tracking_var)
+    assert any(level == "warning" and "tracking lost" in m for level, m in log.lines)
+
+
+def test_on_lost_reset_starts_a_new_sequence_and_counts_it(model):
+    engine, sink, log, session = make_engine(model, on_lost="reset")
+    imgs = frames(7)
+    for i in range(4):
+        feed(engine, imgs[i], float(i))
+    session.fault = "depth"
+    feed(engine, imgs[4], 4.0)
+    st = sink.statuses[-1][0]
+    assert engine.lost_resets == 1 and st.lost_resets == 1 and session.frames_pushed == 0
+    assert st.state == State.INITIALIZING and st.tracking_state == "initializing"
+    assert sink.paths[-1] == []
+    feed(engine, imgs[5], 5.0)  # the next frames start the new sequence (2 scale frames)
+    feed(engine, imgs[6], 6.0)
+    assert [o.frame_index for o in sink.frames[-2:]] == [1, 2] and session.frames_pushed == 2
+    engine.reset()
+    assert engine.lost_resets == 0
+
+
+def test_confidence_collapse_degrades_then_loses_tracking(model):
+    engine, sink, _, _ = make_engine(model, conf_threshold=1000.0)  # no pixel passes: valid fraction 0
+    imgs = frames(9)
+    states = []
+    for i in range(9):
+        feed(engine, imgs[i], float(i))
+        states.append(sink.statuses[-1][0].tracking_state)
+    # scale frames (2) come out on the second image; lost_after = 5 collapses in a row
+    assert states[-1] == "lost" and "tracking" not in states
+    assert "confidence_collapse" in sink.statuses[-1][0].tracking_reasons
