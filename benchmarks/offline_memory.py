@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from provenance import run_record  # noqa: E402  (benchmarks/ is the script's folder)
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 
@@ -97,7 +99,7 @@ def main() -> int:
     if args.out_json:
         args.out_json.parent.mkdir(parents=True, exist_ok=True)
         args.out_json.write_text(json.dumps({"frames": args.frames, "width": args.width, "input_hw": [h, w],
-                                             "rss_mib": samples, "argv": argv[2:]}, indent=1))
+                                             "rss_mib": samples, "argv": argv[2:], "run": run_record()}, indent=1))
     if args.workdir is None:
         shutil.rmtree(work)
     return code

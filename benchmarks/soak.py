@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from provenance import run_record  # noqa: E402  (benchmarks/ is the script's folder)
 from lingbot_map_ros.config import ModelConfig, StreamConfig
 from lingbot_map_ros.io.checkpoint import load_model
 from lingbot_map_ros.stream.long_stream import LongStreamConfig, LongStreamSession
@@ -213,6 +214,7 @@ def summarize(args, session, samples, times, errors, start, run_s):
             "max_frame_num": session.model.cfg.max_frame_num,
         },
         "command": " ".join(["python", os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
+        "run": run_record(),
         "frames": args.frames,
         "restarts": session.window_index,
         "errors": dict(errors),

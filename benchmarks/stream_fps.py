@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from provenance import run_record  # noqa: E402  (benchmarks/ is the script's folder)
 from lingbot_map_ros.config import FA3_TILES, ModelConfig, StreamConfig, parse_fa3_tiles
 from lingbot_map_ros.io.checkpoint import load_model
 from lingbot_map_ros.stream.session import StreamingSession
@@ -377,6 +378,7 @@ def main(argv=None):
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
                      "flashinfer": _flashinfer_version()},
         "command": "python benchmarks/stream_fps.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "run": run_record(["benchmarks/stream_fps.py"] + list(sys.argv[1:] if argv is None else argv)),
     }
     text = json.dumps(result, indent=2)
     print(text)

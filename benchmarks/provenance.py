@@ -1,0 +1,46 @@
+"""Where and how a benchmark result was made, recorded in every result file.
+
+``run_record()`` gives the commit (``LINGBOT_COMMIT`` when set: the device tool's copy of
+the tree may carry stale git metadata; else git's HEAD; else "unknown"), whether tracked
+files differed from git's HEAD, the device, the command line and the UTC date.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=REPO, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def device_name() -> str:
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return f"{torch.cuda.get_device_name(0)} (cuda)"
+    except ImportError:  # pragma: no cover
+        pass
+    return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (cpu)"
+
+
+def run_record(argv: list[str] | None = None) -> dict:
+    head = _git("rev-parse", "HEAD")
+    dirty = _git("status", "--porcelain", "--untracked-files=no") if head else None
+    args = sys.argv if argv is None else argv
+    return {"commit": os.environ.get("LINGBOT_COMMIT") or head or "unknown",
+            "tracked_files_modified": None if dirty is None else bool(dirty),
+            "device": device_name(),
+            "command": " ".join(["python", os.path.relpath(args[0], REPO)] + list(args[1:])),
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
