@@ -50,6 +50,7 @@ from ..geometry import optical_pose_to_map, points_to_map, unproject_pixels
 from ..io.map_save import MapSaveError, save_map_pair
 from ..io.preprocess import model_input, target_size
 from ..robot.health import HealthStatus, TrackingHealth, TrackingState
+from ..robot.scale import FixedScale, OdometryScaleEstimator, apply_scale, scale_depth, scale_points
 from ..stream import CacheFullError, FrameMismatchError, FrameResult, InvalidFrameError, Session, SessionError
 from .mapping import MapAccumulator, PoseEntry, Trajectory
 from .output_worker import OutputWorker
@@ -108,6 +109,8 @@ class FrameOutput:
     colors: np.ndarray | None  # [N, 3] uint8 RGB
     confidence: np.ndarray | None  # [N] float32
     covariance: np.ndarray | None = None  # [36] float64 row-major 6x6 pose covariance (x y z roll pitch yaw)
+    scale: float = 1.0  # metres per model unit applied to T_map_cam, points and depth (1 = model units)
+    scale_ready: bool = True  # False while an estimated scale has not converged (TF may wait, see node)
 
 
 @dataclass
@@ -150,6 +153,10 @@ class StatusFields:
     tracking_state: str = "initializing"
     tracking_reasons: str = ""
     lost_resets: int = 0
+    scale: float = 1.0
+    scale_source: str = "none"
+    scale_spread: float = 0.0
+    scale_converged: bool = False
 
 
 @dataclass
@@ -205,7 +212,8 @@ class InferenceEngine:
     """Owns the session and the node's per-sequence memory; runs on one thread."""
 
     def __init__(self, session: Session, settings: NodeSettings, sink: Sink, log: Logger,
-                 now: Callable[[], float], monotonic: Callable[[], float] = time.monotonic) -> None:
+                 now: Callable[[], float], monotonic: Callable[[], float] = time.monotonic,
+                 odom_position: Callable[[Any, str], np.ndarray | None] | None = None) -> None:
         self.session = session
         self.settings = settings
         self.sink = sink
@@ -244,6 +252,12 @@ class InferenceEngine:
         self.health = TrackingHealth()
         self.tracking_reasons: tuple[str, ...] = ()
         self.lost_resets = 0  # sequences restarted by on_lost=reset (cleared by ~/reset)
+        # metric scale (robot/scale.py): the trajectory and the map stay in model units; published
+        # outputs and saved files are multiplied by ``applied_scale`` (1 until the source converged)
+        self.odom_position = odom_position  # (image stamp, camera frame) -> camera centre in odom [3] m, or None
+        self.scale_source = _make_scale_source(settings)
+        self.applied_scale = 1.0
+        self._scale_window = 0  # session.window_index the estimator's samples belong to
         # clouds, depth images and the map on their own thread (see output_worker.py)
         self.clouds_skipped = 0  # frames whose clouds the output thread dropped (it fell behind)
         self.outputs = OutputWorker(max_pending=2, on_skip=self._clouds_skipped, on_error=self._outputs_failed)
@@ -414,10 +428,12 @@ class InferenceEngine:
         self.trajectory.append(PoseEntry(r.frame_index, frame.stamp, frame.stamp_s, T_map_cam))
         conf_stats = _confidence_stats(r.confidence, self.settings.conf_threshold)
         self._judge_health(conf_stats[2] if conf_stats is not None else None, r.c2w)
+        scale, ready = self._update_scale(T_map_cam, frame)
         t1 = time.perf_counter()
-        pose = FrameOutput(index, frame.stamp, frame.stamp_s, frame.camera_frame, r.is_keyframe, T_map_cam,
+        pose = FrameOutput(index, frame.stamp, frame.stamp_s, frame.camera_frame, r.is_keyframe,
+                           apply_scale(T_map_cam, scale) if scale != 1.0 else T_map_cam,
                            r.intrinsics, None, None, None, None,
-                           covariance=self.health.covariance().ravel())
+                           covariance=self.health.covariance(scale).ravel(), scale=scale, scale_ready=ready)
         self.sink.publish_frame(pose)
         self._publish_frame_summary(r, pose, hold, conf_stats)
         t2 = time.perf_counter()
@@ -463,14 +479,45 @@ class InferenceEngine:
             translation_since_keyframe=translation, rotation_since_keyframe_deg=rotation,
             latency_ms=max(0.0, (self.now() - pose.stamp_s) * 1e3)), pose)
 
+    def _update_scale(self, T_map_cam: np.ndarray, frame: InputFrame) -> tuple[float, bool]:
+        """Feed the scale source with this frame; (scale to apply, whether it is ready). The model's
+        position is the camera centre in the map frame (model units), the odometry's the camera
+        centre in odom_frame (metres) at the image stamp."""
+        src = self.scale_source
+        if src is None:
+            return 1.0, True
+        window = self.session.window_index
+        if window != self._scale_window:
+            self._scale_window = window
+            src.restart_window()
+        if isinstance(src, OdometryScaleEstimator) and self.odom_position is not None:
+            try:
+                odom = self.odom_position(frame.stamp, frame.camera_frame)
+            except Exception as exc:  # a look-up must never cost the frame
+                odom = None
+                self.throttle.emit(self.log.warning, f"odometry look-up for the scale failed: {exc}", kind="odom")
+            if odom is None:
+                self.throttle.emit(self.log.warning, "scale_source odometry: no odom -> camera transform at the "
+                                   "image stamp; this frame gives no scale sample", kind="odom missing")
+            else:
+                src.update(T_map_cam[:3, 3], odom)
+        value = src.scale
+        converged = value is not None and src.converged  # an estimator holds its value while refitting
+        if converged and value != self.applied_scale:
+            self.log.info(f"metric scale {value:.4f} m per model unit ({src.source}, spread {src.spread:.3f})")
+        self.applied_scale = float(value) if converged else 1.0
+        return self.applied_scale, converged
+
     def _judge_health(self, valid_fraction: float | None, c2w: np.ndarray | None, finite: bool = True) -> HealthStatus:
         """Update the tracking health with one frame (``c2w`` [4, 4] in model units, OpenCV world)."""
         status = self.health.update(valid_fraction, c2w, finite=finite)
         self.tracking_reasons = status.reasons
         if status.changed:
             text = f"tracking {status.state.value}" + (f" ({', '.join(status.reasons)})" if status.reasons else "")
-            log = self.log.warning if status.state in (TrackingState.DEGRADED, TrackingState.LOST) else self.log.info
-            log(text)
+            if status.state in (TrackingState.DEGRADED, TrackingState.LOST):  # rclpy: one severity per call site
+                self.log.warning(text)
+            else:
+                self.log.info(text)
         return status
 
     def _reset_if_lost(self, stamp: Any) -> None:
@@ -503,10 +550,14 @@ class InferenceEngine:
             points = points_to_map(pts.astype(np.float32))
             conf = r.confidence.reshape(-1)[index].astype(np.float32)
             if self.map is not None:
-                self.map.add(r.frame_index, points, colors)
+                self.map.add(r.frame_index, points, colors)  # model units (scaled at publication and save)
                 self._warn_if_thinned()
+            if pose.scale != 1.0:
+                points = scale_points(points, pose.scale)
         if need_depth:
             depth = np.where(r.depth > 0, r.depth, np.nan).astype(np.float32)
+            if pose.scale != 1.0:
+                depth = scale_depth(depth, pose.scale).astype(np.float32)
         self.sink.publish_clouds(replace(pose, depth=depth, points=points, colors=colors, confidence=conf))
 
     def _clouds_skipped(self) -> None:
@@ -571,6 +622,10 @@ class InferenceEngine:
         self._keyframe_poses = []
         self.health.reset()
         self.tracking_reasons = ()
+        if self.scale_source is not None:
+            self.scale_source.reset()
+        self.applied_scale = 1.0
+        self._scale_window = 0
 
     # ------------------------------------------------------------------ commands (inference thread)
     def reset(self) -> str:
@@ -775,7 +830,7 @@ class InferenceEngine:
             raise SaveError("the map is not accumulated (accumulate_map is false); nothing to save")
         snapshot = Command("map snapshot", self.map.snapshot)
         self.outputs.op(snapshot.run)
-        return SaveSnapshot(self.trajectory.stamps(), self.trajectory.poses(), snapshot)
+        return SaveSnapshot(self.trajectory.stamps(), self.trajectory.poses(), snapshot, self.applied_scale)
 
     def save_map(self, directory: str) -> tuple[Path, Path]:
         """``save_snapshot`` + ``write_map_files`` in one call (in-process use and tests)."""
@@ -818,7 +873,11 @@ class InferenceEngine:
                           decision_pending=self._hold is not None, decisions_kept=c.decisions_kept,
                           decisions_dropped=c.decisions_dropped, decisions_timed_out=c.decisions_timed_out,
                           decisions_refused=c.decisions_refused, tracking_state=self.health.state.value,
-                          tracking_reasons=",".join(self.tracking_reasons), lost_resets=self.lost_resets)
+                          tracking_reasons=",".join(self.tracking_reasons), lost_resets=self.lost_resets,
+                          scale=self.applied_scale, scale_source=self.settings.scale_source)
+        if self.scale_source is not None:
+            st.scale_spread = float(self.scale_source.spread) if np.isfinite(self.scale_source.spread) else -1.0
+            st.scale_converged = bool(self.scale_source.converged)
         if stats is not None:
             st.pending_evictions, st.stored_frames = stats.pending_evictions, stats.resident_frames
             st.temporal_index, st.scale_pages = stats.temporal_index, stats.scale_pages
@@ -842,6 +901,7 @@ class SaveSnapshot:
     stamps: np.ndarray  # [N] float64 seconds
     poses: np.ndarray  # [N, 4, 4] T_map_cam
     map: Command  # runs on the output thread; result (points [M, 3] float32, colors [M, 3] uint8, version)
+    scale: float = 1.0  # metres per model unit applied to both files (1 = model units)
 
 
 def write_map_files(snapshot: SaveSnapshot, directory: str, output_directory: str,
@@ -854,11 +914,23 @@ def write_map_files(snapshot: SaveSnapshot, directory: str, output_directory: st
     if snapshot.map.error is not None:
         raise SaveError(f"cannot take the map: {snapshot.map.error}")
     points, colors, _ = snapshot.map.result
+    poses = snapshot.poses
+    if snapshot.scale != 1.0:
+        points, poses = scale_points(points, snapshot.scale).astype(np.float32), apply_scale(poses, snapshot.scale)
     try:
-        return save_map_pair(directory, output_directory, points, colors, snapshot.stamps, snapshot.poses,
+        return save_map_pair(directory, output_directory, points, colors, snapshot.stamps, poses,
                              map_name=MAP_FILE, trajectory_name=TRAJECTORY_FILE)
     except MapSaveError as exc:
         raise SaveError(str(exc)) from None
+
+
+def _make_scale_source(settings: NodeSettings) -> FixedScale | OdometryScaleEstimator | None:
+    """The scale source of ``scale_source`` (None for ``none``)."""
+    if settings.scale_source == "fixed":
+        return FixedScale(settings.metric_scale)
+    if settings.scale_source == "odometry":
+        return OdometryScaleEstimator()
+    return None
 
 
 def _confidence_stats(confidence: np.ndarray | None, threshold: float) -> tuple[float, float, float] | None:

@@ -62,8 +62,9 @@ import threading
 import time
 from collections import deque
 from dataclasses import asdict, replace
-from typing import Any
+from typing import Any, Callable
 
+import numpy as np
 import rclpy
 from rclpy.signals import SignalHandlerOptions
 from builtin_interfaces.msg import Time as TimeMsg
@@ -92,7 +93,8 @@ from .engine import FrameOutput, FrameSummary, InferenceEngine, InputFrame, Save
 from .mapping import PoseEntry
 from .params import DEFAULT_CAMERA_FRAME, PARAMETERS, NodeSettings, Param, apply_dynamic, resolve_settings
 from .tf_tools import TfOutput
-from .worker import Command
+from ..robot.scale import apply_scale, scale_points
+from .worker import Command, Throttle
 
 NODE_NAME = "lingbot_map"
 _PARAMETER_TABLE = {p.name: p for p in PARAMETERS}
@@ -169,6 +171,10 @@ class RosOutputs:
             self.depth_info = node.create_publisher(CameraInfo, "~/depth/camera_info", _qos(depth=2))
         self.frame_info = node.create_publisher(FrameInfo, "~/frame", _qos(depth=10))
         self.tf = TfOutput(node, s, node.get_logger().warning)  # follows publish_tf, settable at run time
+        self._warn = node.get_logger().warning
+        self._scale_wait_throttle = Throttle(5.0)
+        self.scale: Callable[[], float] = lambda: 1.0  # metres per model unit of the path (set by the node)
+        self._path_scale = 1.0
         self.latest_stamp = TimeMsg()
         self._path_lock = threading.Lock()
         self._path_entries: list[PoseEntry] = []
@@ -195,9 +201,20 @@ class RosOutputs:
             if out.covariance is not None:  # tracking health's heuristic (robot/health.py)
                 msg.pose.covariance = [float(v) for v in out.covariance]
             self.odometry.publish(msg)
-        if self.settings.publish_tf:
+        if self.settings.publish_tf and not self._tf_waits_for_scale(out):
             self.tf.publish(out.T_map_cam, out.stamp, out.camera_frame)
         self.publish_clouds(out)  # nothing when the clouds follow from the output thread
+
+    def _tf_waits_for_scale(self, out: FrameOutput) -> bool:
+        """map_to_odom with scale_wait_for_convergence: no TF until the estimated scale converged
+        (a map -> odom transform in model units would jump when the scale arrives)."""
+        s = self.settings
+        mode = self.tf.mode or s.tf_mode
+        if out.scale_ready or not s.scale_wait_for_convergence or mode != "map_to_odom":
+            return False
+        self._scale_wait_throttle.emit(self._warn, f"tf_mode map_to_odom waits for the metric scale "
+                                       f"(scale_source {s.scale_source}) to converge: no TF yet")
+        return True
 
     def publish_frame_info(self, info: FrameSummary, out: FrameOutput) -> None:
         self.frame_info.publish(FrameInfo(header=Header(stamp=out.stamp, frame_id=self.settings.map_frame),
@@ -224,10 +241,13 @@ class RosOutputs:
             if self.path is None or not self._path_dirty:
                 return
             entries, self._path_dirty = self._path_entries, False
+        scale = self.scale()  # the engine keeps the path in model units
+        rebuild, self._path_scale = scale != self._path_scale, scale
         for e in entries:
-            if e.message is None:
+            if e.message is None or rebuild:
+                T = apply_scale(e.T_map_cam, scale) if scale != 1.0 else e.T_map_cam
                 e.message = PoseStamped(header=Header(stamp=e.stamp, frame_id=self.settings.map_frame),
-                                        pose=pose_to_msg(e.T_map_cam))
+                                        pose=pose_to_msg(T))
         stamp = entries[-1].stamp if entries else self.latest_stamp
         self.path.publish(Path(header=Header(stamp=stamp, frame_id=self.settings.map_frame),
                                poses=[e.message for e in entries]))
@@ -255,7 +275,11 @@ class LingBotMapNode(Node):
         self.outputs = RosOutputs(self, s)
         self.outputs.publish_status(StatusFields(state=0, state_text="loading the model"), None)
         session = self._load_session()
-        self.engine = InferenceEngine(session, s, self.outputs, log, now=self._now)
+        self.engine = InferenceEngine(session, s, self.outputs, log, now=self._now,
+                                      odom_position=self.outputs.tf.camera_position)
+        self.outputs.scale = lambda: self.engine.applied_scale
+        if s.scale_source == "odometry":
+            self.outputs.tf.start()  # its buffer serves the scale's odom -> camera look-ups
 
         self._input_group = MutuallyExclusiveCallbackGroup()
         self._timer_group = MutuallyExclusiveCallbackGroup()
@@ -539,6 +563,9 @@ class LingBotMapNode(Node):
         if pub.get_subscription_count() == 0 or self.engine.map.version == self._map_version:
             return
         points, colors, version = self.engine.map.snapshot()
+        scale = self.engine.applied_scale  # the map is kept in model units
+        if scale != 1.0:
+            points = scale_points(points, scale).astype(np.float32)
         header = Header(stamp=self.outputs.latest_stamp, frame_id=self.settings.map_frame)
         pub.publish(make_pointcloud2(points, colors, None, header))
         self._map_version = version
@@ -575,6 +602,7 @@ class LingBotMapNode(Node):
             "frames dropped (error)": c.frames_dropped_error, "clouds skipped (output thread behind)": e.clouds_skipped,
             "output thread queue": e.outputs.pending()}))
         statuses.append(_tracking_diag(name, e))
+        statuses.append(_scale_diag(name, e))
         stats = e.last_stats
         if stats is None:
             statuses.append(_diag(f"{name}: cache", DiagnosticStatus.OK, "not allocated yet (no frame)", {}))
@@ -603,6 +631,17 @@ def _tracking_diag(name: str, engine: InferenceEngine) -> DiagnosticStatus:
     return _diag(f"{name}: tracking", level, state + (f" ({reasons})" if reasons else ""), {
         "state": state, "reasons": reasons or "none", "on_lost": engine.settings.on_lost,
         "lost resets": engine.lost_resets})
+
+
+def _scale_diag(name: str, engine: InferenceEngine) -> DiagnosticStatus:
+    """/diagnostics "scale": OK when none/fixed/converged, WARN while an estimate has not converged."""
+    kind, src = engine.settings.scale_source, engine.scale_source
+    if src is None:
+        return _diag(f"{name}: scale", DiagnosticStatus.OK, "model units (scale_source none)", {"source": kind})
+    status = src.as_status()
+    level = DiagnosticStatus.OK if src.converged else DiagnosticStatus.WARN
+    message = f"{engine.applied_scale:.4f} m per model unit" if src.converged else "not converged: model units"
+    return _diag(f"{name}: scale", level, message, {k: v for k, v in status.items()})
 
 
 def _diag(name: str, level: bytes, message: str, values: dict) -> DiagnosticStatus:

@@ -27,6 +27,7 @@ TF_MODES = ("auto", "map_to_odom", "map_to_base", "map_to_camera")
 DEVICES_HELP = "auto (CUDA when available, else CPU), cpu, cuda or cuda:N"
 ON_TIME_JUMP = ("reset", "drop")
 ON_LOST = ("continue", "reset")
+SCALE_SOURCES = ("none", "fixed", "odometry")
 DECISION_DEFAULTS = ("keep", "drop")
 
 
@@ -119,6 +120,12 @@ PARAMETERS: tuple[Param, ...] = (
     Param("on_lost", "continue", "continue: keep the sequence when tracking health becomes lost (outputs carry a "
           "large covariance); reset: start a new sequence at once (logged, counted in lost_resets)",
           choices=ON_LOST, dynamic=True),
+    Param("scale_source", "none", "Metric scale of the published poses, points and depths: none (model units), "
+          "fixed (metric_scale), odometry (estimated from odom_frame -> camera TF at the image stamps)",
+          choices=SCALE_SOURCES),
+    Param("metric_scale", 1.0, "scale_source fixed: metres per model unit", limits=(1e-6, 1e6, 0.0)),
+    Param("scale_wait_for_convergence", True, "tf_mode map_to_odom with an estimated scale: publish no TF "
+          "until the scale has converged (outputs stay in model units until then)"),
     Param("input_timeout", 5.0, "Seconds without an image before /diagnostics warns and the state becomes "
           "WAITING_FOR_IMAGES", limits=(0.1, 3600.0, 0.0), dynamic=True),
     Param("service_timeout", 30.0, "Seconds a service call waits for the inference thread to run it",
@@ -215,6 +222,9 @@ class NodeSettings:
     time_jump_threshold: float = 1.0
     on_time_jump: str = "reset"
     on_lost: str = "continue"
+    scale_source: str = "none"
+    metric_scale: float = 1.0
+    scale_wait_for_convergence: bool = True
     deferred_eviction: bool = False  # the value in force (the session's own flag follows it)
 
 
@@ -309,7 +319,7 @@ _PLAIN_FIELDS = ("seed", "image_width", "input_transport", "input_qos", "max_fra
                  "publish_depth", "output_directory", "publish_tf", "tf_mode", "map_frame", "odom_frame",
                  "base_frame", "camera_frame", "camera_tf_frame", "deferred_eviction_timeout",
                  "keyframe_decision_timeout", "keyframe_decision_default", "time_jump_threshold", "on_time_jump",
-                 "on_lost", "deferred_eviction")
+                 "on_lost", "scale_source", "metric_scale", "scale_wait_for_convergence", "deferred_eviction")
 DYNAMIC_PARAMETERS = frozenset(p.name for p in PARAMETERS if p.dynamic)
 
 

@@ -376,6 +376,17 @@ class TfOutput:
             self._warned.add(key)
             self._warn(message)
 
+    def camera_position(self, stamp: Any, camera_frame: str) -> np.ndarray | None:
+        """The optical centre of ``camera_frame`` in ``odom_frame`` [3] (metres) at the image
+        ``stamp``, for the odometry scale source; None while the buffer lacks it. Never waits
+        (any thread: the tf2 buffer is thread-safe)."""
+        if self._buffer is None:
+            return None
+        try:
+            return self._lookup(self.settings.odom_frame, camera_frame, stamp)[:3, 3].copy()
+        except LookupFailed:
+            return None
+
     def _lookup(self, target: str, source: str, stamp: Any) -> np.ndarray:
         """``T_target_source`` from the buffer (latest when ``stamp`` is None), no waiting."""
         from rclpy.time import Time

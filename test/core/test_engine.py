@@ -708,3 +708,62 @@ def test_confidence_collapse_degrades_then_loses_tracking(model):
     # scale frames (2) come out on the second image; lost_after = 5 collapses in a row
     assert states[-1] == "lost" and "tracking" not in states
     assert "confidence_collapse" in sink.statuses[-1][0].tracking_reasons
+
+
+def test_fixed_scale_multiplies_poses_points_depth_and_saved_files(model, tmp_path):
+    plain, plain_sink, _, _ = make_engine(model)
+    scaled, sink, _, _ = make_engine(model, scale_source="fixed", metric_scale=2.5)
+    imgs = frames(4)
+    for i, rgb in enumerate(imgs):
+        feed(plain, rgb, float(i))
+        feed(scaled, rgb, float(i))
+    a, b = plain_sink.frames[-1], sink.frames[-1]
+    np.testing.assert_allclose(b.T_map_cam[:3, 3], 2.5 * a.T_map_cam[:3, 3], rtol=1e-6)
+    np.testing.assert_array_equal(b.T_map_cam[:3, :3], a.T_map_cam[:3, :3])
+    np.testing.assert_allclose(b.points, 2.5 * a.points, rtol=1e-5)
+    np.testing.assert_allclose(b.depth, 2.5 * a.depth, rtol=1e-5)
+    assert b.covariance[0] == pytest.approx(2.5 ** 2 * a.covariance[0])
+    st = sink.statuses[-1][0]
+    assert (st.scale, st.scale_source, st.scale_converged, st.scale_spread) == (2.5, "fixed", True, 0.0)
+    np.testing.assert_array_equal(scaled.trajectory.poses(), plain.trajectory.poses())  # kept in model units
+    ply_a, tum_a = plain.save_map(str(tmp_path / "a"))
+    ply_b, tum_b = scaled.save_map(str(tmp_path / "b"))
+    np.testing.assert_allclose(read_ply(ply_b)[0], 2.5 * read_ply(ply_a)[0], rtol=1e-5)
+    poses_a, poses_b = read_tum(tum_a)[1], read_tum(tum_b)[1]
+    np.testing.assert_allclose(poses_b[:, :3, 3], 2.5 * poses_a[:, :3, 3], rtol=1e-5)
+    np.testing.assert_allclose(poses_b[:, :3, :3], poses_a[:, :3, :3], atol=1e-6)
+
+
+def test_odometry_scale_converges_to_the_odometry_ratio_and_scales_the_outputs(model):
+    """The fake odometry is the replay's camera centres times 10, rotated and shifted (a Sim(3)
+    of the model's map): the estimate converges to 10 and the published poses follow."""
+    imgs = frames(14)
+    truth = 10.0  # the fixture model moves ~0.03-0.06 units a frame: odometry steps above min_motion (0.1 m)
+    centres = [optical_pose_to_map(r.c2w)[:3, 3] for r in replay(model, imgs)]
+    c, s_ = np.cos(0.7), np.sin(0.7)
+    R = np.array([[c, -s_, 0.0], [s_, c, 0.0], [0.0, 0.0, 1.0]])
+    asked = []
+
+    def odom_position(stamp, camera_frame):
+        asked.append((stamp, camera_frame))
+        k = int(stamp)
+        return None if k == 3 else R @ (truth * centres[k]) + np.array([4.0, -1.0, 0.2])  # one gap
+
+    settings = resolve_settings({**SETTINGS, "scale_source": "odometry"})
+    session = StreamingSession(model, settings.stream)
+    sink, log = Sink(("points",)), Log()
+    engine = InferenceEngine(session, settings, sink, log, now=lambda: 1000.0, odom_position=odom_position)
+    steps = np.linalg.norm(np.diff(np.array(centres), axis=0), axis=1)
+    for i, rgb in enumerate(imgs):
+        feed(engine, rgb, float(i))
+    assert asked[0] == (0.0, "cam") and len(asked) == len(imgs)
+    st = sink.statuses[-1][0]
+    assert st.scale_source == "odometry" and st.scale_converged, (st, steps)
+    assert st.scale == pytest.approx(truth, rel=0.02) and 0.0 <= st.scale_spread <= 0.10
+    first = [o for o in sink.frames if o.scale != 1.0][0]
+    assert all(o.scale == 1.0 and not o.scale_ready for o in sink.frames[:first.frame_index - 1])
+    last = sink.frames[-1]
+    np.testing.assert_allclose(last.T_map_cam[:3, 3], st.scale * centres[-1], rtol=1e-5)
+    assert any("no odom -> camera transform" in m for _, m in log.lines)
+    engine.reset()
+    assert engine.applied_scale == 1.0 and not engine.scale_source.converged
