@@ -1,0 +1,219 @@
+"""Metric scale from odometry in a real ROS 2 graph (DDS on loopback, a private ROS_DOMAIN_ID).
+
+The test plays a robot whose odometry is the node's own model trajectory times a known
+scale: an in-process replay of the same frames (tiny fixture weights, CPU) gives
+``T_map_cam`` in model units; a static TF sends the camera extrinsic ``base_s -> cam_s``;
+before each image, ``odom_s -> base_s`` at the image stamp is sent so that
+``T_odom_cam = apply_scale(T_map_cam_model, SCALE)``. The node (tf_mode map_to_odom,
+scale_source odometry) must converge to SCALE within 2 %, publish ~/pose translations SCALE
+times the replay's once converged, and send no map -> odom TF before that (then ~identity,
+since the odometry is the scaled map itself).
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
+tf2_ros = pytest.importorskip("tf2_ros", reason="tf2_ros not importable: install ../shared/ros_extras")
+
+from builtin_interfaces.msg import Time as TimeMsg  # noqa: E402
+from geometry_msgs.msg import PoseStamped  # noqa: E402
+from rclpy.executors import MultiThreadedExecutor  # noqa: E402
+from rclpy.qos import QoSProfile  # noqa: E402
+from rclpy.time import Time  # noqa: E402
+from sensor_msgs.msg import Image  # noqa: E402
+from std_msgs.msg import Header  # noqa: E402
+from tf2_msgs.msg import TFMessage  # noqa: E402
+
+from lingbot_map_ros.msg import Status  # noqa: E402
+from lingbot_map_ros.robot.scale import apply_scale  # noqa: E402
+from lingbot_map_ros.ros.conversions import rgb_to_image_msg, transform_stamped  # noqa: E402
+from lingbot_map_ros.ros.params import write_params_file  # noqa: E402
+from lingbot_map_ros.ros.tf_tools import invert_rigid, transform_to_matrix  # noqa: E402
+
+pytestmark = [pytest.mark.ros, pytest.mark.slow]
+
+DOMAIN_ID = 1 + (os.getpid() * 7 + 13 + 85) % 100  # not the other graph modules' offsets
+NAME = "lm_scale"
+IMAGE_TOPIC = "/scale_test/image"
+START_TIMEOUT = 90.0
+STEP_TIMEOUT = 40.0
+SCALE = 10.0  # the fixture model moves ~0.03-0.06 units a frame: odometry steps above min_motion (0.1 m)
+TOLERANCE = 0.02
+FRAMES = 14
+WIDTH = 98
+PARAMS = {"image_width": WIDTH, "num_scale_frames": 2, "sliding_window": 3, "device": "cpu", "backend": "sdpa",
+          "publish_points": False, "publish_depth": False, "publish_map": False, "accumulate_map": False,
+          "publish_path": False, "tf_mode": "map_to_odom", "map_frame": "map_s", "odom_frame": "odom_s",
+          "base_frame": "base_s", "camera_frame": "cam_s", "scale_source": "odometry"}
+R_OPTICAL_IN_BASE = np.array([[0.0, 0.0, 1.0], [-1.0, 0.0, 0.0], [0.0, -1.0, 0.0]])
+T_BASE_CAM = np.eye(4)
+T_BASE_CAM[:3, :3], T_BASE_CAM[:3, 3] = R_OPTICAL_IN_BASE, [0.2, 0.05, 0.5]
+
+
+def generated_frames(n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    big = np.kron(rng.integers(0, 256, (40, 120, 3)).astype(np.float32), np.ones((8, 8, 1)))
+    return [big[10 + i: 304 + i, 20 + 7 * i: 538 + 7 * i].astype(np.uint8) for i in range(n)]
+
+
+def replay_poses(fixtures: Path, images: list[np.ndarray]) -> list[np.ndarray]:
+    """``T_map_cam`` [4, 4] (model units) of each image, as the node computes them."""
+    from lingbot_map_ros.config import ModelConfig
+    from lingbot_map_ros.geometry import optical_pose_to_map
+    from lingbot_map_ros.io.checkpoint import load_model
+    from lingbot_map_ros.ros.engine import model_input
+    from lingbot_map_ros.ros.params import resolve_settings
+    from lingbot_map_ros.stream.long_stream import LongStreamSession
+    from lingbot_map_ros.stream.session import StreamingSession
+
+    settings = resolve_settings({**PARAMS, "model_config": str(fixtures / "config.json")})
+    model = load_model(ModelConfig.from_dict(json.loads((fixtures / "config.json").read_text())),
+                       fixtures / "weights.safetensors")
+    session = LongStreamSession(StreamingSession(model, settings.stream), settings.long_stream)
+    out = []
+    for rgb in images:
+        out += [optical_pose_to_map(r.c2w) for r in session.push(model_input(rgb, WIDTH))]
+    return out
+
+
+def stamp_of(k: int) -> TimeMsg:
+    return TimeMsg(sec=9000 + k, nanosec=500_000_000)
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory, fixtures):
+    tmp = tmp_path_factory.mktemp("scale_graph")
+    images = generated_frames(FRAMES)
+    model_poses = replay_poses(fixtures, images)
+    assert len(model_poses) == FRAMES
+    params = write_params_file(tmp / "p.yaml", {**PARAMS, "checkpoint": str(fixtures / "weights.safetensors"),
+                                                "model_config": str(fixtures / "config.json"),
+                                                "output_directory": str(tmp / "out")})
+    log = tmp / "node.log"
+    env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(DOMAIN_ID),
+               PYTHONUNBUFFERED="1")
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "lingbot_map_ros.ros.node", "--ros-args", "--params-file",
+                                 str(params), "-r", f"__node:={NAME}", "-r", f"image:={IMAGE_TOPIC}"],
+                                env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+    context = rclpy.Context()
+    rclpy.init(context=context, domain_id=DOMAIN_ID)
+    node = rclpy.create_node("scale_graph_robot", context=context)
+    got = {"pose": {}, "status": [], "tf": []}
+    cond = threading.Condition()
+
+    def keep(kind):
+        def store(msg):
+            with cond:
+                if kind == "pose":
+                    got["pose"][msg.header.stamp.sec] = msg
+                elif kind == "tf":
+                    got["tf"] += [t for t in msg.transforms if t.header.frame_id == "map_s"]
+                else:
+                    got[kind].append(msg)
+                cond.notify_all()
+        return store
+
+    node.create_subscription(PoseStamped, f"/{NAME}/pose", keep("pose"), QoSProfile(depth=50))
+    node.create_subscription(Status, f"/{NAME}/status", keep("status"), QoSProfile(depth=200))
+    node.create_subscription(TFMessage, "/tf", keep("tf"), QoSProfile(depth=100))
+    images_pub = node.create_publisher(Image, IMAGE_TOPIC, QoSProfile(depth=10))
+    dynamic = tf2_ros.TransformBroadcaster(node)
+    static = tf2_ros.StaticTransformBroadcaster(node)
+    executor = MultiThreadedExecutor(num_threads=2, context=context)
+    executor.add_node(node)
+    thread = threading.Thread(target=executor.spin, daemon=True)
+    thread.start()
+
+    def wait(predicate, what, timeout=STEP_TIMEOUT):
+        deadline = time.monotonic() + timeout
+        with cond:
+            while not predicate():
+                assert proc.poll() is None, f"the node ended early:\n{log.read_text()[-3000:]}"
+                remaining = deadline - time.monotonic()
+                assert remaining > 0, f"timed out after {timeout} s waiting for {what}:\n{log.read_text()[-2000:]}"
+                cond.wait(min(remaining, 0.1))
+
+    try:
+        static.sendTransform(transform_stamped(T_BASE_CAM, Header(frame_id="base_s"), "cam_s"))
+        wait(lambda: images_pub.get_subscription_count() >= 1, "the node to subscribe", START_TIMEOUT)
+        wait(lambda: dynamic.pub_tf.get_subscription_count() >= 1, "the node's TF listener")
+        time.sleep(0.5)  # the latched extrinsic reaches the node's listener
+        for k, rgb in enumerate(images):
+            T_odom_cam = apply_scale(model_poses[k], SCALE)
+            T_odom_base = T_odom_cam @ invert_rigid(T_BASE_CAM)
+            dynamic.sendTransform(transform_stamped(T_odom_base, Header(stamp=stamp_of(k), frame_id="odom_s"),
+                                                    "base_s"))
+            time.sleep(0.1)  # odometry runs ahead of the camera
+            images_pub.publish(rgb_to_image_msg(rgb, Header(stamp=stamp_of(k), frame_id="unused"), "rgb8"))
+            if k >= 1:  # the two scale frames come out together with the second image
+                wait(lambda: stamp_of(k).sec in got["pose"], f"the pose of frame {k}")
+        time.sleep(0.3)
+        yield got, model_poses, log
+    finally:
+        executor.shutdown()
+        node.destroy_node()
+        rclpy.shutdown(context=context)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _converged_from(got) -> int:
+    """The first frame index (0-based) whose status reports a converged scale."""
+    ready = [s.header.stamp.sec - 9000 for s in got["status"] if s.scale_converged and s.frames_processed > 0]
+    assert ready, "the scale never converged: " + str([(s.scale, s.scale_spread) for s in got["status"]][-5:])
+    return min(ready)
+
+
+def test_the_scale_converges_to_the_odometry_ratio(graph):
+    got, _, _ = graph
+    last = got["status"][-1]
+    assert last.scale_source == "odometry" and last.scale_converged
+    assert abs(last.scale / SCALE - 1.0) <= TOLERANCE, last.scale
+    assert _converged_from(got) < FRAMES - 2  # converged with frames to spare
+
+
+def test_poses_are_the_replay_times_the_scale_once_converged(graph):
+    got, model_poses, _ = graph
+    first = _converged_from(got)
+    scales = {s.header.stamp.sec: s.scale for s in got["status"] if s.frames_processed > 0}
+    for k in range(FRAMES):
+        p = got["pose"][stamp_of(k).sec].pose.position
+        position = np.array([p.x, p.y, p.z])
+        s = scales[stamp_of(k).sec]
+        if k < first:
+            assert s == 1.0
+        np.testing.assert_allclose(position, s * model_poses[k][:3, 3], rtol=1e-4, atol=1e-5, err_msg=f"frame {k}")
+    assert scales[stamp_of(FRAMES - 1).sec] == pytest.approx(SCALE, rel=TOLERANCE)
+
+
+def test_map_to_odom_waits_for_the_scale_then_is_about_identity(graph):
+    got, _, log = graph
+    first = _converged_from(got)
+    sent = {t.header.stamp.sec - 9000: transform_to_matrix(t.transform) for t in got["tf"]
+            if t.child_frame_id == "odom_s"}
+    assert sent and min(sent) >= first, (sorted(sent), first)
+    for k, T in sent.items():
+        # the odometry is the map scaled by SCALE: map -> odom is identity up to the estimate's error
+        np.testing.assert_allclose(T[:3, :3], np.eye(3), atol=1e-4)
+        assert np.linalg.norm(T[:3, 3]) < 0.05 * SCALE, (k, T[:3, 3])
+    assert "waits for the metric scale" in log.read_text()
+    assert "[ERROR]" not in log.read_text()
