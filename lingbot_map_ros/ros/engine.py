@@ -50,6 +50,7 @@ from ..geometry import optical_pose_to_map, points_to_map, unproject_pixels
 from ..io.map_save import MapSaveError, save_map_pair
 from ..io.preprocess import model_input, target_size
 from ..robot.health import HealthStatus, TrackingHealth, TrackingState
+from ..robot.undistort import CameraModel, Undistorter
 from ..robot.scale import FixedScale, OdometryScaleEstimator, apply_scale, scale_depth, scale_points
 from ..stream import CacheFullError, FrameMismatchError, FrameResult, InvalidFrameError, Session, SessionError
 from .mapping import MapAccumulator, PoseEntry, Trajectory
@@ -91,6 +92,7 @@ class InputFrame:
     camera_frame: str  # optical frame id of the image
     convert_ms: float = 0.0  # message -> array time
     preprocess_ms: float = 0.0  # set by the engine
+    camera: CameraModel | None = None  # the latest camera_info when the frame arrived (undistortion)
 
 
 @dataclass
@@ -258,6 +260,8 @@ class InferenceEngine:
         self.scale_source = _make_scale_source(settings)
         self.applied_scale = 1.0
         self._scale_window = 0  # session.window_index the estimator's samples belong to
+        self.undistorter = Undistorter()  # remap grids cached per CameraInfo
+        self.frames_undistorted = 0
         # clouds, depth images and the map on their own thread (see output_worker.py)
         self.clouds_skipped = 0  # frames whose clouds the output thread dropped (it fell behind)
         self.outputs = OutputWorker(max_pending=2, on_skip=self._clouds_skipped, on_error=self._outputs_failed)
@@ -343,6 +347,12 @@ class InferenceEngine:
             return
         self._check_deferral_deadline()
         t0 = time.perf_counter()
+        if s.undistort and frame.camera is not None and frame.camera.distorted:
+            try:  # the model assumes a pinhole camera
+                frame.rgb = self.undistorter.undistort(frame.rgb, frame.camera)
+                self.frames_undistorted += 1
+            except ValueError as exc:  # camera_info of another size than the image
+                return self._drop_invalid(frame.stamp, str(exc))
         try:
             _check_resize(frame.rgb.shape, s.image_width)
             image = model_input(frame.rgb, s.image_width)  # uint8 as it came when no resize is needed

@@ -94,6 +94,7 @@ from .mapping import PoseEntry
 from .params import DEFAULT_CAMERA_FRAME, PARAMETERS, NodeSettings, Param, apply_dynamic, resolve_settings
 from .tf_tools import TfOutput
 from ..robot.scale import apply_scale, scale_points
+from ..robot.undistort import CameraModel
 from .worker import Command, Throttle
 
 NODE_NAME = "lingbot_map"
@@ -284,6 +285,7 @@ class LingBotMapNode(Node):
         self._input_group = MutuallyExclusiveCallbackGroup()
         self._timer_group = MutuallyExclusiveCallbackGroup()
         self.camera_info: CameraInfo | None = None
+        self.camera_model: CameraModel | None = None
         self._arrival_age_s: deque[float] = deque(maxlen=ARRIVAL_WINDOW)  # executor thread only
         qos = qos_profile_sensor_data if s.input_qos == "sensor_data" else _qos(depth=5)
         if s.input_transport == "compressed":
@@ -450,7 +452,8 @@ class LingBotMapNode(Node):
             return
         self.engine.submit_frame(InputFrame(rgb=rgb, stamp=msg.header.stamp, stamp_s=stamp_seconds(msg.header.stamp),
                                             camera_frame=self._camera_frame(msg.header.frame_id),
-                                            convert_ms=(time.perf_counter() - t0) * 1e3))
+                                            convert_ms=(time.perf_counter() - t0) * 1e3,
+                                            camera=self.camera_model))
 
     def _on_camera_info(self, msg: CameraInfo) -> None:
         """Keep the latest usable CameraInfo (for /diagnostics); warn (throttled) about unusable ones."""
@@ -462,6 +465,12 @@ class LingBotMapNode(Node):
             self.engine.throttle.emit(self.get_logger().warning,
                                       f"ignoring camera_info with {problem} (image size {msg.width}x{msg.height})")
             return
+        try:  # the undistortion's camera (the engine thread builds and caches its remap grid)
+            self.camera_model = CameraModel.from_camera_info(msg)
+        except ValueError as exc:  # e.g. a distortion model it does not know
+            self.camera_model = None
+            self.engine.throttle.emit(self.get_logger().warning, f"camera_info cannot be used to undistort: {exc}",
+                                      kind="camera_info model")
         self.camera_info = msg
 
     # ------------------------------------------------------------------ services
@@ -584,6 +593,7 @@ class LingBotMapNode(Node):
         values = {"topic": topic, "input rate (Hz)": f"{e.input_rate.rate():.2f}",
                   "seconds since last image": "never" if quiet is None else f"{quiet:.1f}",
                   "frames received": c.frames_received, "frames dropped (invalid)": c.frames_dropped_invalid,
+                  "frames undistorted": e.frames_undistorted,
                   f"image age on arrival, median of the last {ARRIVAL_WINDOW} (ms)":
                       f"{1e3 * statistics.median(self._arrival_age_s):.1f}" if self._arrival_age_s else "n/a"}
         info = self.camera_info

@@ -120,6 +120,9 @@ PARAMETERS: tuple[Param, ...] = (
     Param("on_lost", "continue", "continue: keep the sequence when tracking health becomes lost (outputs carry a "
           "large covariance); reset: start a new sequence at once (logged, counted in lost_resets)",
           choices=ON_LOST, dynamic=True),
+    Param("undistort", True, "Undistort each image with the latest camera_info when its distortion is "
+          "non-zero (plumb_bob, rational_polynomial, equidistant); a camera_info of another size than the "
+          "image then refuses the frame", dynamic=True),
     Param("scale_source", "none", "Metric scale of the published poses, points and depths: none (model units), "
           "fixed (metric_scale), odometry (estimated from odom_frame -> camera TF at the image stamps)",
           choices=SCALE_SOURCES),
@@ -222,6 +225,7 @@ class NodeSettings:
     time_jump_threshold: float = 1.0
     on_time_jump: str = "reset"
     on_lost: str = "continue"
+    undistort: bool = True
     scale_source: str = "none"
     metric_scale: float = 1.0
     scale_wait_for_convergence: bool = True
@@ -319,7 +323,7 @@ _PLAIN_FIELDS = ("seed", "image_width", "input_transport", "input_qos", "max_fra
                  "publish_depth", "output_directory", "publish_tf", "tf_mode", "map_frame", "odom_frame",
                  "base_frame", "camera_frame", "camera_tf_frame", "deferred_eviction_timeout",
                  "keyframe_decision_timeout", "keyframe_decision_default", "time_jump_threshold", "on_time_jump",
-                 "on_lost", "scale_source", "metric_scale", "scale_wait_for_convergence", "deferred_eviction")
+                 "on_lost", "undistort", "scale_source", "metric_scale", "scale_wait_for_convergence", "deferred_eviction")
 DYNAMIC_PARAMETERS = frozenset(p.name for p in PARAMETERS if p.dynamic)
 
 

@@ -767,3 +767,51 @@ def test_odometry_scale_converges_to_the_odometry_ratio_and_scales_the_outputs(m
     assert any("no odom -> camera transform" in m for _, m in log.lines)
     engine.reset()
     assert engine.applied_scale == 1.0 and not engine.scale_source.converged
+
+
+def _camera(width: int = 518, height: int = 294, d=(-0.25, 0.08, 0.001, -0.002, 0.0)):
+    from lingbot_map_ros.robot.undistort import CameraModel
+
+    return CameraModel(width, height, (300.0, 0.0, 259.0, 0.0, 300.0, 147.0, 0.0, 0.0, 1.0), tuple(d), "plumb_bob")
+
+
+def test_distorted_camera_info_undistorts_frames_before_the_model(model):
+    from lingbot_map_ros.robot.undistort import Undistorter
+
+    engine, sink, _, _ = make_engine(model)
+    camera = _camera()
+    imgs = frames(3)
+    for i, rgb in enumerate(imgs):
+        engine.submit_frame(InputFrame(rgb=rgb, stamp=float(i), stamp_s=float(i), camera_frame="cam", camera=camera))
+        while engine.run_once(0):
+            pass
+    assert engine.frames_undistorted == 3
+    fixed = [Undistorter().undistort(rgb, camera) for rgb in imgs]
+    assert not np.array_equal(fixed[0], imgs[0])
+    expected = replay(model, fixed)
+    np.testing.assert_array_equal(sink.frames[-1].T_map_cam, optical_pose_to_map(expected[-1].c2w))
+
+
+def test_camera_info_of_another_size_refuses_the_frame_and_zero_distortion_passes(model):
+    engine, sink, log, _ = make_engine(model)
+    imgs = frames(3)
+    engine.submit_frame(InputFrame(rgb=imgs[0], stamp=0.0, stamp_s=0.0, camera_frame="cam",
+                                   camera=_camera(640, 480)))
+    while engine.run_once(0):
+        pass
+    assert engine.counters.snapshot().frames_dropped_invalid == 1 and engine.session.frames_pushed == 0
+    assert any("CameraInfo is 640x480" in m for _, m in log.lines)
+    plain = _camera(d=(0.0, 0.0, 0.0, 0.0, 0.0))
+    for i in (1, 2):
+        engine.submit_frame(InputFrame(rgb=imgs[i], stamp=float(i), stamp_s=float(i), camera_frame="cam",
+                                       camera=plain))
+        while engine.run_once(0):
+            pass
+    assert engine.frames_undistorted == 0 and len(sink.frames) == 2
+    expected = replay(model, imgs[1:3])
+    np.testing.assert_array_equal(sink.frames[-1].T_map_cam, optical_pose_to_map(expected[-1].c2w))
+    engine.settings = resolve_settings({**SETTINGS, "undistort": False})
+    engine.submit_frame(InputFrame(rgb=imgs[0], stamp=3.0, stamp_s=3.0, camera_frame="cam", camera=_camera()))
+    while engine.run_once(0):
+        pass
+    assert engine.frames_undistorted == 0 and len(sink.frames) == 3  # undistort false: used as it came
