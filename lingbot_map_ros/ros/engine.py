@@ -51,7 +51,8 @@ from ..io.map_save import MapSaveError, save_map_pair
 from ..io.preprocess import model_input, target_size
 from ..robot.health import HealthStatus, TrackingHealth, TrackingState
 from ..robot.undistort import CameraModel, Undistorter
-from ..robot.scale import FixedScale, OdometryScaleEstimator, apply_scale, scale_depth, scale_points
+from ..robot.scale import (DepthScaleEstimator, FixedScale, OdometryScaleEstimator, apply_scale, scale_depth,
+                           scale_points)
 from ..stream import CacheFullError, FrameMismatchError, FrameResult, InvalidFrameError, Session, SessionError
 from .mapping import MapAccumulator, PoseEntry, Trajectory
 from .output_worker import OutputWorker
@@ -63,6 +64,7 @@ MAX_RESIZE_ASPECT = 8  # an image is resized to image_width x (at most this many
 HEARTBEAT_PERIOD = 1.0  # longest silence of ~/status
 CONFIDENCE_SAMPLE = 4  # ~/frame's confidence statistics read every 4th pixel (0.2 ms instead of 1 ms at 518x378)
 MAP_FILE, TRAJECTORY_FILE = "map.ply", "trajectory.tum"
+DEPTH_MATCH_S = 0.05  # scale_source depth: a sensor depth image counts for a colour image within 50 ms
 
 
 class State(enum.IntEnum):
@@ -261,6 +263,7 @@ class InferenceEngine:
         self.applied_scale = 1.0
         self._scale_window = 0  # session.window_index the estimator's samples belong to
         self.undistorter = Undistorter()  # remap grids cached per CameraInfo
+        self.depth_cache = DepthCache()  # scale_source depth: the latest sensor depth images (node fills it)
         self.frames_undistorted = 0
         # clouds, depth images and the map on their own thread (see output_worker.py)
         self.clouds_skipped = 0  # frames whose clouds the output thread dropped (it fell behind)
@@ -438,7 +441,7 @@ class InferenceEngine:
         self.trajectory.append(PoseEntry(r.frame_index, frame.stamp, frame.stamp_s, T_map_cam))
         conf_stats = _confidence_stats(r.confidence, self.settings.conf_threshold)
         self._judge_health(conf_stats[2] if conf_stats is not None else None, r.c2w)
-        scale, ready = self._update_scale(T_map_cam, frame)
+        scale, ready = self._update_scale(T_map_cam, frame, r)
         t1 = time.perf_counter()
         pose = FrameOutput(index, frame.stamp, frame.stamp_s, frame.camera_frame, r.is_keyframe,
                            apply_scale(T_map_cam, scale) if scale != 1.0 else T_map_cam,
@@ -489,7 +492,7 @@ class InferenceEngine:
             translation_since_keyframe=translation, rotation_since_keyframe_deg=rotation,
             latency_ms=max(0.0, (self.now() - pose.stamp_s) * 1e3)), pose)
 
-    def _update_scale(self, T_map_cam: np.ndarray, frame: InputFrame) -> tuple[float, bool]:
+    def _update_scale(self, T_map_cam: np.ndarray, frame: InputFrame, r: FrameResult) -> tuple[float, bool]:
         """Feed the scale source with this frame; (scale to apply, whether it is ready). The model's
         position is the camera centre in the map frame (model units), the odometry's the camera
         centre in odom_frame (metres) at the image stamp."""
@@ -511,6 +514,18 @@ class InferenceEngine:
                                    "image stamp; this frame gives no scale sample", kind="odom missing")
             else:
                 src.update(T_map_cam[:3, 3], odom)
+        if isinstance(src, DepthScaleEstimator) and r.depth is not None and r.confidence is not None:
+            sensor = self.depth_cache.nearest(frame.stamp_s)
+            if sensor is None:
+                self.throttle.emit(self.log.warning, f"scale_source depth: no depth image within "
+                                   f"{1e3 * DEPTH_MATCH_S:.0f} ms of the colour image; no scale sample",
+                                   kind="depth missing")
+            else:
+                try:
+                    src.update(r.depth, r.confidence, sensor, frame.rgb.shape[:2])
+                except ValueError as exc:
+                    self.throttle.emit(self.log.warning, f"depth image unusable for the scale: {exc}",
+                                       kind="depth bad")
         value = src.scale
         converged = value is not None and src.converged  # an estimator holds its value while refitting
         if converged and value != self.applied_scale:
@@ -934,12 +949,38 @@ def write_map_files(snapshot: SaveSnapshot, directory: str, output_directory: st
         raise SaveError(str(exc)) from None
 
 
-def _make_scale_source(settings: NodeSettings) -> FixedScale | OdometryScaleEstimator | None:
+class DepthCache:
+    """The last few sensor depth images [H, W] (uint16 mm or float32 m) by stamp; thread-safe
+    (the node's depth callback puts, the inference thread takes the nearest)."""
+
+    def __init__(self, size: int = 8) -> None:
+        self._lock = threading.Lock()
+        self._items: list[tuple[float, np.ndarray]] = []
+        self.size = size
+
+    def put(self, stamp_s: float, depth: np.ndarray) -> None:
+        with self._lock:
+            self._items = (self._items + [(stamp_s, depth)])[-self.size:]
+
+    def nearest(self, stamp_s: float, tolerance: float | None = None) -> np.ndarray | None:
+        """The image nearest in time to ``stamp_s`` within ``tolerance`` s (DEPTH_MATCH_S), or None."""
+        tol = DEPTH_MATCH_S if tolerance is None else tolerance
+        with self._lock:
+            items = list(self._items)
+        if not items:
+            return None
+        stamp, depth = min(items, key=lambda item: abs(item[0] - stamp_s))
+        return depth if abs(stamp - stamp_s) <= tol else None
+
+
+def _make_scale_source(settings: NodeSettings) -> FixedScale | OdometryScaleEstimator | DepthScaleEstimator | None:
     """The scale source of ``scale_source`` (None for ``none``)."""
     if settings.scale_source == "fixed":
         return FixedScale(settings.metric_scale)
     if settings.scale_source == "odometry":
         return OdometryScaleEstimator()
+    if settings.scale_source == "depth":
+        return DepthScaleEstimator(conf_threshold=settings.conf_threshold)
     return None
 
 

@@ -87,8 +87,8 @@ from lingbot_map_ros.msg import FrameInfo, Status
 from lingbot_map_ros.srv import CommitEviction, RollbackFrame, SaveMap
 
 from ..config import ConfigError
-from .conversions import (camera_info_msg, compressed_to_rgb, depth_to_image_msg, image_to_rgb, make_pointcloud2,
-                          odometry_msg, pose_to_msg)
+from .conversions import (DEFAULT_MAX_PIXELS, _packed_pixels, camera_info_msg, compressed_to_rgb, depth_to_image_msg,
+                          image_to_depth, image_to_rgb, make_pointcloud2, odometry_msg, pose_to_msg)
 from .engine import FrameOutput, FrameSummary, InferenceEngine, InputFrame, SaveError, StatusFields, write_map_files
 from .mapping import PoseEntry
 from .params import DEFAULT_CAMERA_FRAME, PARAMETERS, NodeSettings, Param, apply_dynamic, resolve_settings
@@ -296,6 +296,9 @@ class LingBotMapNode(Node):
                                                       callback_group=self._input_group)
         self.camera_info_sub = self.create_subscription(CameraInfo, "camera_info", self._on_camera_info,
                                                         qos_profile_sensor_data, callback_group=self._input_group)
+        if s.scale_source == "depth":  # registered depth for the metric scale (latest few cached)
+            self.depth_sub = self.create_subscription(Image, "depth", self._on_depth, qos_profile_sensor_data,
+                                                      callback_group=self._input_group)
         self.diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", _qos())
         # The services live on a helper node that main() spins on its own executor thread: a
         # call waits for the inference thread (one step, or up to service_timeout while the
@@ -454,6 +457,15 @@ class LingBotMapNode(Node):
                                             camera_frame=self._camera_frame(msg.header.frame_id),
                                             convert_ms=(time.perf_counter() - t0) * 1e3,
                                             camera=self.camera_model))
+
+    def _on_depth(self, msg: Image) -> None:
+        """scale_source depth: cache the image (16UC1 millimetres or 32FC1 metres) by its stamp."""
+        try:
+            depth = sensor_depth_array(msg)
+        except Exception as exc:  # ImageConversionError and odd buffers
+            self.engine.throttle.emit(self.get_logger().warning, f"ignoring a depth image: {exc}", kind="depth msg")
+            return
+        self.engine.depth_cache.put(stamp_seconds(msg.header.stamp), depth)
 
     def _on_camera_info(self, msg: CameraInfo) -> None:
         """Keep the latest usable CameraInfo (for /diagnostics); warn (throttled) about unusable ones."""
@@ -631,6 +643,17 @@ class LingBotMapNode(Node):
         self.engine.stop()
         self.service_node.destroy_node()
         logging.getLogger("lingbot_map_ros").removeHandler(self._log_handler)
+
+
+def sensor_depth_array(msg: Image) -> np.ndarray:
+    """[H, W] of a depth ``Image``: uint16 millimetres (16UC1) or float32 metres (32FC1)."""
+    if msg.encoding == "32FC1":
+        return image_to_depth(msg)
+    if msg.encoding in ("16UC1", "mono16"):
+        raw = _packed_pixels(msg, 2, DEFAULT_MAX_PIXELS)
+        order = ">" if msg.is_bigendian else "<"
+        return raw.copy().view(order + "u2").reshape(msg.height, msg.width).astype(np.uint16)  # native order
+    raise ValueError(f"depth encoding {msg.encoding!r} is not 16UC1 (mm) or 32FC1 (m)")
 
 
 def _tracking_diag(name: str, engine: InferenceEngine) -> DiagnosticStatus:

@@ -27,7 +27,7 @@ TF_MODES = ("auto", "map_to_odom", "map_to_base", "map_to_camera")
 DEVICES_HELP = "auto (CUDA when available, else CPU), cpu, cuda or cuda:N"
 ON_TIME_JUMP = ("reset", "drop")
 ON_LOST = ("continue", "reset")
-SCALE_SOURCES = ("none", "fixed", "odometry")
+SCALE_SOURCES = ("none", "fixed", "odometry", "depth")
 DECISION_DEFAULTS = ("keep", "drop")
 
 
@@ -124,7 +124,8 @@ PARAMETERS: tuple[Param, ...] = (
           "non-zero (plumb_bob, rational_polynomial, equidistant); a camera_info of another size than the "
           "image then refuses the frame", dynamic=True),
     Param("scale_source", "none", "Metric scale of the published poses, points and depths: none (model units), "
-          "fixed (metric_scale), odometry (estimated from odom_frame -> camera TF at the image stamps)",
+          "fixed (metric_scale), odometry (estimated from odom_frame -> camera TF at the image stamps), depth (from a registered depth "
+          "image on `depth`, 16UC1 mm or 32FC1 m, within 50 ms of the colour image)",
           choices=SCALE_SOURCES),
     Param("metric_scale", 1.0, "scale_source fixed: metres per model unit", limits=(1e-6, 1e6, 0.0)),
     Param("scale_wait_for_convergence", True, "tf_mode map_to_odom with an estimated scale: publish no TF "

@@ -815,3 +815,35 @@ def test_camera_info_of_another_size_refuses_the_frame_and_zero_distortion_passe
     while engine.run_once(0):
         pass
     assert engine.frames_undistorted == 0 and len(sink.frames) == 3  # undistort false: used as it came
+
+
+def test_depth_scale_converges_to_the_sensor_ratio(model):
+    """Sensor depth = the replay's model depth x 4 in millimetres (16UC1, 20 ms off the colour
+    stamp): the depth source converges to 4; a frame without a depth image within 50 ms gives
+    no sample and a warning."""
+    imgs = frames(8)
+    truth = 4.0
+    expected = replay(model, imgs)
+    engine, sink, log, _ = make_engine(model, scale_source="depth", conf_threshold=1.0)
+    for i, rgb in enumerate(imgs):
+        if i != 2:  # one frame without a depth image
+            mm = np.clip(np.rint(expected[i].depth * truth * 1000.0), 0, 65535).astype(np.uint16)
+            engine.depth_cache.put(float(i) + 0.02, mm)
+        feed(engine, rgb, float(i))
+    st = sink.statuses[-1][0]
+    assert st.scale_source == "depth" and st.scale_converged, st
+    assert st.scale == pytest.approx(truth, rel=0.02)
+    np.testing.assert_allclose(sink.frames[-1].depth, truth * expected[-1].depth, rtol=0.02)
+    assert any("no depth image within 50 ms" in m for _, m in log.lines)
+
+
+def test_depth_cache_matches_within_50_ms_only():
+    from lingbot_map_ros.ros.engine import DepthCache
+
+    cache = DepthCache(size=2)
+    a, b, c = (np.full((2, 2), v, np.uint16) for v in (1, 2, 3))
+    cache.put(1.0, a)
+    cache.put(2.0, b)
+    cache.put(3.0, c)  # a leaves the cache
+    assert cache.nearest(2.04) is b and cache.nearest(2.96) is c
+    assert cache.nearest(1.0) is None and cache.nearest(2.5) is None
