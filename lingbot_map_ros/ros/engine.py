@@ -33,6 +33,14 @@ the valid fraction of its (subsampled) confidence and the model's own pose; a no
 or depth marks it (``non_finite`` -> lost). Status carries the state and the reasons, each
 ``FrameOutput`` the 6x6 pose covariance it implies; ``on_lost=reset`` starts a new sequence
 when the state becomes lost (counted in ``lost_resets``).
+
+Metric scale (``robot/scale.py``, parameter ``scale_source``): the trajectory, the map and
+the health's motion checks stay in model units; the scale ``s`` (metres per model unit,
+``applied_scale``; 1 until the source converged) multiplies what leaves: the frame's
+``T_map_cam`` translation (pose, odometry, TF, ~/frame), its points and depth, the path
+and the map at publication (node) and both saved files. Frames published before the
+scale converged keep model units. Distorted cameras: each frame is undistorted with its
+``InputFrame.camera`` before preprocessing (parameter ``undistort``).
 """
 from __future__ import annotations
 
