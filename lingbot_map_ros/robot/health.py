@@ -178,9 +178,8 @@ class TrackingHealth:
         self._good_run = 0 if reasons else self._good_run + 1
         new = self._next_state(reasons)
         changed = new != self._state
-        if changed:
-            level = logging.WARNING if new in (TrackingState.DEGRADED, TrackingState.LOST) else logging.INFO
-            log.log(level, "tracking %s -> %s (%s)", self._state.value, new.value, ", ".join(reasons) or "good frames")
+        if changed:  # the caller reports it (the node logs it, throttled); debug here only
+            log.debug("tracking %s -> %s (%s)", self._state.value, new.value, ", ".join(reasons) or "good frames")
         self._state = new
         return HealthStatus(new, tuple(reasons), changed, self._good_run, self._collapse_run, t_step, r_step)
 
