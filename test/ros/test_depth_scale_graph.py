@@ -1,0 +1,212 @@
+"""Metric scale from a depth sensor in a real ROS 2 graph (DDS on loopback, a private ROS_DOMAIN_ID).
+
+The test plays a robot whose registered depth camera sees exactly the node's own model depth
+times a known scale: an in-process replay of the same frames (tiny fixture weights, CPU) gives
+each frame's model depth [H, W] (model units) and ``T_map_cam``; before each colour image
+(rgb8, 294 x 518) a 32FC1 depth image (metres) with the SAME stamp, ``SCALE * model depth``
+at the model's depth resolution (56 x 98: the colour image resized to width 98, no crop, so
+``resample_nearest`` maps model pixel (v, u) onto sensor pixel (v, u)), is sent on ``depth``.
+The node (scale_source depth) must report scale_source "depth", converge to SCALE within 2 %
+and publish ~/pose translations equal to the replay's times the status scale once converged.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
+
+from builtin_interfaces.msg import Time as TimeMsg  # noqa: E402
+from geometry_msgs.msg import PoseStamped  # noqa: E402
+from rclpy.executors import MultiThreadedExecutor  # noqa: E402
+from rclpy.qos import QoSProfile  # noqa: E402
+from sensor_msgs.msg import Image  # noqa: E402
+from std_msgs.msg import Header  # noqa: E402
+
+from lingbot_map_ros.msg import Status  # noqa: E402
+from lingbot_map_ros.ros.conversions import depth_to_image_msg, rgb_to_image_msg  # noqa: E402
+from lingbot_map_ros.ros.params import write_params_file  # noqa: E402
+
+pytestmark = [pytest.mark.ros, pytest.mark.slow]
+
+DOMAIN_ID = 41 + (os.getpid() * 3 + 29) % 50  # 41..90, not the other graph modules' formulas
+NAME = "lm_dscale"
+IMAGE_TOPIC = "/dscale_test/image"
+DEPTH_TOPIC = "/dscale_test/depth"
+START_TIMEOUT = 90.0
+STEP_TIMEOUT = 40.0
+SCALE = 4.0  # fixture model depths ~0.6-2.1 units -> 2.4-8.4 m, inside the estimator's [0.1, 10] m
+TOLERANCE = 0.02
+FRAMES = 8
+WIDTH = 98
+PARAMS = {"image_width": WIDTH, "num_scale_frames": 2, "sliding_window": 3, "device": "cpu", "backend": "sdpa",
+          "publish_points": False, "publish_depth": False, "publish_map": False, "accumulate_map": False,
+          "publish_path": False, "tf_mode": "map_to_camera", "map_frame": "map_d", "camera_frame": "cam_d",
+          "scale_source": "depth"}
+
+
+def generated_frames(n: int, seed: int = 0) -> list[np.ndarray]:
+    """``n`` rgb8 frames [294, 518, 3] of one blocky random scene, panning right 7 px a frame."""
+    rng = np.random.default_rng(seed)
+    big = np.kron(rng.integers(0, 256, (40, 120, 3)).astype(np.float32), np.ones((8, 8, 1)))
+    return [big[10 + i: 304 + i, 20 + 7 * i: 538 + 7 * i].astype(np.uint8) for i in range(n)]
+
+
+def replay(fixtures: Path, images: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """(``T_map_cam`` [4, 4] model units, model depth [H, W] model units) of each image, as the node
+    computes them."""
+    from lingbot_map_ros.config import ModelConfig
+    from lingbot_map_ros.geometry import optical_pose_to_map
+    from lingbot_map_ros.io.checkpoint import load_model
+    from lingbot_map_ros.ros.engine import model_input
+    from lingbot_map_ros.ros.params import resolve_settings
+    from lingbot_map_ros.stream.long_stream import LongStreamSession
+    from lingbot_map_ros.stream.session import StreamingSession
+
+    settings = resolve_settings({**PARAMS, "model_config": str(fixtures / "config.json")})
+    model = load_model(ModelConfig.from_dict(json.loads((fixtures / "config.json").read_text())),
+                       fixtures / "weights.safetensors")
+    session = LongStreamSession(StreamingSession(model, settings.stream), settings.long_stream)
+    poses, depths = [], []
+    for rgb in images:
+        for r in session.push(model_input(rgb, WIDTH)):
+            poses.append(optical_pose_to_map(r.c2w))
+            depths.append(np.asarray(r.depth, dtype=np.float32).copy())
+    return poses, depths
+
+
+def stamp_of(k: int) -> TimeMsg:
+    return TimeMsg(sec=7000 + k, nanosec=250_000_000)
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory, fixtures):
+    tmp = tmp_path_factory.mktemp("depth_scale_graph")
+    images = generated_frames(FRAMES)
+    model_poses, model_depths = replay(fixtures, images)
+    assert len(model_poses) == len(model_depths) == FRAMES
+    params = write_params_file(tmp / "p.yaml", {**PARAMS, "checkpoint": str(fixtures / "weights.safetensors"),
+                                                "model_config": str(fixtures / "config.json"),
+                                                "output_directory": str(tmp / "out")})
+    log = tmp / "node.log"
+    env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(DOMAIN_ID),
+               PYTHONUNBUFFERED="1")
+    with open(log, "w") as f:
+        proc = subprocess.Popen([sys.executable, "-m", "lingbot_map_ros.ros.node", "--ros-args", "--params-file",
+                                 str(params), "-r", f"__node:={NAME}", "-r", f"image:={IMAGE_TOPIC}",
+                                 "-r", f"depth:={DEPTH_TOPIC}"],
+                                env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+    os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+    context = rclpy.Context()
+    rclpy.init(context=context, domain_id=DOMAIN_ID)
+    node = rclpy.create_node("depth_scale_graph_robot", context=context)
+    got = {"pose": {}, "status": []}
+    cond = threading.Condition()
+
+    def on_pose(msg: PoseStamped) -> None:
+        with cond:
+            got["pose"][msg.header.stamp.sec] = msg
+            cond.notify_all()
+
+    def on_status(msg: Status) -> None:
+        with cond:
+            got["status"].append(msg)
+            cond.notify_all()
+
+    node.create_subscription(PoseStamped, f"/{NAME}/pose", on_pose, QoSProfile(depth=50))
+    node.create_subscription(Status, f"/{NAME}/status", on_status, QoSProfile(depth=200))
+    images_pub = node.create_publisher(Image, IMAGE_TOPIC, QoSProfile(depth=10))
+    depth_pub = node.create_publisher(Image, DEPTH_TOPIC, QoSProfile(depth=10))
+    executor = MultiThreadedExecutor(num_threads=2, context=context)
+    executor.add_node(node)
+    thread = threading.Thread(target=executor.spin, daemon=True)
+    thread.start()
+
+    def wait(predicate, what, timeout=STEP_TIMEOUT):
+        deadline = time.monotonic() + timeout
+        with cond:
+            while not predicate():
+                assert proc.poll() is None, f"the node ended early:\n{log.read_text()[-3000:]}"
+                remaining = deadline - time.monotonic()
+                assert remaining > 0, f"timed out after {timeout} s waiting for {what}:\n{log.read_text()[-2000:]}"
+                cond.wait(min(remaining, 0.1))
+
+    try:
+        wait(lambda: images_pub.get_subscription_count() >= 1, "the node to subscribe to images", START_TIMEOUT)
+        wait(lambda: depth_pub.get_subscription_count() >= 1, "the node to subscribe to depth")
+        time.sleep(0.3)
+        for k, rgb in enumerate(images):
+            sensor = depth_to_image_msg(SCALE * model_depths[k], Header(stamp=stamp_of(k), frame_id="cam_d"))
+            for _ in range(2):  # the node's depth subscription is best effort: send it twice
+                depth_pub.publish(sensor)
+                time.sleep(0.05)
+            time.sleep(0.05)  # the depth image is cached before the colour image arrives
+            images_pub.publish(rgb_to_image_msg(rgb, Header(stamp=stamp_of(k), frame_id="cam_d"), "rgb8"))
+            if k >= 1:  # the two scale frames come out together with the second image
+                wait(lambda: stamp_of(k).sec in got["pose"], f"the pose of frame {k}")
+        wait(lambda: any(s.header.stamp.sec == stamp_of(FRAMES - 1).sec for s in got["status"]),
+             "the last frame's status")
+        yield got, model_poses, log
+    finally:
+        executor.shutdown()
+        node.destroy_node()
+        rclpy.shutdown(context=context)
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+
+
+def _frame_statuses(got) -> dict[int, Status]:
+    """Frame index -> the status published for that frame."""
+    return {s.header.stamp.sec - 7000: s for s in got["status"] if s.frames_processed > 0}
+
+
+def _converged_from(got) -> int:
+    """The first frame index (0-based) whose status reports a converged scale."""
+    ready = [k for k, s in _frame_statuses(got).items() if s.scale_converged]
+    assert ready, "the scale never converged: " + str([(s.scale, s.scale_spread) for s in got["status"]][-5:])
+    return min(ready)
+
+
+def test_the_scale_converges_to_the_depth_ratio(graph):
+    got, _, log = graph
+    last = got["status"][-1]
+    assert last.scale_source == "depth", last.scale_source
+    assert last.scale_converged
+    assert abs(last.scale / SCALE - 1.0) <= TOLERANCE, last.scale
+    assert _converged_from(got) < FRAMES - 2  # converged with frames to spare
+    assert "[ERROR]" not in log.read_text()
+
+
+def test_poses_are_the_replay_times_the_scale_once_converged(graph):
+    got, model_poses, _ = graph
+    first = _converged_from(got)
+    statuses = _frame_statuses(got)
+    for k in range(FRAMES):
+        p = got["pose"][stamp_of(k).sec].pose.position
+        position = np.array([p.x, p.y, p.z])
+        s = statuses[k].scale
+        if k < first:
+            assert s == 1.0 and not statuses[k].scale_converged, (k, s)
+            np.testing.assert_allclose(position, model_poses[k][:3, 3], rtol=1e-3, atol=1e-5, err_msg=f"frame {k}")
+        else:
+            assert s == pytest.approx(SCALE, rel=TOLERANCE), (k, s)
+            np.testing.assert_allclose(position, s * model_poses[k][:3, 3], rtol=1e-3, atol=1e-5,
+                                       err_msg=f"frame {k}")
+    assert first < FRAMES - 2
+    # not vacuous: the camera moved, so scaled and unscaled positions differ
+    assert np.linalg.norm(model_poses[-1][:3, 3]) > 1e-3, model_poses[-1][:3, 3]
