@@ -447,8 +447,8 @@ class InferenceEngine:
         self.last_intrinsics = (r.intrinsics, w, h)
         index = r.frame_index + 1
         self.trajectory.append(PoseEntry(r.frame_index, frame.stamp, frame.stamp_s, T_map_cam))
-        conf_stats = _confidence_stats(r.confidence, self.settings.conf_threshold)
-        self._judge_health(conf_stats[2] if conf_stats is not None else None, r.c2w)
+        conf_stats = _ConfidenceSample(r.confidence, self.settings.conf_threshold)
+        self._judge_health(conf_stats.valid, r.c2w)
         scale, ready = self._update_scale(T_map_cam, frame, r)
         t1 = time.perf_counter()
         pose = FrameOutput(index, frame.stamp, frame.stamp_s, frame.camera_frame, r.is_keyframe,
@@ -475,7 +475,7 @@ class InferenceEngine:
         return True
 
     def _publish_frame_summary(self, r: FrameResult, pose: FrameOutput, hold: bool,
-                               conf_stats: tuple[float, float, float] | None = None) -> None:
+                               conf_stats: "_ConfidenceSample | None" = None) -> None:
         """~/frame: what a keyframe client needs about this frame (see msg/FrameInfo.msg); also notes
         a stored frame's pose as the reference of the next frames' motion."""
         index = r.frame_index + 1
@@ -490,7 +490,7 @@ class InferenceEngine:
             translation = float(np.linalg.norm(pose.T_map_cam[:3, 3] - ref[:3, 3]))
             cos = (np.trace(ref[:3, :3].T @ pose.T_map_cam[:3, :3]) - 1.0) / 2.0
             rotation = float(np.degrees(np.arccos(np.clip(cos, -1.0, 1.0))))
-        mean, median, valid = conf_stats if conf_stats is not None else (0.0, 0.0, 0.0)
+        mean, median, valid = conf_stats.summary() if conf_stats is not None else (0.0, 0.0, 0.0)
         stats = self.session.stats()
         self.sink.publish_frame_info(FrameSummary(
             frame_index=index, window_index=self.session.window_index, stored=r.is_keyframe,
@@ -992,16 +992,20 @@ def _make_scale_source(settings: NodeSettings) -> FixedScale | OdometryScaleEsti
     return None
 
 
-def _confidence_stats(confidence: np.ndarray | None, threshold: float) -> tuple[float, float, float] | None:
-    """(mean, median, valid fraction above ``threshold``) of every CONFIDENCE_SAMPLE-th pixel of
-    ``confidence`` [H, W]; None without a confidence map. Computed once per frame (~/frame and health)."""
-    if confidence is None:
-        return None
-    conf = confidence.reshape(-1)[::CONFIDENCE_SAMPLE]
-    if conf.size == 0:
-        return 0.0, 0.0, 0.0
-    valid = float(np.count_nonzero(conf > threshold)) / conf.size
-    return float(conf.mean()), float(np.median(conf)), valid
+class _ConfidenceSample:
+    """Every CONFIDENCE_SAMPLE-th pixel of a confidence map [H, W] (a strided view, no copy): its
+    fraction above ``threshold`` (health, every frame) and, only when ~/frame is published, its mean
+    and median (the median is the costly part: skipped when nobody listens)."""
+
+    def __init__(self, confidence: np.ndarray | None, threshold: float) -> None:
+        self.sample = None if confidence is None else confidence.reshape(-1)[::CONFIDENCE_SAMPLE]
+        self.valid = None if self.sample is None else (
+            float(np.count_nonzero(self.sample > threshold)) / self.sample.size if self.sample.size else 0.0)
+
+    def summary(self) -> tuple[float, float, float]:
+        if self.sample is None or self.sample.size == 0:
+            return 0.0, 0.0, 0.0
+        return float(self.sample.mean()), float(np.median(self.sample)), self.valid
 
 
 def _check_resize(shape: tuple[int, ...], width: int) -> None:
