@@ -56,6 +56,7 @@ __all__ = [
     "depth_to_image_msg",
     "image_to_depth",
     "image_to_rgb",
+    "sensor_depth_array",
     "make_pointcloud2",
     "matrix_to_quaternion",
     "odometry_msg",
@@ -255,9 +256,25 @@ def image_to_depth(msg: Image) -> np.ndarray:
     """[H, W] float32 from a ``32FC1`` ``sensor_msgs/Image`` (inverse of ``depth_to_image_msg``)."""
     if msg.encoding != "32FC1":
         raise ImageConversionError(f"expected a 32FC1 depth image, got {msg.encoding!r}")
-    raw = _packed_pixels(msg, 4, DEFAULT_MAX_PIXELS)
+    return _single_channel(msg, "f4", np.float32)
+
+
+def sensor_depth_array(msg: Image) -> np.ndarray:
+    """[H, W] of a depth camera's ``Image``: uint16 millimetres (``16UC1``, ``mono16``) or float32
+    metres (``32FC1``), native byte order; ImageConversionError for any other encoding."""
+    if msg.encoding == "32FC1":
+        return image_to_depth(msg)
+    if msg.encoding in ("16UC1", "mono16"):
+        return _single_channel(msg, "u2", np.uint16)
+    raise ImageConversionError(f"depth encoding {msg.encoding!r} is not 16UC1 (mm) or 32FC1 (m)")
+
+
+def _single_channel(msg: Image, code: str, dtype: type) -> np.ndarray:
+    """[H, W] ``dtype`` of a one-channel image whose samples are ``code`` (numpy type code), honouring
+    ``step`` padding and ``is_bigendian``."""
+    raw = _packed_pixels(msg, np.dtype(code).itemsize, DEFAULT_MAX_PIXELS)
     order = ">" if msg.is_bigendian else "<"
-    return raw.copy().view(order + "f4").reshape(msg.height, msg.width).astype(np.float32)
+    return raw.copy().view(order + code).reshape(msg.height, msg.width).astype(dtype)
 
 
 def _byte_array(arr: np.ndarray) -> array.array:

@@ -62,6 +62,7 @@ from ..robot.undistort import CameraModel, Undistorter
 from ..robot.scale import (DepthScaleEstimator, FixedScale, OdometryScaleEstimator, apply_scale, scale_depth,
                            scale_points)
 from ..stream import CacheFullError, FrameMismatchError, FrameResult, InvalidFrameError, Session, SessionError
+from ..stream.alignment import rotation_angle_deg
 from .mapping import MapAccumulator, PoseEntry, Trajectory
 from .output_worker import OutputWorker
 from .params import NodeSettings
@@ -488,8 +489,7 @@ class InferenceEngine:
         translation = rotation = 0.0
         if ref is not None:
             translation = float(np.linalg.norm(pose.T_map_cam[:3, 3] - ref[:3, 3]))
-            cos = (np.trace(ref[:3, :3].T @ pose.T_map_cam[:3, :3]) - 1.0) / 2.0
-            rotation = float(np.degrees(np.arccos(np.clip(cos, -1.0, 1.0))))
+            rotation = float(rotation_angle_deg(ref[:3, :3], pose.T_map_cam[:3, :3]))
         mean, median, valid = conf_stats.summary() if conf_stats is not None else (0.0, 0.0, 0.0)
         stats = self.session.stats()
         self.sink.publish_frame_info(FrameSummary(

@@ -87,8 +87,8 @@ from lingbot_map_ros.msg import FrameInfo, Status
 from lingbot_map_ros.srv import CommitEviction, RollbackFrame, SaveMap
 
 from ..config import ConfigError
-from .conversions import (DEFAULT_MAX_PIXELS, _packed_pixels, camera_info_msg, compressed_to_rgb, depth_to_image_msg,
-                          image_to_depth, image_to_rgb, make_pointcloud2, odometry_msg, pose_to_msg)
+from .conversions import (camera_info_msg, compressed_to_rgb, depth_to_image_msg, image_to_rgb, make_pointcloud2,
+                          odometry_msg, pose_to_msg, sensor_depth_array)
 from .engine import FrameOutput, FrameSummary, InferenceEngine, InputFrame, SaveError, StatusFields, write_map_files
 from .mapping import PoseEntry
 from .params import DEFAULT_CAMERA_FRAME, PARAMETERS, NodeSettings, Param, apply_dynamic, resolve_settings
@@ -643,17 +643,6 @@ class LingBotMapNode(Node):
         self.engine.stop()
         self.service_node.destroy_node()
         logging.getLogger("lingbot_map_ros").removeHandler(self._log_handler)
-
-
-def sensor_depth_array(msg: Image) -> np.ndarray:
-    """[H, W] of a depth ``Image``: uint16 millimetres (16UC1) or float32 metres (32FC1)."""
-    if msg.encoding == "32FC1":
-        return image_to_depth(msg)
-    if msg.encoding in ("16UC1", "mono16"):
-        raw = _packed_pixels(msg, 2, DEFAULT_MAX_PIXELS)
-        order = ">" if msg.is_bigendian else "<"
-        return raw.copy().view(order + "u2").reshape(msg.height, msg.width).astype(np.uint16)  # native order
-    raise ValueError(f"depth encoding {msg.encoding!r} is not 16UC1 (mm) or 32FC1 (m)")
 
 
 def _tracking_diag(name: str, engine: InferenceEngine) -> DiagnosticStatus:

@@ -10,7 +10,7 @@ from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import Header  # noqa: E402
 
 from lingbot_map_ros.ros.conversions import depth_to_image_msg  # noqa: E402
-from lingbot_map_ros.ros.node import sensor_depth_array  # noqa: E402
+from lingbot_map_ros.ros.conversions import sensor_depth_array  # noqa: E402
 
 pytestmark = pytest.mark.ros
 
