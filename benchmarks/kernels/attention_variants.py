@@ -1,6 +1,6 @@
 """Attention kernels at the released model's shapes (518x378: 1005 tokens per frame, 16 heads x 64).
 
-    python benchmarks/attention_variants.py [--kv-frames 73] [--special 1800]
+    python benchmarks/kernels/attention_variants.py [--kv-frames 73] [--special 1800]
 
 Global attention (one frame's queries over the window's keys) as:
   * FlashInfer FA3 over the paged pool (what the step runs now; pages of 999 tokens),
@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from lingbot_map_ros.kernels.merge import merge_states
-from micro_levers import timed  # benchmarks/ is the script's directory
+from micro_levers import timed  # benchmarks/kernels/ is the script's directory
 
 H, D, PS = 16, 64, 999
 

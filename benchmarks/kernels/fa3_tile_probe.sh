@@ -7,11 +7,11 @@
 # scheduler's plan (the two places that name it), lets FlashInfer JIT-compile the module
 # from that copy (all variants compile in parallel first), then runs stream_fps on it.
 #
-#   SITE=/tmp/site OUT=/tmp/out bash benchmarks/fa3_tile_probe.sh "128 128" "128 192"
+#   SITE=/tmp/site OUT=/tmp/out bash benchmarks/kernels/fa3_tile_probe.sh "128 128" "128 192"
 #
 # Writes $OUT/tile_<Q>_<KV>.json (stream_fps, queued frames, bf16 vs fp32 check).
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 SITE=${SITE:-/tmp/site}
 OUT=${OUT:-./tile_probe_out}
 mkdir -p "$OUT"
@@ -44,7 +44,7 @@ for tiles in "$@"; do
   read -r q kv <<<"$tiles"
   tail -2 "$OUT/compile_${q}_${kv}.log"
   FLASHINFER_WORKSPACE_BASE=/tmp/ws_${q}_${kv} PYTHONPATH=/tmp/site_tile_${q}_${kv}:$ROOT timeout 150 \
-    python3 "$ROOT/benchmarks/stream_fps.py" --frames 160 --one-at-a-time-frames 0 --breakdown-frames 0 \
+    python3 "$ROOT/benchmarks/stream/stream_fps.py" --frames 160 --one-at-a-time-frames 0 --breakdown-frames 0 \
     --compare-frames 12 --out "$OUT/tile_${q}_${kv}.json" >/dev/null 2>>"$OUT/compile_${q}_${kv}.log"
   python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print('tiles', sys.argv[2], d['steady_state'], d['bf16_vs_fp32'])" \
     "$OUT/tile_${q}_${kv}.json" "$q x $kv"

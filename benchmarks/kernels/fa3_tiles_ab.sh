@@ -7,14 +7,14 @@
 # of the project-built kernel (stream_fps.py --fa3-tiles). Builds the tiled modules first, in
 # parallel (timed).
 #
-#   OUT=/tmp/out HEIGHT=378 PAIRS=2 FRAMES=160 bash benchmarks/fa3_tiles_ab.sh stock:12 tiled:0 tiled:12
-#   OUT=/tmp/out PAIRS=1 bash benchmarks/fa3_tiles_ab.sh tiled:0 tiled:0:128x256x2 tiled:0:128x192x3
+#   OUT=/tmp/out HEIGHT=378 PAIRS=2 FRAMES=160 bash benchmarks/kernels/fa3_tiles_ab.sh stock:12 tiled:0 tiled:12
+#   OUT=/tmp/out PAIRS=1 bash benchmarks/kernels/fa3_tiles_ab.sh tiled:0 tiled:0:128x256x2 tiled:0:128x192x3
 #
 # Prints (and appends to $OUT/fa3_tiles_ab.log) one line per run: label, split count used,
 # median / p95 ms per frame; the first tiled run also checks bf16 against fp32 (12 frames).
 # Needs FlashInfer importable (PYTHONPATH) and nvcc (FlashInfer's JIT builder).
 set -uo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 OUT=${OUT:-./fa3_tiles_ab_out}
 HEIGHT=${HEIGHT:-378}
 PAIRS=${PAIRS:-2}
@@ -39,7 +39,7 @@ for ((round = 1; round <= PAIRS; round++)); do
     c=0
     [[ "$kind" == tiled ]] && { c=$compare; compare=0; }
     json=/tmp/fa3_ab_${kind}_${splits}_${shape}_${round}.json
-    timeout 200 python3 "$ROOT/benchmarks/stream_fps.py" --backend "$backend" --kv-splits "$splits" --fa3-tiles "${shape:-128x192x2}" --height "$HEIGHT" \
+    timeout 200 python3 "$ROOT/benchmarks/stream/stream_fps.py" --backend "$backend" --kv-splits "$splits" --fa3-tiles "${shape:-128x192x2}" --height "$HEIGHT" \
       --frames "$FRAMES" --one-at-a-time-frames 0 --breakdown-frames 0 --compare-frames "$c" --out "$json" \
       >/dev/null 2>>"$LOG"
     python3 -c "import json,sys; d=json.load(open(sys.argv[1])); s=d['steady_state']

@@ -4,9 +4,9 @@
 # /tmp/site), so a fresh machine loads the compiled modules instead of JIT-compiling them
 # (~90 s each). Only the .so files are used; FlashInfer checks nothing else for AOT
 # modules, so the caches must come from the same FlashInfer version (their paths name it).
-#   bash benchmarks/fi_aot_cache.sh [SITE]
+#   bash benchmarks/kernels/fi_aot_cache.sh [SITE]
 SITE=${1:-/tmp/site}
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 TMP=$(mktemp -d)
 for t in "$ROOT"/.ficache/*.tgz; do
   [[ -f "$t" ]] && tar xzf "$t" -C "$TMP"

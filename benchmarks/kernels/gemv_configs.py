@@ -1,6 +1,6 @@
 """Launch configurations of the camera head's matrix-vector kernel (kernels/gemv.py), timed.
 
-    python benchmarks/gemv_configs.py [--replays 50]
+    python benchmarks/kernels/gemv_configs.py [--replays 50]
 
 For each weight shape of the camera head at the released width (qkv, proj, fc1, fc2 of
 its trunk blocks, the pose modulation, the pose branch), a CUDA graph of 16 calls in a

@@ -1,6 +1,6 @@
 """Micro-benchmarks of candidate speed levers at the released model's shapes (518x378).
 
-    python benchmarks/micro_levers.py
+    python benchmarks/kernels/micro_levers.py
 
 Each line: a PyTorch op as the step runs it now against an alternative, CUDA-event
 median over 200 calls, and the largest difference of the outputs. A benchmark aid for

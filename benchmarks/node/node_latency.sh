@@ -3,16 +3,16 @@
 #
 # Run from the repository root ON THE GPU MACHINE (CPython 3.12 + torch, no ROS, no
 # registry), carrying .whl/fi (FlashInfer wheels) and .whl/ros312_bundle.tar.xz (made
-# here by benchmarks/node_latency_bundle.sh):
+# here by benchmarks/node/node_latency_bundle.sh):
 #
-#   bash benchmarks/node_latency.sh [--frames 300] [--rate 15] [--heights "378 294"]
-#   bash benchmarks/node_latency.sh --frames 300 --rate 15 --heights 378 --compare-selector
+#   bash benchmarks/node/node_latency.sh [--frames 300] [--rate 15] [--heights "378 294"]
+#   bash benchmarks/node/node_latency.sh --frames 300 --rate 15 --heights 378 --compare-selector
 #
 # What it does, all offline:
 #   1. installs FlashInfer into /tmp/site, unpacks the ROS 2 bundle into /tmp/lingbot_ros
-#      (benchmarks/ros_env.sh: PYTHONPATH, LD_LIBRARY_PATH, AMENT_PREFIX_PATH);
+#      (benchmarks/node/ros_env.sh: PYTHONPATH, LD_LIBRARY_PATH, AMENT_PREFIX_PATH);
 #      ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST and a private ROS_DOMAIN_ID;
-#   2. checks ROS with a two-process Image + Status round trip (benchmarks/ros_roundtrip.py);
+#   2. checks ROS with a two-process Image + Status round trip (benchmarks/node/ros_roundtrip.py);
 #   3. per frame height: lingbot-map-demo (lingbot_map_ros/cli/demo.py) starts the node
 #      (released architecture, RANDOM weights seeded 0, CUDA, bf16, flashinfer-fa3, CUDA
 #      graphs, width 518) and the image folder publisher as two processes, records poses
@@ -45,7 +45,7 @@
 #   --no-dds-profile (do not export FASTDDS_DEFAULT_PROFILES_FILE=config/fastdds_large_messages.xml
 #               for the node and the publisher: raw 518x378 images then exceed Fast DDS's
 #               default 512 KB shared-memory segment and travel as UDP fragments, ~10 ms more)
-#   --probe    run the node under benchmarks/node_probe.py (GIL waits, GC pauses, timed per-frame
+#   --probe    run the node under benchmarks/node/node_probe.py (GIL waits, GC pauses, timed per-frame
 #               parts, CPU per thread) and keep its report as node_probe_518xH.json in $OUT
 #   --simulate MS  the real node with a simulated MS-ms model step instead of the model (no GPU:
 #               tiny preset on cpu, --probe implied): the node's own overhead and frame losses
@@ -64,8 +64,8 @@
 # PYTHON selects the interpreter (default python3). LINGBOT_COMMIT names the commit in the
 # results when the tree is not a git checkout (the device machine's copy may not be one).
 set -uo pipefail
-COMMAND="bash benchmarks/node_latency.sh${*:+ $*}"
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+COMMAND="bash benchmarks/node/node_latency.sh${*:+ $*}"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 OUT=${OUT:-./node_latency_out}
 PYTHON=${PYTHON:-python3}
@@ -111,14 +111,14 @@ trap 'tar -czf "$OUT/logs.tar.gz" -C "$RUNS" . 2>/dev/null' EXIT
 # ---- 1. environment ----------------------------------------------------------
 if (( BUNDLE )); then
   [[ -d .whl/fi && -f .whl/ros312_bundle.tar.xz ]] || {
-    say "missing .whl/fi or .whl/ros312_bundle.tar.xz: carry them (see benchmarks/node_latency_bundle.sh)"; exit 1; }
+    say "missing .whl/fi or .whl/ros312_bundle.tar.xz: carry them (see benchmarks/node/node_latency_bundle.sh)"; exit 1; }
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     .whl/fi/*.whl 2>&1 \
     | grep -v "as the 'root' user" | tail -n 3
-  bash benchmarks/fi_aot_cache.sh /tmp/site  # FlashInfer JIT caches carried in .ficache, if any
+  bash benchmarks/kernels/fi_aot_cache.sh /tmp/site  # FlashInfer JIT caches carried in .ficache, if any
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
   # shellcheck source=ros_env.sh
-  source benchmarks/ros_env.sh "$ROOT/.whl/ros312_bundle.tar.xz" /tmp/lingbot_ros || exit 1
+  source benchmarks/node/ros_env.sh "$ROOT/.whl/ros312_bundle.tar.xz" /tmp/lingbot_ros || exit 1
   say "FlashInfer in /tmp/site, ROS 2 bundle in /tmp/lingbot_ros"
 else
   export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -158,13 +158,13 @@ EOF
 cat "$RUNS/env.txt"
 
 # ---- 2. ROS pre-flight -------------------------------------------------------------
-if ! timeout 60 "$PYTHON" benchmarks/ros_roundtrip.py; then
+if ! timeout 60 "$PYTHON" benchmarks/node/ros_roundtrip.py; then
   say "ROS round trip failed; not running the node"; exit 1
 fi
 
 if [[ "$SELECTOR_MODES" == *on* ]] && ! "$PYTHON" -c \
     'from lingbot_map_ros.msg import FrameInfo, Status; Status().decisions_kept' 2>/dev/null; then
-  say "the ROS interfaces lack FrameInfo or Status.decisions_*: rebuild the bundle (benchmarks/node_latency_bundle.sh)"
+  say "the ROS interfaces lack FrameInfo or Status.decisions_*: rebuild the bundle (benchmarks/node/node_latency_bundle.sh)"
   exit 1
 fi
 export LINGBOT_BENCH_COMMAND="$COMMAND"
@@ -194,7 +194,7 @@ for SEL in $SELECTOR_MODES; do
   start=$SECONDS
   probe_args=()
   if (( PROBE )); then
-    probe_args=(--node-script benchmarks/node_probe.py)
+    probe_args=(--node-script benchmarks/node/node_probe.py)
     export LINGBOT_PROBE_OUT="$OUT/node_probe_$name.json"
   fi
   if [[ -n "$SIM_MS" ]]; then export LINGBOT_SIM_STEP_MS="$SIM_MS"; else unset LINGBOT_SIM_STEP_MS; fi
@@ -237,7 +237,7 @@ if dec:
 EOF
 done
   if [[ "$measured" == *" ${WIDTH}x$H "* && "$measured" == *" ${WIDTH}x${H}_selector "* ]]; then
-    "$PYTHON" benchmarks/node_latency_compare.py "$OUT/node_latency_${WIDTH}x$H.json" \
+    "$PYTHON" benchmarks/node/node_latency_compare.py "$OUT/node_latency_${WIDTH}x$H.json" \
       "$OUT/node_latency_${WIDTH}x${H}_selector.json"
   fi
 done

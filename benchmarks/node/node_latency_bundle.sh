@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Build the ROS 2 bundle that benchmarks/node_latency.sh unpacks on the GPU machine
+# Build the ROS 2 bundle that benchmarks/node/node_latency.sh unpacks on the GPU machine
 # (Python 3.12, no ROS, no registry there). Run HERE, from anywhere:
 #
-#   bash benchmarks/node_latency_bundle.sh            # -> .whl/ros312_bundle.tar.xz
+#   bash benchmarks/node/node_latency_bundle.sh            # -> .whl/ros312_bundle.tar.xz
 #
 # Needs python3.12 (PY312=/path/to/python3.12 to choose one), cmake, g++ and the
 # package registry. Steps, each skipped when its output exists (--clean redoes all):
@@ -28,7 +28,7 @@
 # $P/lib/lingbot_map_ros_interfaces/lingbot_map_ros (lingbot_map_ros/__init__.py
 # extends its package path from it, as scripts/bootstrap.sh does).
 set -euo pipefail
-ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 cd "$ROOT"
 PY312=${PY312:-$(command -v python3.12 || true)}
 [[ -n "$PY312" ]] && "$PY312" -c 'import sys; assert sys.version_info[:2] == (3, 12)' \

@@ -1,6 +1,6 @@
 """Compare two node_latency JSONs: a run without and one with the keyframe selector in the loop.
 
-    python benchmarks/node_latency_compare.py node_latency_518x378.json node_latency_518x378_selector.json
+    python benchmarks/node/node_latency_compare.py node_latency_518x378.json node_latency_518x378_selector.json
 
 Prints one line (``node_latency: COMPARE ...``): latency median/p95/max (image stamp -> pose
 received, ms), output rate, processed/published and stale drops of each, their differences,

@@ -1,7 +1,7 @@
 """The real ROS node under probes, optionally with a SIMULATED model step.
 
 Runs ``lingbot_map_ros.ros.node`` in this process (started by ``lingbot-map-demo
---node-script benchmarks/node_probe.py``, which ``benchmarks/node_latency.sh --probe``
+--node-script benchmarks/node/node_probe.py``, which ``benchmarks/node/node_latency.sh --probe``
 and ``--simulate MS`` do) and, when ``LINGBOT_PROBE_OUT`` names a file, writes there at
 exit what stalls the node's threads:
 
@@ -37,7 +37,7 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: lingbot_map_ros
 
 from lingbot_map_ros.cache.pages import CacheStats  # noqa: E402
 from lingbot_map_ros.config import StreamConfig  # noqa: E402

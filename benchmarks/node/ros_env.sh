@@ -1,7 +1,7 @@
-# Source me (bash): make the ROS 2 bundle of benchmarks/node_latency_bundle.sh usable
+# Source me (bash): make the ROS 2 bundle of benchmarks/node/node_latency_bundle.sh usable
 # by this shell's python3 (CPython 3.12) without installing ROS.
 #
-#   source benchmarks/ros_env.sh [BUNDLE [DEST]]
+#   source benchmarks/node/ros_env.sh [BUNDLE [DEST]]
 #
 # BUNDLE defaults to <repo>/.whl/ros312_bundle.tar.xz, DEST to /tmp/lingbot_ros. It is
 # unpacked once (DEST/.unpacked marks a complete unpack of that bundle), then this sets
@@ -10,13 +10,13 @@
 # site-packages, whose lingbot_map_ros.pkg adds the generated msg/srv packages to it),
 # AMENT_PREFIX_PATH, and ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST (DDS stays on this
 # machine). ROS_DOMAIN_ID is left to the caller. PYTHON names the interpreter (default python3).
-_ros_env_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+_ros_env_repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 _ros_env_bundle="${1:-$_ros_env_repo/.whl/ros312_bundle.tar.xz}"
 _ros_env_dest="${2:-/tmp/lingbot_ros}"
 if [[ ! -f "$_ros_env_dest/.unpacked" ]] \
     || [[ "$(cat "$_ros_env_dest/.unpacked")" != "$(stat -c %s-%Y "$_ros_env_bundle" 2>/dev/null)" ]]; then
   [[ -f "$_ros_env_bundle" ]] || { echo "ros_env: no bundle $_ros_env_bundle (build it with" \
-    "benchmarks/node_latency_bundle.sh)" >&2; return 1; }
+    "benchmarks/node/node_latency_bundle.sh)" >&2; return 1; }
   rm -rf "$_ros_env_dest" && mkdir -p "$_ros_env_dest"
   "${PYTHON:-python3}" - "$_ros_env_bundle" "$_ros_env_dest" <<'EOF' || return 1
 import sys, tarfile

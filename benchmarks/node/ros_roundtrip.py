@@ -1,6 +1,6 @@
 """Pre-flight check of a ROS 2 environment: imports, and a two-process round trip.
 
-    python3 benchmarks/ros_roundtrip.py            # exit 0 and one line when it works
+    python3 benchmarks/node/ros_roundtrip.py            # exit 0 and one line when it works
 
 Imports rclpy, the message packages the node uses and this package's generated
 interfaces, then starts a second python process that publishes a sensor_msgs/Image

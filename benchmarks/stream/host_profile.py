@@ -1,6 +1,6 @@
 """Where the host time of a steady-state push goes (cProfile), next to its GPU time.
 
-    python benchmarks/host_profile.py --frames 60
+    python benchmarks/stream/host_profile.py --frames 60
 
 Streams until the window is full (released configuration, random weights, bf16,
 default backend, CUDA graphs), then profiles ``--frames`` pushes with cProfile and

@@ -1,7 +1,7 @@
 """Memory of a long offline replay: ``lingbot-map-replay`` on a bag, every output on.
 
-    python benchmarks/offline_memory.py                          # 5,000 frames, tiny model, CPU
-    python benchmarks/offline_memory.py --frames 20000 --width 98 --out-json results/offline_memory.json
+    python benchmarks/stream/offline_memory.py                   # 5,000 frames, tiny model, CPU
+    python benchmarks/stream/offline_memory.py --frames 20000 --width 98 --out-json benchmarks/results/offline_memory.json
 
 Writes a rosbag2 (MCAP) of ``--frames`` JPEG-compressed images (the frames of
 ``../shared/data/loop``, cycled, 10 Hz) into ``--workdir``, then replays it in this
@@ -23,9 +23,10 @@ from pathlib import Path
 
 import numpy as np
 
-from provenance import run_record  # noqa: E402  (benchmarks/ is the script's folder)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
+from provenance import run_record  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
 
 
@@ -89,7 +90,7 @@ def main() -> int:
 
     h, w = next(iter(iter_depth(work / "p.npz")))[1].shape[1:]
     per_frame = h * w * (4 + 4 + 12)  # depth, confidence and the float32 input [3, H, W]: a former FrameResult
-    print(f"command: python benchmarks/offline_memory.py --frames {args.frames} --every {args.every} "
+    print(f"command: python benchmarks/stream/offline_memory.py --frames {args.frames} --every {args.every} "
           f"--width {args.width}", file=sys.stderr)
     print(f"model input {w}x{h}; exit status {code}")
     print("| frames | RSS (MiB) | former replay would hold (MiB) |")

@@ -1,7 +1,7 @@
 """Kernel-time table of steady-state one-frame steps (torch.profiler).
 
-    python benchmarks/profile_step.py --backend flashinfer-fa3 --frames 5
-    python benchmarks/profile_step.py --graphs [--queued] --frames 20
+    python benchmarks/stream/profile_step.py --backend flashinfer-fa3 --frames 5
+    python benchmarks/stream/profile_step.py --graphs [--queued] --frames 20
 
 Streams until the window is full, then profiles ``--frames`` steps and prints the CUDA
 kernels by total time per frame, plus the sum of kernel time per frame (gap-free GPU

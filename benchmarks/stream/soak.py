@@ -1,7 +1,7 @@
 """Soak test: a long stream through LongStreamSession with automatic restarts.
 
-    python benchmarks/soak.py                       # CPU, tiny model, 10,000 frames of 56x98
-    python benchmarks/soak.py --device cuda --preset lingbot-map --height 378 --width 518 \\
+    python benchmarks/stream/soak.py                # CPU, tiny model, 10,000 frames of 56x98
+    python benchmarks/stream/soak.py --device cuda --preset lingbot-map --height 378 --width 518 \\
         --dtype bf16 --frames 20000
 
 Streams ``--frames`` generated frames (seeded, a drifting texture plus noise) and, every
@@ -39,13 +39,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from provenance import run_record  # noqa: E402  (benchmarks/ is the script's folder)
-from lingbot_map_ros.config import ModelConfig, StreamConfig
-from lingbot_map_ros.io.checkpoint import load_model
-from lingbot_map_ros.stream.long_stream import LongStreamConfig, LongStreamSession
-from lingbot_map_ros.stream.session import StreamingSession
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
+from provenance import run_record  # noqa: E402
+from lingbot_map_ros.config import ModelConfig, StreamConfig  # noqa: E402
+from lingbot_map_ros.io.checkpoint import load_model  # noqa: E402
+from lingbot_map_ros.stream.long_stream import LongStreamConfig, LongStreamSession  # noqa: E402
+from lingbot_map_ros.stream.session import StreamingSession  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "benchmarks" / "results"
 FIXTURE_WEIGHTS = [REPO / ".." / "shared" / "fixtures" / "upstream_tiny" / "weights.safetensors",
                    REPO / ".fixtures" / "upstream_tiny" / "weights.safetensors"]

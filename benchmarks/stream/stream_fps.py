@@ -1,6 +1,6 @@
 """Streaming throughput of the released configuration (random weights) on one GPU.
 
-    python benchmarks/stream_fps.py --backend flashinfer-fa3 --dtype bf16 --frames 300
+    python benchmarks/stream/stream_fps.py --backend flashinfer-fa3 --dtype bf16 --frames 300
 
 Streams ``--frames`` random frames (seeded) at the given resolution through a
 StreamingSession with the camera head (``--camera-iterations``) and the depth
@@ -30,12 +30,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from provenance import run_record  # noqa: E402  (benchmarks/ is the script's folder)
-from lingbot_map_ros.config import FA3_TILES, ModelConfig, StreamConfig, parse_fa3_tiles
-from lingbot_map_ros.io.checkpoint import load_model
-from lingbot_map_ros.stream.session import StreamingSession
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
+from provenance import run_record  # noqa: E402
+from lingbot_map_ros.config import FA3_TILES, ModelConfig, StreamConfig, parse_fa3_tiles  # noqa: E402
+from lingbot_map_ros.io.checkpoint import load_model  # noqa: E402
+from lingbot_map_ros.stream.session import StreamingSession  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def parse_args(argv=None):
@@ -368,7 +369,7 @@ def main(argv=None):
         "phase1_ms": None if phase1_ms is None else round(phase1_ms, 1),
         "first_phase2_step_ms": None if first_step_ms is None else round(first_step_ms, 1),
         "stage_breakdown_note": "eager step (module-hook CUDA events cannot time inside a graph); eager Python "
-                                "launches of the Triton kernels inflate it: see benchmarks/profile_step.py for "
+                                "launches of the Triton kernels inflate it: see benchmarks/stream/profile_step.py for "
                                 "kernel times",
         "warmup_s": round(warmup_s, 1), "model_load_s": round(load_s, 1),
         "stage_ms_per_frame": stages,
@@ -377,8 +378,8 @@ def main(argv=None):
         "bf16_vs_fp32": deviation,
         "versions": {"torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
                      "flashinfer": _flashinfer_version()},
-        "command": "python benchmarks/stream_fps.py " + " ".join(sys.argv[1:] if argv is None else argv),
-        "run": run_record(["benchmarks/stream_fps.py"] + list(sys.argv[1:] if argv is None else argv)),
+        "command": "python benchmarks/stream/stream_fps.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "run": run_record([__file__] + list(sys.argv[1:] if argv is None else argv)),
     }
     text = json.dumps(result, indent=2)
     print(text)
