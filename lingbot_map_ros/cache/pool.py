@@ -65,7 +65,11 @@ def make_device_plan(plan: StepPlan, tokens_per_frame: int, device: torch.device
 
 
 class KVPool:
-    """K and V pages of every global layer: [layers, pages, page_size, heads, head_dim]."""
+    """K and V pages of every global layer: [layers, pages, page_size, heads, head_dim].
+
+    Its own allocation, or (``KVPool.of``) a view of a ``SharedKVStorage`` extent: the
+    same layout (each layer's pages one contiguous block), so backends and CUDA graphs
+    take either."""
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -73,6 +77,13 @@ class KVPool:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.page_size = page_size
+
+    @classmethod
+    def of(cls, k: Tensor, v: Tensor) -> "KVPool":
+        """A pool over existing [layers, pages, page_size, heads, head_dim] tensors (no copy)."""
+        pool = cls.__new__(cls)
+        pool.k, pool.v, pool.page_size = k, v, k.shape[2]
+        return pool
 
     @property
     def nbytes(self) -> int:
@@ -158,3 +169,191 @@ class PoolAttention:
 
     def attend_written(self, layer: int, q: Tensor) -> Tensor:
         return self.backend.attend(q, self.pool.k[layer], self.pool.v[layer])
+
+
+class PoolFullError(RuntimeError):
+    """A ``SharedKVStorage`` lease does not fit; nothing changed."""
+
+
+@dataclass(frozen=True)
+class Lease:
+    """One owner's extent of a ``SharedKVStorage``: tokens [start, start + pages * page_size)."""
+
+    owner: str
+    start: int
+    pages: int
+    page_size: int
+
+    @property
+    def tokens(self) -> int:
+        return self.pages * self.page_size
+
+    @property
+    def end(self) -> int:
+        return self.start + self.tokens
+
+
+class SharedKVStorage:
+    """One K/V allocation that several caches draw their pages from (several cameras).
+
+    K and V are [layers, capacity, heads, head_dim]; an owner leases a contiguous extent
+    of ``pages * page_size`` tokens and gets a ``KVPool`` viewing it as its own
+    [layers, pages, page_size, heads, head_dim] pool, with page ids 0..pages-1 of its
+    own (its ``PageTable`` is unchanged). Owners with different resolutions (page
+    sizes) share the storage. Free extents form one list (first fit, neighbours merged
+    on release). An owner can address only its extent: the view ends there, and
+    ``check_pages`` refuses a page id past it before a step writes or reads anything.
+
+    Capacity is given, or (0) taken at the first lease as ``reserve`` times that lease;
+    a lease that does not fit grows the storage to what is needed when ``growable``:
+    the extents are copied to the same offsets of a new allocation and ``generation``
+    goes up (owners must take their view again, ``view``; CUDA graphs bound to the old
+    one must be rebuilt). Not thread-safe: one thread drives all owners.
+    """
+
+    def __init__(self, num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
+                 capacity_tokens: int = 0, reserve: int = 1, growable: bool = True) -> None:
+        if capacity_tokens < 0 or reserve < 1:
+            raise ValueError(f"capacity_tokens must be >= 0 and reserve >= 1 (got {capacity_tokens}, {reserve})")
+        self.num_layers, self.num_heads, self.head_dim = num_layers, num_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        self.reserve, self.growable = reserve, growable
+        self.capacity = capacity_tokens
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+        self.generation = 0  # bumped when the allocation moves (growth)
+        self._leases: dict[str, Lease] = {}
+        self._free: list[tuple[int, int]] = [(0, capacity_tokens)] if capacity_tokens else []  # (start, end)
+        if capacity_tokens:
+            self._allocate(capacity_tokens)
+
+    # ------------------------------------------------------------------ queries
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.k is None else 2 * self.k.numel() * self.k.element_size()
+
+    @property
+    def leased_tokens(self) -> int:
+        return sum(l.tokens for l in self._leases.values())
+
+    def lease_of(self, owner: str) -> Lease | None:
+        return self._leases.get(owner)
+
+    def leases(self) -> list[Lease]:
+        return sorted(self._leases.values(), key=lambda l: l.start)
+
+    def free_extents(self) -> list[tuple[int, int]]:
+        return list(self._free)
+
+    def owner_of(self, token: int) -> str | None:
+        """The owner whose extent holds flat token ``token`` (None: free)."""
+        for lease in self._leases.values():
+            if lease.start <= token < lease.end:
+                return lease.owner
+        return None
+
+    # ------------------------------------------------------------------ leases
+    def lease(self, owner: str, pages: int, page_size: int) -> KVPool:
+        """Take an extent of ``pages`` pages of ``page_size`` tokens for ``owner`` (which must
+        hold none) and return its pool view. PoolFullError when it does not fit and the
+        storage may not grow; nothing changed then."""
+        if owner in self._leases:
+            raise ValueError(f"{owner!r} already holds an extent; release it first")
+        if pages <= 0 or page_size <= 0:
+            raise ValueError(f"a lease needs pages > 0 and page_size > 0 (got {pages}, {page_size})")
+        need = pages * page_size
+        if self.k is None and not self.capacity:
+            self.capacity = need * self.reserve
+            self._free = [(0, self.capacity)]
+            self._allocate(self.capacity)
+        start = self._first_fit(need)
+        if start is None:
+            if not self.growable:
+                raise PoolFullError(f"the shared K/V storage has no free extent of {need} tokens for {owner!r} "
+                                    f"(capacity {self.capacity}, leased {self.leased_tokens}, free "
+                                    f"{self.capacity - self.leased_tokens} in {len(self._free)} extents)")
+            self._grow(need)
+            start = self._first_fit(need)
+            assert start is not None
+        self._take(start, need)
+        self._leases[owner] = Lease(owner, start, pages, page_size)
+        return self.view(owner)
+
+    def release(self, owner: str) -> None:
+        """Return ``owner``'s extent to the free list (nothing when it holds none)."""
+        lease = self._leases.pop(owner, None)
+        if lease is None:
+            return
+        self._free.append((lease.start, lease.end))
+        self._free.sort()
+        merged: list[tuple[int, int]] = []
+        for s, e in self._free:
+            if merged and merged[-1][1] == s:
+                merged[-1] = (merged[-1][0], e)
+            else:
+                merged.append((s, e))
+        self._free = merged
+
+    def view(self, owner: str) -> KVPool:
+        """``owner``'s pool: [layers, pages, page_size, heads, head_dim] views of its extent."""
+        lease = self._leases[owner]
+        shape = (self.num_layers, lease.pages, lease.page_size, self.num_heads, self.head_dim)
+        return KVPool.of(self.k[:, lease.start:lease.end].view(shape), self.v[:, lease.start:lease.end].view(shape))
+
+    def check_pages(self, owner: str, page_ids, last_slot: int | None = None) -> None:
+        """Raise CrossedExtentError unless every page id lies in ``owner``'s extent (0..pages-1)
+        and flat slot ``last_slot`` (relative to the extent) does too."""
+        lease = self._leases.get(owner)
+        if lease is None:
+            raise CrossedExtentError(f"{owner!r} holds no extent of the shared K/V storage")
+        lo, hi = min(page_ids), max(page_ids)
+        if lo < 0 or hi >= lease.pages or (last_slot is not None and not 0 <= last_slot < lease.tokens):
+            raise CrossedExtentError(f"{owner!r} would address page {lo if lo < 0 else hi} (slot {last_slot}) "
+                                     f"outside its {lease.pages} pages: another owner's cache")
+
+    # ------------------------------------------------------------------ internals
+    def _allocate(self, tokens: int) -> None:
+        shape = (self.num_layers, tokens, self.num_heads, self.head_dim)
+        self.k = self.v = None  # the old tensors go before the new ones come (growth copies first)
+        self.k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+
+    def _first_fit(self, need: int) -> int | None:
+        for s, e in self._free:
+            if e - s >= need:
+                return s
+        return None
+
+    def _take(self, start: int, need: int) -> None:
+        for i, (s, e) in enumerate(self._free):
+            if s == start:
+                if e - s == need:
+                    del self._free[i]
+                else:
+                    self._free[i] = (s + need, e)
+                return
+        raise AssertionError("extent not free")
+
+    def _grow(self, need: int) -> None:
+        """A larger allocation holding every extent at its offset plus ``need`` free tokens at the end."""
+        tail_free = self._free[-1][1] - self._free[-1][0] if self._free and self._free[-1][1] == self.capacity else 0
+        new_capacity = self.capacity + need - tail_free
+        old_k, old_v, old_capacity = self.k, self.v, self.capacity
+        shape = (self.num_layers, new_capacity, self.num_heads, self.head_dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        v = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if old_k is not None:
+            k[:, :old_capacity].copy_(old_k)
+            v[:, :old_capacity].copy_(old_v)
+        self.k, self.v = k, v
+        del old_k, old_v
+        if tail_free:
+            self._free[-1] = (self._free[-1][0], new_capacity)
+        else:
+            self._free.append((old_capacity, new_capacity))
+        self.capacity = new_capacity
+        self.generation += 1
+
+
+class CrossedExtentError(AssertionError):
+    """A step would have addressed pages outside its owner's extent of a shared storage."""

@@ -29,7 +29,7 @@ from torch import Tensor
 from .. import kernels
 from ..cache.attention import AttentionBackend, UngraphableStep, make_backend
 from ..cache.pages import CacheError, CacheFullError, CacheStats, PageTable, StepPlan
-from ..cache.pool import CameraKVCache, KVPool, PoolAttention, make_device_plan
+from ..cache.pool import CameraKVCache, KVPool, PoolAttention, PoolFullError, SharedKVStorage, make_device_plan
 from ..config import SPECIAL_TOKENS, StreamConfig
 from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
 from ..model.lingbot import LingBotMap, StepOptions
@@ -77,7 +77,13 @@ def _torch_dtype(name: str) -> torch.dtype:
 
 class StreamingSession:
     def __init__(self, model: LingBotMap, cfg: StreamConfig, backend: AttentionBackend | None = None,
-                 with_depth: bool = True) -> None:
+                 with_depth: bool = True, storage: SharedKVStorage | None = None, owner: str = "",
+                 share_from: StreamingSession | None = None) -> None:
+        """``storage``/``owner``: take the K/V pages from that shared storage under that name
+        (several cameras, ``stream.multi``) instead of an allocation of its own.
+        ``share_from``: a session on the same model whose step options (the heads'
+        reduced-precision copies, the head stream, the kernel decision) this one reuses,
+        so N sessions hold one copy of the weights; both are driven from one thread."""
         self.model = model.eval()
         self.cfg = cfg
         self.device = next(model.parameters()).device
@@ -86,12 +92,20 @@ class StreamingSession:
         if agg_dtype != self.dtype:
             raise SessionError(f"the model's aggregator is {agg_dtype} but the stream dtype is {cfg.dtype}; "
                                "load the model with the same dtype (io.checkpoint.load_model(dtype=...))")
-        fused, triton = self._resolve_kernels()
+        if share_from is not None:
+            if share_from.model is not model or share_from.dtype != self.dtype or share_from.with_depth != with_depth:
+                raise SessionError("share_from must be a session on the same model, dtype and depth setting")
+            fused, triton = share_from.fused, share_from._merge_kernel
+        else:
+            fused, triton = self._resolve_kernels()
         self._merge_kernel = triton  # FlashInfer's split-KV merge: the Triton kernel wherever Triton runs here
         self.backend = backend or make_backend(cfg.backend, self.device, self.dtype, kv_splits=cfg.kv_splits,
                                                fa3_tiles=cfg.fa3_tiles, fused_merge=triton)
         # how every step runs, eager or graphed (a test may replace it before the first frame)
-        self.step_options = self._make_step_options(fused, with_depth)
+        self.step_options = share_from.step_options if share_from is not None else \
+            self._make_step_options(fused, with_depth)
+        self._storage, self._owner = storage, owner
+        self._pool_generation = -1  # the storage generation self._pool views
         self._pages: PageTable | None = None
         self._pool: KVPool | None = None
         self._camera: CameraKVCache | None = None
@@ -333,8 +347,17 @@ class StreamingSession:
         self._graphed = None  # bound to the old pool
         self._next = None
         self._pool = None  # free the old pool before allocating the new one
-        self._pool = KVPool(mcfg.depth, self._pages.num_pages, page_size, mcfg.num_heads, mcfg.head_dim,
-                            self.dtype, self.device)
+        if self._storage is None:
+            self._pool = KVPool(mcfg.depth, self._pages.num_pages, page_size, mcfg.num_heads, mcfg.head_dim,
+                                self.dtype, self.device)
+        else:
+            self._storage.release(self._owner)
+            try:
+                self._pool = self._storage.lease(self._owner, self._pages.num_pages, page_size)
+            except PoolFullError as exc:
+                self._pages, self._resolution = None, None
+                raise CacheFullError(str(exc)) from None
+            self._pool_generation = self._storage.generation
         if self._camera is None:
             head_dim = mcfg.camera_dim // mcfg.camera_num_heads
             # fused: its graph-step attention through the Triton kernel
@@ -350,8 +373,12 @@ class StreamingSession:
         t0 = time.perf_counter()
         s, _, h, w = frames.shape
         self._ensure_cache(h, w)
+        if self._storage is not None and self._storage.generation != self._pool_generation:
+            self._rebind_storage()
         pages, pool, camera = self._pages, self._pool, self._camera
         plan: StepPlan = pages.plan_step(s, store)
+        if self._storage is not None:  # never a page of another camera's extent
+            self._storage.check_pages(self._owner, plan.read_pages + plan.frame_pages, max(plan.special_slots))
         tokens = SPECIAL_TOKENS + plan.page_size
         speculated, self._next = self._next, None
         prepared = speculated is not None and speculated[0] == plan
@@ -383,6 +410,14 @@ class StreamingSession:
         if graphed is not None:
             self._speculate(graphed, tokens)
         return pending
+
+    def _rebind_storage(self) -> None:
+        """The shared storage moved (it grew for another owner): view the new allocation (the
+        contents were copied to the same offsets); graphs bound to the old one are rebuilt."""
+        self.wait()
+        self._pool = self._storage.view(self._owner)
+        self._graphed, self._next = None, None
+        self._pool_generation = self._storage.generation
 
     def _make_room(self) -> None:
         """Forget settled steps; wait for the oldest ones until fewer than MAX_IN_FLIGHT run."""
