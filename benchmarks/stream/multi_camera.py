@@ -1,0 +1,240 @@
+"""Several cameras on one GPU, one model, one K/V storage (``stream.multi.CameraSessions``).
+
+    python benchmarks/stream/multi_camera.py --cameras 1 2 3 4 --rate 15 --seconds 20
+
+For each camera count N (released configuration: 518x378, bf16, FlashInfer FA3, CUDA
+graphs, full window, random weights):
+
+* saturated: every camera always has a frame; cameras are served in turn and one
+  camera's step is submitted before the previous camera's results are taken (the GPU
+  never waits for the host). Aggregate frames/s over the steady state (windows full).
+* real time: each camera delivers a uint8 host frame at ``--rate`` Hz (cameras offset by
+  1/(rate*N) s); each camera has a latest-frame slot (a frame that arrives while the
+  previous one still waits replaces it: counted as dropped); the loop serves ready
+  cameras round-robin with ``push`` (as the node's inference thread does). Latency =
+  results on the host minus the frame's arrival; per camera median/p95, processed,
+  dropped.
+* memory: peak GPU memory allocated from building the sessions to the end, and what one
+  camera's cache is (its extent of the shared K/V storage + its camera-head cache), so
+  that peak(N) can be compared with peak(1) + (N-1) x one camera's cache.
+
+A benchmark, not a test: nothing here asserts a speed. Writes JSON (``--out``, default
+``benchmarks/results/<gpu>_multi_camera.json``) with a ``run`` block (commit, device,
+command, date).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
+from provenance import run_record  # noqa: E402
+from lingbot_map_ros.config import ModelConfig, StreamConfig  # noqa: E402
+from lingbot_map_ros.io.checkpoint import load_model  # noqa: E402
+from lingbot_map_ros.stream.multi import CameraSessions  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+NAMES = ("cam0", "cam1", "cam2", "cam3", "cam4", "cam5", "cam6", "cam7")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cameras", type=int, nargs="+", default=[1, 2, 3, 4])
+    p.add_argument("--height", type=int, default=378)
+    p.add_argument("--width", type=int, default=518)
+    p.add_argument("--backend", default="flashinfer-fa3")
+    p.add_argument("--num-scale-frames", type=int, default=8)
+    p.add_argument("--sliding-window", type=int, default=64)
+    p.add_argument("--saturated-rounds", type=int, default=120, help="timed rounds (one frame per camera each)")
+    p.add_argument("--rate", type=float, default=15.0, help="frames per second of each camera (real-time part)")
+    p.add_argument("--seconds", type=float, default=20.0, help="length of the real-time part per camera count")
+    p.add_argument("--preset", default="lingbot-map")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path)
+    return p.parse_args(argv)
+
+
+def camera_frames(n: int, h: int, w: int, seed: int) -> list[np.ndarray]:
+    """n distinct uint8 [H, W, 3] host frames (a drifting random texture), cycled by the caller."""
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.rand(3, h, w, generator=gen)
+    out = []
+    for i in range(n):
+        frame = 0.7 * torch.roll(base, shifts=(i % h, (3 * i) % w), dims=(1, 2)) + 0.3 * torch.rand(3, h, w, generator=gen)
+        out.append((frame * 255).round().to(torch.uint8).permute(1, 2, 0).contiguous().numpy())
+    return out
+
+
+def stream_config(args) -> StreamConfig:
+    return StreamConfig(num_scale_frames=args.num_scale_frames, sliding_window=args.sliding_window,
+                        backend=args.backend, dtype="bf16", device="cuda")
+
+
+def fill_windows(cams: CameraSessions, frames: dict, args) -> int:
+    """Feed every camera until its window is full (untimed); returns frames fed per camera."""
+    n = args.num_scale_frames + args.sliding_window + 2
+    for i in range(n):
+        for c, session in cams.sessions.items():
+            session.push(frames[c][i % len(frames[c])])
+    return n
+
+
+def saturated(cams: CameraSessions, frames: dict, start: int, rounds: int) -> dict:
+    """Cameras in turn, each submit before the previous camera's results are taken."""
+    names = list(cams.sessions)
+    pending = None
+    per_round = []
+    torch.cuda.synchronize()
+    t_all = time.perf_counter()
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        for c in names:
+            p = cams.sessions[c].submit(frames[c][(start + r) % len(frames[c])])
+            if pending is not None:
+                pending.result()
+            pending = p
+        per_round.append((time.perf_counter() - t0) * 1e3)
+    pending.result()
+    total = time.perf_counter() - t_all
+    frames_done = rounds * len(names)
+    return {"frames": frames_done, "aggregate_fps": round(frames_done / total, 2),
+            "ms_per_frame": round(total * 1e3 / frames_done, 3),
+            "round_median_ms": round(statistics.median(per_round), 3)}
+
+
+def real_time(cams: CameraSessions, frames: dict, start: int, rate: float, seconds: float) -> dict:
+    """Cameras deliver at ``rate`` Hz; latest-frame slot per camera; round-robin ``push``."""
+    names = list(cams.sessions)
+    n = len(names)
+    period = 1.0 / rate
+    t0 = time.perf_counter() + 0.05
+    next_k = {c: 0 for c in names}  # next frame number of each camera
+    slot: dict[str, tuple[float, int] | None] = {c: None for c in names}  # (arrival, k)
+    lat = {c: [] for c in names}
+    dropped = {c: 0 for c in names}
+    total_per_camera = int(seconds * rate)
+    turn = 0
+
+    def deliver(now: float) -> None:
+        for i, c in enumerate(names):
+            while next_k[c] < total_per_camera:
+                arrival = t0 + next_k[c] * period + i * period / n
+                if arrival > now:
+                    break
+                if slot[c] is not None:
+                    dropped[c] += 1
+                slot[c] = (arrival, next_k[c])
+                next_k[c] += 1
+
+    while True:
+        now = time.perf_counter()
+        deliver(now)
+        ready = [names[(turn + j) % n] for j in range(n) if slot[names[(turn + j) % n]] is not None]
+        if not ready:
+            if all(next_k[c] >= total_per_camera for c in names):
+                break
+            nxt = min(t0 + next_k[c] * period + i * period / n for i, c in enumerate(names)
+                      if next_k[c] < total_per_camera)
+            time.sleep(max(0.0, min(nxt - time.perf_counter(), 0.005)))
+            continue
+        c = ready[0]
+        turn = (names.index(c) + 1) % n
+        arrival, k = slot[c]
+        slot[c] = None
+        cams.sessions[c].push(frames[c][(start + k) % len(frames[c])])
+        lat[c].append((time.perf_counter() - arrival) * 1e3)
+    out = {}
+    for c in names:
+        v = lat[c]
+        out[c] = {"processed": len(v), "dropped": dropped[c], "delivered": total_per_camera,
+                  "median_ms": round(statistics.median(v), 2) if v else None,
+                  "p95_ms": round(float(np.percentile(v, 95)), 2) if v else None,
+                  "max_ms": round(max(v), 2) if v else None}
+    return out
+
+
+def camera_cache_bytes(cams: CameraSessions, name: str) -> int:
+    lease = cams.storage.lease_of(name)
+    storage = cams.storage
+    kv = 2 * storage.num_layers * lease.tokens * storage.num_heads * storage.head_dim * storage.k.element_size()
+    cam = cams.inner[name]._camera
+    return kv + 2 * cam.k.numel() * cam.k.element_size()
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("multi_camera: a CUDA device is required", file=sys.stderr)
+        return 2
+    gpu = torch.cuda.get_device_name()
+    model = load_model(ModelConfig.preset(args.preset), None, "cuda", "bf16", seed=args.seed)
+    weights_gib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**30
+    cfg = stream_config(args)
+    pool = {NAMES[i]: camera_frames(24, args.height, args.width, args.seed + i) for i in range(max(args.cameras))}
+
+    # warm-up: JIT compilation, allocator growth (not counted)
+    warm = CameraSessions(model, {"warm": (cfg, None)})
+    fill_windows(warm, {"warm": pool[NAMES[0]]}, args)
+    del warm
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+
+    runs = []
+    for n in args.cameras:
+        names = NAMES[:n]
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        cams = CameraSessions(model, {c: (cfg, None) for c in names})
+        frames = {c: pool[c] for c in names}
+        start = fill_windows(cams, frames, args)
+        sat = saturated(cams, frames, start, args.saturated_rounds)
+        rt = real_time(cams, frames, start + args.saturated_rounds, args.rate, args.seconds)
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated()
+        status = cams.pool_status()
+        run = {"cameras": n, "saturated": sat, "real_time": rt,
+               "peak_gpu_memory_gib": round(peak / 2**30, 3),
+               "peak_above_weights_gib": round((peak - base) / 2**30, 3),
+               "one_camera_cache_gib": round(camera_cache_bytes(cams, names[0]) / 2**30, 3),
+               "storage": {"capacity_tokens": status.capacity_tokens, "leased_tokens": status.leased_tokens,
+                           "gib": round(status.nbytes / 2**30, 3), "generation": cams.storage.generation},
+               "graph_fallbacks": sum(s.graph_fallbacks for s in cams.inner.values())}
+        runs.append(run)
+        print(json.dumps(run), flush=True)
+        del cams
+    single = next((r for r in runs if r["cameras"] == 1), None)
+    for r in runs:
+        if single is not None:
+            bound = single["peak_gpu_memory_gib"] + (r["cameras"] - 1) * single["one_camera_cache_gib"]
+            r["memory_bound_gib"] = round(bound, 3)
+            r["memory_within_bound"] = r["peak_gpu_memory_gib"] <= bound
+            r["throughput_vs_single"] = round(r["saturated"]["aggregate_fps"] / single["saturated"]["aggregate_fps"], 3)
+    result = {"gpu": gpu, "weights_gib": round(weights_gib, 3),
+              "setting": {"resolution": [args.height, args.width], "backend": args.backend, "dtype": "bf16",
+                          "num_scale_frames": args.num_scale_frames, "sliding_window": args.sliding_window,
+                          "rate_hz": args.rate, "seconds": args.seconds, "saturated_rounds": args.saturated_rounds,
+                          "input": "uint8 host frames", "scheduling": "cameras in turn, one step each",
+                          "weights": f"random (seed {args.seed})"},
+              "runs": runs,
+              "run": run_record([__file__] + list(sys.argv[1:] if argv is None else argv))}
+    text = json.dumps(result, indent=2)
+    print(text)
+    out = args.out or RESULTS / f"{re.sub(r'[^A-Za-z0-9]+', '_', gpu).strip('_').lower()}_multi_camera.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text + "\n")
+    print(f"wrote {out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
