@@ -22,6 +22,10 @@ thresholds are ``HealthConfig`` fields):
   ``recover_after`` of them bring ``degraded`` or ``lost`` back to ``tracking``; a bad frame
   restarts the count.
 
+The node's ``health_*`` parameters set the main thresholds (``HEALTH_PARAMETERS`` maps them
+onto the fields; ``config_from_parameters``); they may change while it runs
+(``TrackingHealth.reconfigure`` keeps the state).
+
 Steps are measured between consecutive frames given a pose, in the units of the pose
 fed in: feed the model's own pose (model units) so that a change of the metric scale
 does not look like a jump; ``jump_floor`` is then in model units.
@@ -38,8 +42,10 @@ from __future__ import annotations
 import enum
 import logging
 import math
+import re
 from collections import deque
 from dataclasses import dataclass, fields
+from typing import Any, Mapping
 
 import numpy as np
 
@@ -106,6 +112,41 @@ def _require(cond: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+# The node's parameters that set ``HealthConfig`` fields (the rest keep their defaults).
+HEALTH_PARAMETERS: dict[str, str] = {
+    "health_degraded_valid_fraction": "degraded_valid_fraction",
+    "health_lost_valid_fraction": "lost_valid_fraction",
+    "health_lost_after": "lost_after",
+    "health_init_frames": "init_frames",
+    "health_recover_after": "recover_after",
+    "health_jump_factor": "jump_factor",
+    "health_jump_floor": "jump_floor",
+    "health_max_rotation_deg": "max_rotation_step_deg",
+    "health_translation_std": "base_translation_std",
+    "health_rotation_std_deg": "base_rotation_std_deg",
+}
+
+
+def config_from_parameters(values: Mapping[str, Any] | Any) -> HealthConfig:
+    """``HealthConfig`` from the node's ``health_*`` parameters (a mapping, or an object with
+    them as attributes such as ``NodeSettings``; a missing one keeps its default).
+
+    Raises:
+        ConfigError: a value or a combination is refused; the message names the parameters
+            (``health_lost_valid_fraction``), not the config fields.
+    """
+    get = values.get if isinstance(values, Mapping) else (lambda name, default: getattr(values, name, default))
+    defaults = HealthConfig()
+    kwargs = {field: get(param, getattr(defaults, field)) for param, field in HEALTH_PARAMETERS.items()}
+    try:
+        return HealthConfig(**kwargs)
+    except ConfigError as exc:
+        message = str(exc)
+        for param, field in HEALTH_PARAMETERS.items():
+            message = re.sub(rf"\b{field}\b", param, message)
+        raise ConfigError(message) from None
+
+
 @dataclass(frozen=True)
 class HealthStatus:
     """Result of one ``TrackingHealth.update``."""
@@ -130,6 +171,12 @@ class TrackingHealth:
     @property
     def state(self) -> TrackingState:
         return self._state
+
+    def reconfigure(self, config: HealthConfig) -> None:
+        """New thresholds from the next frame on; the state, the runs and the recent steps stay
+        (the step history is trimmed to the new ``jump_window``)."""
+        self.config = config
+        self._steps = deque(self._steps, maxlen=config.jump_window)
 
     def reset(self) -> None:
         """Back to ``initializing`` with no pose history (a new sequence / world)."""
@@ -225,4 +272,5 @@ class TrackingHealth:
         return np.diag([var_t, var_t, var_t, var_r, var_r, var_r])
 
 
-__all__ = ["HealthConfig", "HealthStatus", "TrackingHealth", "TrackingState"]
+__all__ = ["HEALTH_PARAMETERS", "HealthConfig", "HealthStatus", "TrackingHealth", "TrackingState",
+           "config_from_parameters"]
