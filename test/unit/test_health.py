@@ -152,3 +152,48 @@ def test_config_errors_name_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         HealthConfig(**kwargs)
     assert issubclass(ConfigError, ValueError)
+
+
+# ------------------------------------------------------------------ node parameters
+def test_every_health_parameter_is_declared_with_the_config_default():
+    """The node declares each ``health_*`` parameter, run-time settable, with HealthConfig's default."""
+    from lingbot_map_ros.robot.health import HEALTH_PARAMETERS
+    from lingbot_map_ros.ros.params import PARAMETERS
+
+    table = {p.name: p for p in PARAMETERS}
+    defaults = HealthConfig()
+    for param, field in HEALTH_PARAMETERS.items():
+        assert table[param].dynamic and table[param].description, param
+        assert table[param].default == getattr(defaults, field), param
+    assert sorted(p for p in table if p.startswith("health_")) == sorted(HEALTH_PARAMETERS)
+
+
+def test_config_from_parameters_maps_the_names_and_errors_name_the_parameters():
+    from lingbot_map_ros.robot.health import config_from_parameters
+    from lingbot_map_ros.ros.params import apply_dynamic, resolve_settings
+
+    cfg = config_from_parameters({"health_max_rotation_deg": 180.0, "health_lost_after": 2})
+    assert (cfg.max_rotation_step_deg, cfg.lost_after, cfg.jump_factor) == (180.0, 2, HealthConfig().jump_factor)
+    settings = resolve_settings({"health_jump_factor": 50.0, "health_recover_after": 1})
+    cfg = config_from_parameters(settings)
+    assert (cfg.jump_factor, cfg.recover_after) == (50.0, 1)
+    with pytest.raises(ConfigError, match=r"need health_lost_valid_fraction \(0\.5\) <= health_degraded_valid_"):
+        config_from_parameters({"health_lost_valid_fraction": 0.5})
+    # the combination is checked at start and on a run-time set; the settings stay as they were
+    with pytest.raises(ConfigError, match="health_degraded_valid_fraction"):
+        resolve_settings({"health_degraded_valid_fraction": 0.01})
+    with pytest.raises(ConfigError, match="health_lost_valid_fraction"):
+        apply_dynamic(settings, "health_lost_valid_fraction", 0.9)
+    assert settings.health_lost_valid_fraction == 0.05
+
+
+def test_reconfigure_keeps_the_state_and_applies_from_the_next_frame():
+    health, x = tracking(HealthConfig(max_rotation_step_deg=30.0))
+    health.update(0.9, pose(x, yaw_deg=40.0))
+    assert health.state == D
+    health.reconfigure(HealthConfig(max_rotation_step_deg=90.0, recover_after=1, jump_window=3,
+                                    jump_min_history=3))
+    assert health.state == D  # kept
+    st = health.update(0.9, pose(x + 0.02, yaw_deg=100.0))  # 60 degrees: a jump before, not now
+    assert st.reasons == () and st.state == T
+    assert health._steps.maxlen == 3 and len(health._steps) == 3  # the recent steps kept, trimmed
