@@ -14,6 +14,7 @@ are reported when they differ from the parameters, never silently applied.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -44,6 +45,15 @@ class Param:
     choices: tuple[str, ...] | None = None
     dynamic: bool = False  # may change while the node runs (ros2 param set); else read-only
 
+
+# Parameters a camera of ``cameras`` may set for itself as ``camera.<name>.<parameter>`` (declared for
+# the listed cameras only, each defaulting to the global value; the rest are shared by all cameras).
+CAMERA_PARAMETERS: tuple[str, ...] = (
+    "image_width", "keyframe_interval", "input_transport", "input_qos", "max_frame_age", "undistort",
+    "camera_frame", "camera_tf_frame", "deferred_eviction", "deferred_eviction_timeout",
+    "keyframe_decision_timeout", "keyframe_decision_default")
+CAMERA_PREFIX = "camera."
+_CAMERA_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 
 PARAMETERS: tuple[Param, ...] = (
     # -- model and device
@@ -201,6 +211,11 @@ PARAMETERS: tuple[Param, ...] = (
           "<camera optical frame>_lingbot (never the camera frame itself, which the URDF may parent)"),
     Param("camera_frame", "", "Optical frame of the camera; empty = the image header's frame_id "
           "(camera_optical_frame when that is empty too)"),
+    # -- several cameras (one model, one K/V pool; see ros/camera_channel.py)
+    Param("cameras", [], "Names of the cameras served by this node (string array); empty = one camera on "
+          "`image`/`camera_info` with outputs directly under the node. Each name c subscribes c/image (or "
+          "c/image/compressed) and c/camera_info, publishes under ~/c/ and takes camera.c.<name> parameters "
+          "for the per-camera ones (" + ", ".join(CAMERA_PARAMETERS) + ")"),
 )
 
 PARAMETER_NAMES = tuple(p.name for p in PARAMETERS)
@@ -269,6 +284,7 @@ class NodeSettings:
     health_max_rotation_deg: float = 30.0
     health_translation_std: float = 0.02
     health_rotation_std_deg: float = 1.0
+    cameras: tuple[str, ...] = ()  # empty = one camera, today's names
 
     def __post_init__(self) -> None:
         health_config_from(self)  # the health thresholds together (ConfigError names the parameters)
@@ -277,6 +293,10 @@ class NodeSettings:
 def check_value(param: Param, value: Any) -> None:
     """Raise ConfigError naming the parameter when ``value`` breaks its type, range or choices."""
     expected = type(param.default)
+    if expected is list:  # string arrays (cameras)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(x, str) for x in value):
+            raise ConfigError(f"parameter {param.name} must be a list of strings, got {value!r}")
+        return
     ok_type = isinstance(value, expected) and not (expected is int and isinstance(value, bool))
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         ok_type = True
@@ -349,8 +369,9 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
     if v["tf_mode"] == "map_to_base" and not v["base_frame"]:
         raise ConfigError("tf_mode map_to_base needs a non-empty base_frame")
 
+    cameras = check_camera_names(v["cameras"])
     settings = NodeSettings(model=model, stream=stream, long_stream=long_stream, checkpoint=v["checkpoint"] or None,
-                            **{k: v[k] for k in _PLAIN_FIELDS})
+                            cameras=cameras, **{k: v[k] for k in _PLAIN_FIELDS})
     for p in PARAMETERS:
         log(f"parameter {p.name} = {v[p.name]!r}")
     log(f"model: {'preset lingbot-map' if not data else v['model_config']} -> "
@@ -367,6 +388,7 @@ _PLAIN_FIELDS = ("seed", "image_width", "input_transport", "input_qos", "max_fra
                  "keyframe_decision_timeout", "keyframe_decision_default", "time_jump_threshold", "on_time_jump",
                  "on_lost", "undistort", "scale_source", "metric_scale", "scale_wait_for_convergence", "deferred_eviction") + tuple(HEALTH_PARAMETERS)
 DYNAMIC_PARAMETERS = frozenset(p.name for p in PARAMETERS if p.dynamic)
+_DEFAULTS = {p.name: p.default for p in PARAMETERS}
 
 
 def cuda_is_available() -> bool:
@@ -410,6 +432,102 @@ def apply_dynamic(settings: NodeSettings, name: str, value: Any) -> NodeSettings
     return replace(settings, **{name: value})
 
 
+# ------------------------------------------------------------------ several cameras
+def check_camera_names(names: Any) -> tuple[str, ...]:
+    """``cameras`` as a tuple; ConfigError for a name that is not a ROS name token (a letter, then
+    letters, digits, underscores: it becomes a topic namespace and a parameter prefix) or a repeat."""
+    names = tuple(names or ())
+    for name in names:
+        if not isinstance(name, str) or not _CAMERA_NAME.fullmatch(name):
+            raise ConfigError(f"parameter cameras: {name!r} is not a valid camera name (a letter, then letters, "
+                              "digits or underscores)")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ConfigError(f"parameter cameras names {', '.join(repeated)} more than once")
+    return names
+
+
+def camera_param_name(camera: str, name: str) -> str:
+    """``camera.<camera>.<name>``: the parameter of ``name`` for one camera."""
+    return f"{CAMERA_PREFIX}{camera}.{name}"
+
+
+def split_camera_param(full_name: str, cameras: tuple[str, ...]) -> tuple[str, str]:
+    """(camera, parameter) of ``camera.<camera>.<parameter>``; ConfigError naming the problem when the
+    camera is not in ``cameras`` or the parameter is not per camera (see ``CAMERA_PARAMETERS``)."""
+    parts = full_name.split(".")
+    if len(parts) != 3 or parts[0] + "." != CAMERA_PREFIX:
+        raise ConfigError(f"unknown parameter {full_name}: per-camera parameters are named "
+                          f"camera.<camera>.<parameter>")
+    _, camera, name = parts
+    if camera not in cameras:
+        listed = ", ".join(cameras) if cameras else "none (single-camera mode)"
+        raise ConfigError(f"unknown parameter {full_name}: {camera!r} is not in cameras (listed: {listed})")
+    if name not in CAMERA_PARAMETERS:
+        raise ConfigError(f"unknown parameter {full_name}: {name} is not a per-camera parameter (per camera: "
+                          f"{', '.join(CAMERA_PARAMETERS)})")
+    return camera, name
+
+
+def camera_values(cameras: tuple[str, ...], given: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """The per-camera values in ``given`` (every ``camera.*`` name there) as {camera: {parameter:
+    value}}, each checked against its parameter's type, range and choices; ConfigError naming
+    ``camera.<camera>.<parameter>`` for an unknown camera or parameter or a bad value."""
+    table = {p.name: p for p in PARAMETERS}
+    out: dict[str, dict[str, Any]] = {c: {} for c in cameras}
+    for full_name, value in given.items():
+        camera, name = split_camera_param(full_name, cameras)
+        check_value(replace(table[name], name=full_name), value)
+        out[camera][name] = value
+    return out
+
+
+def resolve_camera_settings(values: Mapping[str, Any], per_camera: Mapping[str, Mapping[str, Any]],
+                            log: Callable[[str], None] = lambda _m: None,
+                            cuda_available: Callable[[], bool] | None = None) -> dict[str, NodeSettings]:
+    """{camera: NodeSettings}: the global ``values`` with each camera's own (``camera_values``) on top,
+    resolved like ``resolve_settings`` (quietly: one log line per camera value that differs from the
+    global one). ConfigError names ``camera.<camera>.<parameter>`` (or the config rule broken for
+    that camera, e.g. an image_width that is not a multiple of the patch size)."""
+    out = {}
+    base = {k: v for k, v in values.items() if k != "cameras"}
+    for camera, own in per_camera.items():
+        try:
+            out[camera] = resolve_settings({**base, **own}, cuda_available=cuda_available)
+        except ConfigError as exc:
+            raise ConfigError(_name_camera(str(exc), camera, own)) from None
+        for name, value in own.items():
+            if value != base.get(name, _DEFAULTS[name]):
+                log(f"parameter {camera_param_name(camera, name)} = {value!r}")
+    return out
+
+
+def _name_camera(text: str, camera: str, own: Mapping[str, Any]) -> str:
+    """A ConfigError text about one camera's settings, naming ``camera.<camera>.<parameter>`` when the
+    camera set that parameter itself, else prefixed with the camera."""
+    for name in own:
+        if f"parameter {name} " in text:
+            return text.replace(f"parameter {name} ", f"parameter {camera_param_name(camera, name)} ", 1)
+    return f"camera {camera}: {text}"
+
+
+def apply_camera_dynamic(settings: Mapping[str, NodeSettings], name: str, value: Any) -> dict[str, NodeSettings]:
+    """Every camera's settings after the run-time change ``name`` = ``value`` (ConfigError names the
+    problem): ``camera.<c>.<p>`` changes camera c; a global parameter changes every camera, except
+    the per-camera ones, which are refused (set ``camera.<c>.<p>`` for each camera instead)."""
+    cameras = tuple(settings)
+    if name.startswith(CAMERA_PREFIX):
+        camera, param = split_camera_param(name, cameras)
+        try:
+            return {**settings, camera: apply_dynamic(settings[camera], param, value)}
+        except ConfigError as exc:
+            raise ConfigError(_name_camera(str(exc), camera, {param: value})) from None
+    if name in CAMERA_PARAMETERS and name in DYNAMIC_PARAMETERS:
+        raise ConfigError(f"parameter {name} is per camera when cameras are listed: set "
+                          + ", ".join(camera_param_name(c, name) for c in cameras))
+    return {c: apply_dynamic(s, name, value) for c, s in settings.items()}
+
+
 def params_file_text(values: Mapping[str, Any], node: str = "/**") -> str:
     """A ROS 2 parameters YAML file (``node: ros__parameters: ...``) for ``values``.
 
@@ -430,4 +548,6 @@ def write_params_file(path: str | Path, values: Mapping[str, Any], node: str = "
 __all__ = ["PARAMETERS", "PARAMETER_NAMES", "Param", "NodeSettings", "resolve_settings", "check_value",
            "params_file_text", "write_params_file", "INPUT_TRANSPORTS", "INPUT_QOS", "TF_MODES",
            "DYNAMIC_PARAMETERS", "apply_dynamic", "resolve_device", "cuda_is_available",
-           "DEFAULT_CAMERA_FRAME"]
+           "DEFAULT_CAMERA_FRAME", "CAMERA_PARAMETERS", "CAMERA_PREFIX", "check_camera_names",
+           "camera_param_name", "split_camera_param", "camera_values", "resolve_camera_settings",
+           "apply_camera_dynamic"]

@@ -3,7 +3,9 @@
 - ``WorkQueue``: what the inference thread consumes: a depth-1 latest-frame slot
   (a new frame replaces a waiting one, which is returned so the caller counts it as
   stale) plus a FIFO of commands. Items leave in arrival order, so a command sent
-  after a frame runs after that frame and before the next.
+  after a frame runs after that frame and before the next. Several queues may wake
+  one consumer: ``add_listener`` registers a ``threading.Event`` that every put and
+  close sets (the multi-camera scheduler waits on one event for all cameras).
 - ``Command``: a function to run on the inference thread; the caller waits on it with
   a timeout and may cancel it while it has not started.
 - ``Throttle``: at most one message per kind per period, with a count of the
@@ -80,6 +82,19 @@ class WorkQueue:
         self._commands: deque[Command] = deque()
         self._seq = 0
         self._closed = False
+        self._listeners: list[threading.Event] = []
+
+    def add_listener(self, event: threading.Event) -> None:
+        """Also set ``event`` whenever an item is put or the queue closes (another thread may wait
+        on it for several queues at once, then poll each with ``get(0)``)."""
+        with self._cond:
+            self._listeners.append(event)
+
+    def _wake(self) -> None:
+        """Under ``_cond``: wake the consumer blocked in ``get`` and every listener."""
+        self._cond.notify()
+        for event in self._listeners:
+            event.set()
 
     def put_frame(self, frame: Any) -> Any:
         """Offer a frame; returns the frame it replaced (now stale) or None."""
@@ -87,7 +102,7 @@ class WorkQueue:
             old = self._frame
             self._seq += 1
             self._frame, self._frame_seq = frame, self._seq
-            self._cond.notify()
+            self._wake()
             return old
 
     def put_command(self, command: Command) -> Command:
@@ -95,7 +110,7 @@ class WorkQueue:
             self._seq += 1
             command.seq = self._seq
             self._commands.append(command)
-            self._cond.notify()
+            self._wake()
         return command
 
     def get(self, timeout: float, frames: bool = True) -> Any:
@@ -124,6 +139,8 @@ class WorkQueue:
             self._commands.clear()
             self._frame = None
             self._cond.notify_all()
+            for event in self._listeners:
+                event.set()
         for c in left:
             c.cancel()
         return left

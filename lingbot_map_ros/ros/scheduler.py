@@ -1,0 +1,131 @@
+"""One inference thread for several cameras: ``CameraScheduler``.
+
+Each camera has its own ``InferenceEngine`` (its session, trajectory, map, latest-frame
+slot and command FIFO, ``engine.queue``); all of them share one model and one K/V
+storage (``stream.multi.CameraSessions``), so they must be driven from ONE thread. The
+scheduler is that thread:
+
+- Round-robin, one item per turn: the cameras are visited in their configured order
+  starting after the camera served last; the first one whose ``run_once(0)`` takes an
+  item (a frame from its slot, or a command) has its turn, then the next camera comes
+  first. A camera that floods frames therefore gets one step between any two of
+  another camera's items: nobody starves, and a command of camera B (a service call)
+  waits for at most one step of each other camera.
+- No busy loop: every queue sets one shared ``threading.Event`` when an item arrives
+  (``WorkQueue.add_listener``). When a full pass finds no work the thread waits on it,
+  at most ``idle_wait`` seconds, so the engines' own deadlines (a keyframe decision
+  hold, which ``run_once`` checks) are still honoured without an item arriving.
+- Stale frames: a camera's slot holds one frame; a newer one replaces it and the
+  engine counts the old one in its own ``frames_dropped_stale``. The scheduler counts
+  per camera the items it ran (``served``).
+
+The engines are duck-typed (``Engine``): the node passes ``ros.engine.InferenceEngine``s,
+the unit tests small fakes.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Mapping, Protocol
+
+from .worker import WorkQueue
+
+IDLE_WAIT_S = 0.05  # longest sleep without work: bounds the lateness of a decision hold's deadline
+_log = logging.getLogger(__name__)
+
+
+class OutputThread(Protocol):
+    def start(self) -> None: ...
+
+
+class Engine(Protocol):
+    queue: WorkQueue
+    outputs: OutputThread
+
+    def run_once(self, timeout: float = 0.0) -> bool: ...
+    def stop(self, timeout: float = 5.0) -> None: ...
+
+
+class CameraScheduler:
+    """Drives ``engines`` (name -> engine, in turn order) from one thread; see the module docstring."""
+
+    def __init__(self, engines: Mapping[str, Engine], idle_wait: float = IDLE_WAIT_S,
+                 name: str = "lingbot_map_inference") -> None:
+        if not engines:
+            raise ValueError("CameraScheduler needs at least one camera")
+        if not idle_wait > 0:
+            raise ValueError(f"idle_wait must be > 0 s, got {idle_wait}")
+        self.engines = dict(engines)
+        self.order = list(self.engines)
+        self.idle_wait = idle_wait
+        self.served = {name: 0 for name in self.order}  # items run per camera (inference thread writes)
+        self.idle_waits = 0  # passes that found no work and waited on the event
+        self._name = name
+        self._next = 0  # index in ``order`` of the camera looked at first in the next pass
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        for engine in self.engines.values():
+            engine.queue.add_listener(self._wake)
+
+    # ------------------------------------------------------------------ one pass
+    def run_turn(self) -> str | None:
+        """One pass over the cameras from the one after the last served: run the first item found
+        (one engine ``run_once(0)``) and return its camera, or None when nobody had work."""
+        n = len(self.order)
+        for k in range(n):
+            i = (self._next + k) % n
+            name = self.order[i]
+            if self.engines[name].run_once(0.0):
+                self.served[name] += 1
+                self._next = (i + 1) % n
+                return name
+        return None
+
+    def run_until_idle(self, max_items: int = 1_000_000) -> int:
+        """Run turns on the caller's thread until a pass finds no work (tests, in-process use);
+        returns the number of items run."""
+        count = 0
+        while count < max_items and self.run_turn() is not None:
+            count += 1
+        return count
+
+    # ------------------------------------------------------------------ thread
+    def start(self) -> None:
+        """Start every engine's output thread, then the inference thread."""
+        if self._thread is not None:
+            return
+        for engine in self.engines.values():
+            engine.outputs.start()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._loop, name=self._name, daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop the inference thread (after the step it is in), then every engine (its queue is
+        closed, pending commands cancelled, its output thread drained and stopped)."""
+        self._stop.set()
+        self._wake.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout)
+            if thread.is_alive():
+                _log.warning(f"the inference thread did not stop within {timeout:.1f} s")
+        for engine in self.engines.values():
+            engine.stop(timeout)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            # cleared BEFORE the pass: an item put during the pass sets it again, so it is never missed
+            self._wake.clear()
+            try:
+                served = self.run_turn()
+            except Exception as exc:  # run_once guards frames; a failure here must not end the thread
+                _log.error(f"scheduler: unexpected error: {type(exc).__name__}: {exc}")
+                served = None
+            if served is None and not self._stop.is_set():
+                self.idle_waits += 1
+                self._wake.wait(self.idle_wait)
+
+
+__all__ = ["CameraScheduler", "IDLE_WAIT_S"]
