@@ -1,5 +1,7 @@
 """Where and how a benchmark result was made, recorded in every result file.
 
+Scripts in ``benchmarks/<group>/`` import it with ``benchmarks/`` put on ``sys.path``.
+
 ``run_record()`` gives the commit (``LINGBOT_COMMIT`` when set: the device tool's copy of
 the tree may carry stale git metadata; else git's HEAD; else "unknown"), whether tracked
 files differed from git's HEAD, the device, the command line and the UTC date.
@@ -35,12 +37,14 @@ def device_name() -> str:
     return f"{platform.processor() or platform.machine()}, {os.cpu_count()} CPUs (cpu)"
 
 
-def run_record(argv: list[str] | None = None) -> dict:
+def run_record(argv: list[str] | None = None, device: str | None = None) -> dict:
+    """``argv``: the script's path and arguments (default ``sys.argv``); ``device``: a name
+    that replaces ``device_name()`` (e.g. a node's device, not this process's)."""
     head = _git("rev-parse", "HEAD")
     dirty = _git("status", "--porcelain", "--untracked-files=no") if head else None
     args = sys.argv if argv is None else argv
     return {"commit": os.environ.get("LINGBOT_COMMIT") or head or "unknown",
             "tracked_files_modified": None if dirty is None else bool(dirty),
-            "device": device_name(),
+            "device": device or device_name(),
             "command": " ".join(["python", os.path.relpath(args[0], REPO)] + list(args[1:])),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}

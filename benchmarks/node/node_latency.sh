@@ -7,20 +7,22 @@
 #
 #   bash benchmarks/node/node_latency.sh [--frames 300] [--rate 15] [--heights "378 294"]
 #   bash benchmarks/node/node_latency.sh --frames 300 --rate 15 --heights 378 --compare-selector
+#   PYTHON=.venv/bin/python bash benchmarks/node/node_latency.sh --cpu-smoke   # this script, on a CPU
 #
 # What it does, all offline:
 #   1. installs FlashInfer into /tmp/site, unpacks the ROS 2 bundle into /tmp/lingbot_ros
 #      (benchmarks/node/ros_env.sh: PYTHONPATH, LD_LIBRARY_PATH, AMENT_PREFIX_PATH);
 #      ROS_AUTOMATIC_DISCOVERY_RANGE=LOCALHOST and a private ROS_DOMAIN_ID;
 #   2. checks ROS with a two-process Image + Status round trip (benchmarks/node/ros_roundtrip.py);
-#   3. per frame height: lingbot-map-demo (lingbot_map_ros/cli/demo.py) starts the node
+#   3. per frame height: benchmarks/node/node_latency.py (the graph of lingbot-map-demo,
+#      lingbot_map_ros/cli/demo.py, with a warm-up and a JSON of the measurement) starts the node
 #      (released architecture, RANDOM weights seeded 0, CUDA, bf16, flashinfer-fa3, CUDA
 #      graphs, width 518) and the image folder publisher as two processes, records poses
 #      in its own process, loops generated 518xH frames until --warmup-poses poses came
 #      back (model load, FlashInfer JIT ~90 s on a fresh machine, CUDA-graph capture,
 #      window filling: excluded), then publishes --frames frames at --rate Hz and
 #      measures image header stamp -> pose received (same clock).
-#      With --keyframe-selector the demo also starts the reference keyframe client
+#      With --keyframe-selector it also starts the reference keyframe client
 #      (lingbot_map_ros/ros/keyframe_selector.py) against the node before the warm-up and sets
 #      the node's decision hold (keyframe_decision_timeout = --decision-timeout, default 0.5 s:
 #      each stored frame after the scale frames waits for the selector's keep/drop before the
@@ -56,7 +58,7 @@
 #   --no-bundle (use this python's own ROS/FlashInfer: no install step)
 #   --cpu-smoke (a quick local check of this script: --no-bundle, tiny preset on cpu,
 #               width 98, heights 70, 12 frames at 5 Hz, 5 warm-up poses)
-#   -- ARGS     passed on to lingbot-map-demo (e.g. --node-param window_frames=1000)
+#   -- ARGS     passed on to node_latency.py (the demo's options, e.g. --node-param window_frames=1000)
 # Node parameters are the node's defaults (the demo's finer map voxel is set back to 0.01)
 # except those named above; with 80 warm-up + 300 timed frames the default window_frames
 # (320 stored frames) restarts the cache window once inside the timed part, as on a long
@@ -198,8 +200,8 @@ for SEL in $SELECTOR_MODES; do
     export LINGBOT_PROBE_OUT="$OUT/node_probe_$name.json"
   fi
   if [[ -n "$SIM_MS" ]]; then export LINGBOT_SIM_STEP_MS="$SIM_MS"; else unset LINGBOT_SIM_STEP_MS; fi
-  # SIGINT first: the demo then stops the node and the publisher it started.
-  timeout -s INT -k 15 "$left" "$PYTHON" -m lingbot_map_ros.cli.demo \
+  # SIGINT first: node_latency.py then stops the node and the publisher it started.
+  timeout -s INT -k 15 "$left" "$PYTHON" benchmarks/node/node_latency.py \
     --preset "$PRESET" --seed 0 --device "$DEVICE" --backend "$BACKEND" --dtype "$DTYPE" \
     --width "$WIDTH" --height "$H" --frames "$FRAMES" --rate "$RATE" --warmup-poses "$WARMUP" \
     --startup-timeout "$STARTUP_TIMEOUT" --timeout "$TIMEOUT" --no-save-map \
