@@ -16,7 +16,7 @@ Two ways to read the pool:
   FA3 kernel reads each run with TMA. Order does not matter to unmasked attention over
   already-rotated keys. The keys between runs are skipped by requests with no queries
   (``ragged_requests``). About 10% faster than the paged kernel at the model's shapes
-  (``benchmarks/attention_variants.py``). ``fa3`` runs FlashInfer's kernel templates
+  (``benchmarks/kernels/attention_variants.py``). ``fa3`` runs FlashInfer's kernel templates
   built by the project with 128 x 192 tiles (``kernels.fa3_tiles``; ~8% faster per
   frame at 518x378) where it can, FlashInfer's packaged module (192 x 128 tiles)
   otherwise; ``fa3-stock`` always the packaged module.
@@ -103,18 +103,17 @@ def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_s
     about ``waves`` per SM, at most ``max_splits`` and never more splits than pages. FA2
     splits keys itself: 1.
 
-    Measured, not modelled: in CUDA-graph steps on an H200 (132 SMs) more and shorter
-    items keep FA3 busier than a few long ones. 518x378 (96 items), ragged kernel, ms per
-    frame: 4 splits 31.3, 6 28.7, 8 28.4, 10 28.1; 518x294 (80 items): 3 splits 26.2,
-    8 21.8 (``benchmarks/results/nvidia_h200_kv_splits_sweep.txt``). An earlier model that
+    Measured, not modelled (``benchmarks/stream/stream_fps.py --kv-splits S``, H200): in
+    CUDA-graph steps on an H200 (132 SMs) more and shorter items keep FA3 busier than a few
+    long ones. 518x378 (96 items), ragged kernel, ms per frame: 4 splits 31.3, 6 28.7,
+    8 28.4, 10 28.1; 518x294 (80 items): 3 splits 26.2, 8 21.8. An earlier model that
     only counted whole waves picked 4 and 3. Later, at 518x378 with the queued stream, two
     interleaved pairs of runs: 10 splits 25.46 / 25.51 ms, 12 splits 24.99 / 25.19
     (11: 25.65, 22: 26.26), hence 8.5 items per SM and at most 12. With the project-built
     128-row tiles (``tile_q=128``; 518x378: 128 items per split, 518x294: 112), one call,
     ms per frame: 518x378 7 splits 22.99 / 22.79, 8: 22.83 / 22.76, 9: 22.98, 22.49, 22.87,
     10: 23.16, 12: 23.44; 518x294 8: 17.10, 9: 17.22, 11: 17.46
-    (``benchmarks/results/nvidia_h200_fa3_tiles_ab.txt``), hence 7.5 items per SM there
-    (8 and 9 splits).
+    (``benchmarks/kernels/fa3_tiles_ab.sh``), hence 7.5 items per SM there (8 and 9 splits).
     """
     if not variant.startswith("fa3"):
         return 1

@@ -11,9 +11,9 @@ The module is compiled on first use through FlashInfer's JIT builder (nvcc), the
 with FlashInfer's other JIT modules; the name carries a hash of the source, so an edited
 source is rebuilt.
 
-Measured on an H200 (``benchmarks/fa3_tiles_ab.sh``, ``results/nvidia_h200_fa3_tiles_ab.txt``,
-the 518x378 stream, queued): FlashInfer's module 24.88 ms per frame, this one 22.98 (25.02
-vs 23.19 in ``gpu_batch.sh``); 128 x 256 tiles 27.7 ms, 3 pipeline stages within noise of
+Measured on an H200 (``benchmarks/kernels/fa3_tiles_ab.sh``, the 518x378 stream, queued):
+FlashInfer's module 24.88 ms per frame, this one 22.98 (25.02 vs 23.19 in
+``benchmarks/stream/gpu_batch.sh``); 128 x 256 tiles 27.7 ms, 3 pipeline stages within noise of
 2. Build: ~90 s on the H200 machine's nvcc. Another shape is an argument (``tiles``; for a
 stream, ``StreamConfig.fa3_tiles``, which the backend passes here).
 

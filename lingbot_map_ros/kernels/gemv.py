@@ -101,7 +101,7 @@ def _build_kernel():
 
 def launch_config(n: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_N, BLOCK_K, num_warps, num_stages) for an [N, K] weight. Chosen with
-    ``benchmarks/gemv_configs.py`` on an H200 at the camera head's shapes (the whole head in
+    ``benchmarks/kernels/gemv_configs.py`` on an H200 at the camera head's shapes (the whole head in
     a CUDA graph: 1436 -> 1291 us against the first choice, 8-32 rows x 8 KB, 4 stages):
     16 rows x 256 for the wide products (qkv, fc1, the pose modulation), 8 rows x 1024 for
     the others (fc2's 8192-long rows gain most)."""
