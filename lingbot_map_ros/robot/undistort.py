@@ -1,4 +1,5 @@
-"""Undistort camera images before the model (numpy path; torch ``grid_sample`` path).
+"""Undistort camera images before the model (numpy path; torch ``grid_sample`` path, used on
+the session's device by the engine when that is a GPU: ``model_input_torch``).
 
 The model assumes a pinhole camera. When a ``sensor_msgs/CameraInfo`` carries a non-zero
 distortion, every output pixel ``(u, v)`` of the undistorted image (intrinsics ``K_out``:
@@ -232,6 +233,7 @@ class UndistortMap:
         self.map_x, self.map_y = source_pixels(camera)
         self._plans: dict[str, _Plan] = {}
         self._grids: dict[tuple[str, Any], Any] = {}
+        self._divisors: dict[str, Any] = {}
 
     def _plan(self, interpolation: str) -> _Plan:
         if interpolation not in INTERPOLATIONS:
@@ -259,6 +261,16 @@ class UndistortMap:
             info = np.iinfo(img.dtype)
             acc = np.clip(np.rint(acc), info.min, info.max)
         return acc.astype(img.dtype).reshape(img.shape)
+
+    def divisor(self, device: Any):
+        """A [1, 1, 1] float32 tensor of 255 on ``device`` (cached): a tensor divisor divides exactly as
+        the host does (a scalar one is turned into a multiplication by its reciprocal)."""
+        import torch
+
+        key = str(device)
+        if key not in self._divisors:
+            self._divisors[key] = torch.full((1, 1, 1), 255.0, dtype=torch.float32, device=device)
+        return self._divisors[key]
 
     def grid(self, device: Any = "cpu", dtype: Any = None):
         """[1, H, W, 2] ``grid_sample`` grid (align_corners=True) on ``device``, cached."""
@@ -294,6 +306,51 @@ class UndistortMap:
         return out if image.dim() == 4 else out[0]
 
 
+def model_input_torch(umap: UndistortMap, rgb: np.ndarray, width: int, device: Any):
+    """Undistort and preprocess a uint8 RGB frame [H, W, 3] on ``device``: float32 [3, H', W'] in [0, 1],
+    what ``io.preprocess.model_input(umap.apply(rgb), width)`` gives on the host, within one 8-bit
+    count per pixel (see below), ready for ``StreamingSession.submit``.
+
+    Steps, mirroring the host path: the bytes go to the device (page-locked on CUDA); bilinear
+    remap (``apply_torch``), rounded to 8 bits as the host's uint8 undistorted image; when the
+    frame is not the model's size, an antialiased bicubic resize to ``target_size`` (torch's
+    ``antialias=True``, written after Pillow's filter) in Pillow's two passes, width then
+    height, each rounded to 8 bits; the centre crop of rows; division by 255 with a tensor
+    divisor (the host's float32 values). Differences from the host path: float vs Pillow's
+    fixed-point filter weights, and float32 grid coordinates, move a pixel by a count at a
+    rounding boundary (measured on CPU: 0.2 % of the values of a 640x360 frame to 518x294 differ
+    by 1/255, one value by 2/255; ``test_undistort.py``).
+
+    The resize stays a separate pass: one bilinear remap straight to the model width would
+    sample 1 source pixel in 2.5 (1280 -> 518) and alias where Pillow's filter averages."""
+    import torch
+    import torch.nn.functional as F
+
+    from ..io.preprocess import target_size
+
+    img = np.asarray(rgb)
+    if img.dtype != np.uint8 or img.ndim != 3 or img.shape[2] != 3:
+        raise ValueError(f"expected a uint8 RGB image [H, W, 3], got {img.dtype} {img.shape}")
+    umap.camera.check_image(*img.shape[:2])
+    device = torch.device(device)
+    host = torch.from_numpy(np.ascontiguousarray(img))
+    if device.type == "cuda":
+        host = host.pin_memory()
+    frame = host.to(device, non_blocking=True).permute(2, 0, 1)[None].float()  # [1, 3, H, W] in 0..255
+    frame = umap.apply_torch(frame).round_().clamp_(0.0, 255.0)
+    height, width_in = img.shape[:2]
+    w_out, h_out = target_size(width_in, height, width)
+    # Pillow resamples 8-bit images in two passes, columns then rows, rounding to 8 bits after each
+    for size in ((height, w_out), (h_out, w_out)):
+        if size != tuple(frame.shape[-2:]):
+            frame = F.interpolate(frame, size=size, mode="bicubic", antialias=True, align_corners=False)
+            frame = frame.round_().clamp_(0.0, 255.0)
+    if h_out > w_out:  # centre crop of rows, as preprocess_pil
+        top = (h_out - w_out) // 2
+        frame = frame[:, :, top:top + w_out]
+    return frame[0].contiguous().div_(umap.divisor(device))
+
+
 class Undistorter:
     """Per-camera remap grids, built on first use and kept for the last ``max_cameras``.
 
@@ -327,6 +384,12 @@ class Undistorter:
             return image
         return self.map_for(camera).apply(img, interpolation)
 
+    def model_input_torch(self, rgb: np.ndarray, camera: CameraModel, width: int, device: Any):
+        """uint8 frame [H, W, 3] -> undistorted model input float32 [3, H', W'] on ``device``
+        (``model_input_torch``); raises ValueError when the camera's size is not the image's."""
+        camera.check_image(*np.asarray(rgb).shape[:2])
+        return model_input_torch(self.map_for(camera), rgb, width, device)
+
     def undistort_torch(self, image, camera: CameraModel, interpolation: str = "bilinear"):
         """Tensor [C, H, W] / [B, C, H, W] → undistorted on its device (``UndistortMap.apply_torch``)."""
         camera.check_image(image.shape[-2], image.shape[-1])
@@ -341,6 +404,7 @@ __all__ = [
     "UndistortMap",
     "Undistorter",
     "distort_points",
+    "model_input_torch",
     "needs_undistortion",
     "source_pixels",
     "undistort_points",

@@ -202,3 +202,49 @@ def test_from_camera_info_reads_the_message_fields():
     np.testing.assert_allclose(cam.intrinsics_out(), np.asarray(K).reshape(3, 3))
     rect = CameraModel.from_camera_info(info, use_projection=True)
     np.testing.assert_allclose(rect.intrinsics_out(), [[88, 0, 80], [0, 84, 60], [0, 0, 1]])
+
+
+# ------------------------------------------------------------------ model input on the session's device
+def textured(width: int, height: int, seed: int = 0) -> np.ndarray:
+    """uint8 RGB [height, width, 3]: 8-pixel blocks plus a smooth wave (edges and gradients)."""
+    rng = np.random.default_rng(seed)
+    blocks = np.kron(rng.integers(0, 256, (height // 8 + 1, width // 8 + 1, 3)).astype(np.float32),
+                     np.ones((8, 8, 1)))[:height, :width]
+    v, u = np.mgrid[0:height, 0:width]
+    wave = 127 + 120 * (np.sin(u / 7.0) * np.cos(v / 11.0))[..., None]
+    return np.clip(0.6 * blocks + 0.4 * wave, 0, 255).astype(np.uint8)
+
+
+@pytest.mark.parametrize("size, width", [((640, 360), 518), ((518, 294), 518), ((300, 520), 98)])
+def test_model_input_torch_matches_the_host_path(size, width):
+    """Undistort + preprocess with torch (CPU here; the engine uses it on the GPU) against the host
+    path (numpy remap, then Pillow's resize and crop): same shape, every value within two 8-bit counts
+    and fewer than 1 % of them off by any (float vs Pillow's fixed-point filter weights; measured: 0.2 %
+    by one count, one value by two). Sizes: a downscale, a model-sized frame (no resize), a portrait
+    frame (resize and centre crop)."""
+    from lingbot_map_ros.io.preprocess import model_input, preprocess_array
+
+    w, h = size
+    cam = CameraModel(w, h, (0.8 * w, 0.0, w / 2 + 1.3, 0.0, 0.8 * w + 4, h / 2 - 2.1, 0.0, 0.0, 1.0),
+                      (-0.28, 0.09, 0.001, -0.001, 0.0), "plumb_bob")
+    rgb = textured(w, h)
+    und = Undistorter()
+    host_u8 = und.undistort(rgb, cam)
+    host = preprocess_array(host_u8, width)
+    got = und.model_input_torch(rgb, cam, width, "cpu")
+    assert isinstance(got, torch.Tensor) and got.dtype == torch.float32 and got.device.type == "cpu"
+    assert tuple(got.shape) == host.shape
+    diff = np.abs(got.numpy() - host) * 255
+    assert diff.max() <= 2.0 + 1e-3, diff.max()
+    assert (diff > 0.5).mean() < 0.01, (diff > 0.5).mean()
+    if size == (518, 294):  # no resize: only the remap's rounding can differ
+        assert (diff > 0.5).mean() < 0.01 and isinstance(model_input(host_u8, width), np.ndarray)
+    assert np.all(np.abs(got.numpy() * 255 - np.rint(got.numpy() * 255)) < 1e-3)  # multiples of 1/255
+
+
+def test_model_input_torch_refuses_other_sizes_and_layouts():
+    cam = camera("plumb_bob")
+    with pytest.raises(ValueError, match=r"CameraInfo is 160x120 \(WxH\) but the image is 320x240"):
+        Undistorter().model_input_torch(np.zeros((240, 320, 3), np.uint8), cam, 98, "cpu")
+    with pytest.raises(ValueError, match="expected a uint8 RGB image"):
+        Undistorter().model_input_torch(np.zeros((H, W, 3), np.float32), cam, 98, "cpu")
