@@ -1,0 +1,175 @@
+"""CameraScheduler (ros/scheduler.py) with fake engines: fairness, commands between another
+camera's frames, no busy waiting, shutdown. No model, no ROS."""
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from lingbot_map_ros.ros.scheduler import CameraScheduler
+from lingbot_map_ros.ros.worker import Command, WorkQueue
+
+
+class FakeOutputs:
+    def __init__(self) -> None:
+        self.started = self.stopped = 0
+
+    def start(self) -> None:
+        self.started += 1
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.stopped += 1
+
+
+class FakeEngine:
+    """What the scheduler uses of an InferenceEngine: ``queue``, ``outputs``, ``run_once``, ``stop``,
+    and the stale count of ``submit_frame``. A frame "step" sleeps ``step_s`` and is logged."""
+
+    def __init__(self, name: str, log: list, step_s: float = 0.0) -> None:
+        self.name, self.log, self.step_s = name, log, step_s
+        self.queue = WorkQueue()
+        self.outputs = FakeOutputs()
+        self.calls = 0  # run_once calls (busy-wait detector)
+        self.stale = 0
+        self.stopped = False
+
+    def submit_frame(self, frame) -> None:
+        if self.queue.put_frame(frame) is not None:
+            self.stale += 1
+
+    def run_once(self, timeout: float = 0.0) -> bool:
+        self.calls += 1
+        item = self.queue.get(timeout)
+        if item is None:
+            return False
+        if isinstance(item, Command):
+            item.run()
+        else:
+            if self.step_s:
+                time.sleep(self.step_s)
+            self.log.append((self.name, item))
+        return True
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self.stopped = True
+        self.queue.close()
+        self.outputs.stop(timeout)
+
+
+def engines(*names: str, step_s: float = 0.0):
+    log: list = []
+    return {n: FakeEngine(n, log, step_s) for n in names}, log
+
+
+def test_round_robin_one_item_per_turn_while_a_camera_floods():
+    cams, log = engines("a", "b", "c")
+    sched = CameraScheduler(cams)
+    for i in range(3):  # b and c have a few frames each, one at a time in their slots
+        cams["b"].submit_frame(("b", i))
+        cams["c"].submit_frame(("c", i))
+        for _ in range(4):  # a floods: a new frame before each turn
+            cams["a"].submit_frame(("a", i))
+            assert sched.run_turn() is not None
+    order = [name for name, _ in log]
+    # a runs twice in a row only when b and c have nothing waiting
+    assert order == ["a", "b", "c", "a"] + ["b", "c", "a", "a"] * 2
+    assert [item for name, item in log if name == "b"] == [("b", 0), ("b", 1), ("b", 2)]
+    assert cams["a"].stale > 0  # the flood replaced waiting frames: counted by a's engine, not by the others
+    assert cams["b"].stale == cams["c"].stale == 0
+    assert sched.served == {"a": order.count("a"), "b": 3, "c": 3}
+
+
+def test_turn_order_rotates_after_the_camera_served_last():
+    cams, log = engines("a", "b")
+    sched = CameraScheduler(cams)
+    cams["a"].submit_frame(1)
+    assert sched.run_turn() == "a"
+    cams["a"].submit_frame(2)
+    cams["b"].submit_frame(1)
+    assert sched.run_turn() == "b"  # b comes first after a was served, although a is first in order
+    assert sched.run_turn() == "a"
+    assert sched.run_turn() is None
+
+
+def test_a_command_of_one_camera_runs_while_another_floods_frames():
+    cams, log = engines("a", "b", step_s=0.01)
+    sched = CameraScheduler(cams)
+    stop = threading.Event()
+
+    def flood() -> None:
+        i = 0
+        while not stop.is_set():
+            cams["a"].submit_frame(i)
+            i += 1
+            time.sleep(0.001)
+
+    producer = threading.Thread(target=flood, daemon=True)
+    sched.start()
+    producer.start()
+    try:
+        time.sleep(0.1)
+        t0 = time.monotonic()
+        done = cams["b"].queue.put_command(Command("reset b", lambda: "ok"))
+        assert done.wait(2.0), "b's command did not run while a flooded"
+        waited = time.monotonic() - t0
+        a_steps_before = len(log)
+        time.sleep(0.1)
+        assert len(log) > a_steps_before  # a keeps going
+    finally:
+        stop.set()
+        producer.join(1.0)
+        sched.stop(2.0)
+    assert done.result == "ok"
+    assert waited < 0.5, f"b's command waited {waited:.3f} s behind a's frames (each step is 10 ms)"
+    assert all(name == "a" for name, _ in log) and cams["a"].stale > 0
+
+
+def test_frames_of_two_cameras_in_turn_from_the_thread():
+    cams, log = engines("a", "b", step_s=0.005)
+    sched = CameraScheduler(cams)
+    sched.start()
+    try:
+        for i in range(5):
+            cams["a"].submit_frame(("a", i))
+            cams["b"].submit_frame(("b", i))
+            deadline = time.monotonic() + 2.0
+            while len(log) < 2 * (i + 1) and time.monotonic() < deadline:
+                time.sleep(0.002)
+    finally:
+        sched.stop(2.0)
+    assert sorted(item for _, item in log) == sorted([("a", i) for i in range(5)] + [("b", i) for i in range(5)])
+    assert cams["a"].outputs.started == cams["b"].outputs.started == 1
+    assert cams["a"].stopped and cams["b"].stopped and cams["a"].outputs.stopped == 1
+
+
+def test_no_busy_wait_when_idle_and_a_prompt_wake_up():
+    cams, log = engines("a", "b", "c")
+    sched = CameraScheduler(cams, idle_wait=0.05)
+    sched.start()
+    try:
+        time.sleep(0.6)
+        calls = sum(e.calls for e in cams.values())
+        # each idle pass polls 3 cameras once and then sleeps up to 50 ms: ~12 passes in 0.6 s
+        assert calls <= 3 * (0.6 / 0.05 + 3), f"{calls} run_once calls in 0.6 s idle: busy waiting"
+        assert sched.idle_waits >= 3
+        t0 = time.monotonic()
+        cams["c"].submit_frame("x")
+        deadline = t0 + 2.0
+        while not log and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert log == [("c", "x")]
+    finally:
+        sched.stop(2.0)
+
+
+def test_pending_commands_are_cancelled_at_stop_and_bad_arguments_refused():
+    cams, _ = engines("a")
+    sched = CameraScheduler(cams)
+    command = cams["a"].queue.put_command(Command("late", lambda: 1))
+    sched.stop(1.0)  # never started: the engines still stop and close their queues
+    assert command.state == Command.CANCELLED and cams["a"].stopped
+    with pytest.raises(ValueError, match="at least one camera"):
+        CameraScheduler({})
+    with pytest.raises(ValueError, match="idle_wait"):
+        CameraScheduler(engines("a")[0], idle_wait=0)
