@@ -376,16 +376,23 @@ class TfOutput:
             self._warned.add(key)
             self._warn(message)
 
-    def camera_position(self, stamp: Any, camera_frame: str) -> np.ndarray | None:
-        """The optical centre of ``camera_frame`` in ``odom_frame`` [3] (metres) at the image
-        ``stamp``, for the odometry scale source; None while the buffer lacks it. Never waits
-        (any thread: the tf2 buffer is thread-safe)."""
+    def camera_pose(self, stamp: Any, camera_frame: str) -> np.ndarray | None:
+        """``T_odom_cam`` [4, 4] (metres): the pose of ``camera_frame`` in ``odom_frame`` at the image
+        ``stamp`` (odometry chain plus the URDF's extrinsic), for the odometry scale source and the
+        alignment of a sequence started by on_lost=reset; None while the buffer lacks it (or there
+        is no tf2_ros buffer). Never waits (any thread: the tf2 buffer is thread-safe)."""
         if self._buffer is None:
             return None
         try:
-            return self._lookup(self.settings.odom_frame, camera_frame, stamp)[:3, 3].copy()
+            return self._lookup(self.settings.odom_frame, camera_frame, stamp)
         except LookupFailed:
             return None
+
+    def camera_position(self, stamp: Any, camera_frame: str) -> np.ndarray | None:
+        """The optical centre of ``camera_frame`` in ``odom_frame`` [3] (metres) at the image
+        ``stamp`` (``camera_pose``'s translation); None while the buffer lacks it."""
+        pose = self.camera_pose(stamp, camera_frame)
+        return None if pose is None else pose[:3, 3].copy()
 
     def _lookup(self, target: str, source: str, stamp: Any) -> np.ndarray:
         """``T_target_source`` from the buffer (latest when ``stamp`` is None), no waiting."""
