@@ -30,9 +30,21 @@ Failure policy, per frame (the node keeps running and keeps its stored state):
 
 Tracking health (``robot/health.py``): every processed frame updates ``TrackingHealth`` with
 the valid fraction of its (subsampled) confidence and the model's own pose; a non-finite pose
-or depth marks it (``non_finite`` -> lost). Status carries the state and the reasons, each
+or depth marks it (``non_finite`` -> lost). Its thresholds are the ``health_*`` settings (read
+again when the settings change). Status carries the state and the reasons, each
 ``FrameOutput`` the 6x6 pose covariance it implies; ``on_lost=reset`` starts a new sequence
 when the state becomes lost (counted in ``lost_resets``).
+
+Published map frame across a lost reset (``robot/map_offset.py``): with a ``camera_pose``
+look-up (``T_odom_cam`` at an image stamp) the new sequence continues the old map: its first
+frame with odometry is placed at the last good pose (the last frame published while the
+health was ``tracking``) moved by the odometry between the two stamps, and the rest follow by
+the model's relative motion. Every output goes through one ``OutputTransform`` (``output``:
+the applied scale and that map offset ``T_map_seq``): pose, TF, ~/frame, clouds, and, in the
+node, the path and the map; the saved files too. The path and the map themselves restart
+with the new sequence (each sequence has its own model units). Without odometry at those
+stamps the new sequence starts a new map origin (warning, status text). ``~/reset``, a time
+jump and an inference error always start a new origin.
 
 Metric scale (``robot/scale.py``, parameter ``scale_source``): the trajectory, the map and
 the health's motion checks stay in model units; the scale ``s`` (metres per model unit,
@@ -40,7 +52,12 @@ the health's motion checks stay in model units; the scale ``s`` (metres per mode
 ``T_map_cam`` translation (pose, odometry, TF, ~/frame), its points and depth, the path
 and the map at publication (node) and both saved files. Frames published before the
 scale converged keep model units. Distorted cameras: each frame is undistorted with its
-``InputFrame.camera`` before preprocessing (parameter ``undistort``).
+``InputFrame.camera`` before preprocessing (parameter ``undistort``): on the session's device
+when that is a GPU (the frame goes there anyway: bytes up, remap, resize and crop there,
+``robot/undistort.model_input_torch``), else with numpy on the host.
+
+Intrinsics (``robot/intrinsics.py``): ``focal`` keeps the model's focal lengths of the last
+frames in input-image pixels, for /diagnostics to compare with CameraInfo's.
 """
 from __future__ import annotations
 
@@ -57,10 +74,11 @@ import numpy as np
 from ..geometry import optical_pose_to_map, points_to_map, unproject_pixels
 from ..io.map_save import MapSaveError, save_map_pair
 from ..io.preprocess import model_input, target_size
-from ..robot.health import HealthStatus, TrackingHealth, TrackingState
+from ..robot.health import HealthStatus, TrackingHealth, TrackingState, config_from_parameters
+from ..robot.intrinsics import FocalTracker
+from ..robot.map_offset import OutputTransform, SequenceAnchor, invert_rigid, odometry_alignment
 from ..robot.undistort import CameraModel, Undistorter
-from ..robot.scale import (DepthScaleEstimator, FixedScale, OdometryScaleEstimator, apply_scale, scale_depth,
-                           scale_points)
+from ..robot.scale import DepthScaleEstimator, FixedScale, OdometryScaleEstimator, scale_depth
 from ..stream import CacheFullError, FrameMismatchError, FrameResult, InvalidFrameError, Session, SessionError
 from ..stream.alignment import rotation_angle_deg
 from .mapping import MapAccumulator, PoseEntry, Trajectory
@@ -198,6 +216,26 @@ class _Hold:
     deadline: float  # monotonic seconds
 
 
+@dataclass(frozen=True)
+class _GoodPose:
+    """The last frame published while the health was ``tracking`` (the anchor of a lost reset)."""
+
+    index: int  # 1-based frame index in its sequence
+    stamp: Any
+    stamp_s: float
+    camera_frame: str
+    T_map_cam: np.ndarray  # [4, 4] as published (scale and map offset applied)
+    metric: bool  # its translation was in metres (a metric scale was applied)
+
+
+@dataclass(frozen=True)
+class _PendingAlignment:
+    """A lost reset waiting for the new sequence's first results to place them."""
+
+    good: _GoodPose
+    T_odom_cam: np.ndarray  # [4, 4] metres, odometry at good.stamp
+
+
 class Sink(Protocol):
     def wants(self, output: str) -> bool:
         """Whether anyone consumes ``output`` ("points" or "depth") right now."""
@@ -226,7 +264,12 @@ class InferenceEngine:
 
     def __init__(self, session: Session, settings: NodeSettings, sink: Sink, log: Logger,
                  now: Callable[[], float], monotonic: Callable[[], float] = time.monotonic,
-                 odom_position: Callable[[Any, str], np.ndarray | None] | None = None) -> None:
+                 odom_position: Callable[[Any, str], np.ndarray | None] | None = None,
+                 camera_pose: Callable[[Any, str], np.ndarray | None] | None = None) -> None:
+        """``odom_position`` / ``camera_pose``: (image stamp, camera optical frame) -> the camera
+        centre [3] / ``T_odom_cam`` [4, 4] in odom_frame (metres), or None when TF lacks it; never
+        waiting. The scale source uses the first given (a position from ``camera_pose`` otherwise),
+        the alignment after a lost reset needs ``camera_pose``."""
         self.session = session
         self.settings = settings
         self.sink = sink
@@ -262,12 +305,23 @@ class InferenceEngine:
         self._last_stored_index = 0  # 1-based index of the newest stored frame still in the cache; 0 = none
         self._keyframe_poses: list[tuple[int, np.ndarray]] = []  # (1-based index, T_map_cam) of stored frames
         # tracking health (robot/health.py): judged once per processed frame on the model's own pose
-        self.health = TrackingHealth()
+        self.health = TrackingHealth(config_from_parameters(settings))
+        self._health_settings = settings  # the settings the health's thresholds were read from
         self.tracking_reasons: tuple[str, ...] = ()
         self.lost_resets = 0  # sequences restarted by on_lost=reset (cleared by ~/reset)
         # metric scale (robot/scale.py): the trajectory and the map stay in model units; published
         # outputs and saved files are multiplied by ``applied_scale`` (1 until the source converged)
         self.odom_position = odom_position  # (image stamp, camera frame) -> camera centre in odom [3] m, or None
+        self.camera_pose = camera_pose  # (image stamp, camera frame) -> T_odom_cam [4, 4] m, or None
+        # published map frame (robot/map_offset.py): scale and map offset of what leaves the engine
+        self.output = OutputTransform()  # replaced, never mutated (the node's timers read it)
+        self._output_anchor: SequenceAnchor | None = None  # the anchor ``output`` was made with
+        self.map_alignment = "origin at the first camera of the sequence"  # what the map frame is anchored to
+        self._anchor: SequenceAnchor | None = None  # this sequence's place in the map (after a lost reset)
+        self._last_good: _GoodPose | None = None  # kept across lost resets, cleared with the map frame
+        self._pending_alignment: _PendingAlignment | None = None
+        self._status_note = ""  # said once, in the next frame's status text
+        self.focal = FocalTracker()  # the model's focal lengths in input pixels (diagnostics)
         self.scale_source = _make_scale_source(settings)
         self.applied_scale = 1.0
         self._scale_window = 0  # session.window_index the estimator's samples belong to
@@ -359,17 +413,10 @@ class InferenceEngine:
             return
         self._check_deferral_deadline()
         t0 = time.perf_counter()
-        if s.undistort and frame.camera is not None and frame.camera.distorted:
-            try:  # the model assumes a pinhole camera
-                frame.rgb = self.undistorter.undistort(frame.rgb, frame.camera)
-                self.frames_undistorted += 1
-            except ValueError as exc:  # camera_info of another size than the image
-                return self._drop_invalid(frame.stamp, str(exc))
         try:
-            _check_resize(frame.rgb.shape, s.image_width)
-            image = model_input(frame.rgb, s.image_width)  # uint8 as it came when no resize is needed
+            image = self._model_image(frame)
         except ValueError as exc:
-            return self._drop_invalid(frame.stamp, f"cannot preprocess the image: {exc}")
+            return self._drop_invalid(frame.stamp, str(exc))
         try:
             self.session.check_frame(image)
         except InvalidFrameError as exc:  # layout, size, too few patches, another resolution than the sequence's
@@ -396,6 +443,35 @@ class InferenceEngine:
         self._note_pending()
         _freeze_long_lived_objects()
 
+    def _model_image(self, frame: InputFrame) -> Any:
+        """What to push for ``frame``: uint8 [H, W, 3] when it is already the model's size, float32
+        [3, H', W'] otherwise, on the host; undistorted first when its camera is distorted (the
+        model assumes a pinhole camera), on the session's device when that is a GPU (a float
+        tensor there). Raises ValueError with the reason to report (camera_info of another size,
+        an image too tall to resize)."""
+        s = self.settings
+        camera = frame.camera if s.undistort and frame.camera is not None and frame.camera.distorted else None
+        if camera is not None:
+            camera.check_image(*frame.rgb.shape[:2])  # "CameraInfo is WxH (WxH) but the image is ..."
+        try:
+            _check_resize(frame.rgb.shape, s.image_width)
+            if camera is None:
+                return model_input(frame.rgb, s.image_width)  # uint8 as it came when no resize is needed
+            device = self._undistort_device()
+            if device is not None:
+                image = self.undistorter.model_input_torch(frame.rgb, camera, s.image_width, device)
+            else:
+                image = model_input(self.undistorter.undistort(frame.rgb, camera), s.image_width)
+        except ValueError as exc:
+            raise ValueError(f"cannot preprocess the image: {exc}") from None
+        self.frames_undistorted += 1
+        return image
+
+    def _undistort_device(self) -> Any:
+        """The session's device when undistortion should run there (not the CPU), else None."""
+        device = getattr(self.session, "device", None)
+        return device if device is not None and getattr(device, "type", "cpu") != "cpu" else None
+
     def _handle_results(self, results: list[FrameResult], frames: list[InputFrame]) -> None:
         stored = results[0].is_keyframe
         bad = [r.frame_index + 1 for r in results if not np.isfinite(r.c2w).all()]
@@ -416,6 +492,8 @@ class InferenceEngine:
             self._publish_status(f"dropped frame(s) {bad}: non-finite pose", frames[-1].stamp)
             self._reset_if_lost(frames[-1].stamp)
             return
+        if self._pending_alignment is not None:
+            self._align_sequence(results, frames)
         if stored and self.map is not None:
             first, acc = results[0].frame_index, self.map
             self.outputs.op(lambda: acc.protect_from(first))
@@ -448,19 +526,24 @@ class InferenceEngine:
         self.last_intrinsics = (r.intrinsics, w, h)
         index = r.frame_index + 1
         self.trajectory.append(PoseEntry(r.frame_index, frame.stamp, frame.stamp_s, T_map_cam))
+        self.focal.add(r.intrinsics, (w, h), (frame.rgb.shape[1], frame.rgb.shape[0]))
         conf_stats = _ConfidenceSample(r.confidence, self.settings.conf_threshold)
         self._judge_health(conf_stats.valid, r.c2w)
         scale, ready = self._update_scale(T_map_cam, frame, r)
+        transform = self.output  # scale and map offset of this frame's outputs
+        T_out = transform.pose(T_map_cam)
+        if self.health.state == TrackingState.TRACKING:
+            metric = ready and self.settings.scale_source != "none"
+            self._last_good = _GoodPose(index, frame.stamp, frame.stamp_s, frame.camera_frame, T_out, metric)
         t1 = time.perf_counter()
-        pose = FrameOutput(index, frame.stamp, frame.stamp_s, frame.camera_frame, r.is_keyframe,
-                           apply_scale(T_map_cam, scale) if scale != 1.0 else T_map_cam,
+        pose = FrameOutput(index, frame.stamp, frame.stamp_s, frame.camera_frame, r.is_keyframe, T_out,
                            r.intrinsics, None, None, None, None,
                            covariance=self.health.covariance(scale).ravel(), scale=scale, scale_ready=ready)
         self.sink.publish_frame(pose)
         self._publish_frame_summary(r, pose, hold, conf_stats)
         t2 = time.perf_counter()
         if need_points or need_depth:
-            self.outputs.frame_job(lambda: self._publish_clouds(r, pose, need_points, need_depth))
+            self.outputs.frame_job(lambda: self._publish_clouds(r, pose, need_points, need_depth, transform))
         self.counters.add("frames_processed")
         self.output_rate.tick()
         self._last_index = index
@@ -468,8 +551,9 @@ class InferenceEngine:
         latency = _Latency(preprocess=frame.preprocess_ms, model=r.timings.get("model_ms", 0.0),
                            postprocess=r.timings.get("postprocess_ms", 0.0) + (t1 - t0) * 1e3,
                            publish=(t2 - t1) * 1e3)
-        self._publish_status(self.state_text, frame.stamp, frame_index=index, is_keyframe=r.is_keyframe,
-                             latency=latency, stamp_s=frame.stamp_s)
+        note, self._status_note = self._status_note, ""
+        self._publish_status(self.state_text + (f"; {note}" if note else ""), frame.stamp, frame_index=index,
+                             is_keyframe=r.is_keyframe, latency=latency, stamp_s=frame.stamp_s)
         self.log.debug(f"frame {index}{' (keyframe)' if r.is_keyframe else ''}: preprocess {latency.preprocess:.1f} "
                        f"ms, model {latency.model:.1f} ms, postprocess {latency.postprocess:.1f} ms, publish "
                        f"{latency.publish:.1f} ms")
@@ -511,12 +595,8 @@ class InferenceEngine:
         if window != self._scale_window:
             self._scale_window = window
             src.restart_window()
-        if isinstance(src, OdometryScaleEstimator) and self.odom_position is not None:
-            try:
-                odom = self.odom_position(frame.stamp, frame.camera_frame)
-            except Exception as exc:  # a look-up must never cost the frame
-                odom = None
-                self.throttle.emit(self.log.warning, f"odometry look-up for the scale failed: {exc}", kind="odom")
+        if isinstance(src, OdometryScaleEstimator) and (self.odom_position or self.camera_pose) is not None:
+            odom = self._odom_position(frame)
             if odom is None:
                 self.throttle.emit(self.log.warning, "scale_source odometry: no odom -> camera transform at the "
                                    "image stamp; this frame gives no scale sample", kind="odom missing")
@@ -539,10 +619,51 @@ class InferenceEngine:
         if converged and value != self.applied_scale:
             self.log.info(f"metric scale {value:.4f} m per model unit ({src.source}, spread {src.spread:.3f})")
         self.applied_scale = float(value) if converged else 1.0
+        self._refresh_output()
         return self.applied_scale, converged
 
+    def _odom_position(self, frame: InputFrame) -> np.ndarray | None:
+        """Camera centre [3] in odom_frame (metres) at the frame's stamp, or None."""
+        try:
+            if self.odom_position is not None:
+                return self.odom_position(frame.stamp, frame.camera_frame)
+            pose = self.camera_pose(frame.stamp, frame.camera_frame)
+            return None if pose is None else np.asarray(pose, dtype=np.float64)[:3, 3]
+        except Exception as exc:  # a look-up must never cost the frame
+            self.throttle.emit(self.log.warning, f"odometry look-up for the scale failed: {exc}", kind="odom")
+            return None
+
+    def _odom_pose(self, stamp: Any, camera_frame: str) -> np.ndarray | None:
+        """``T_odom_cam`` [4, 4] (metres) at ``stamp`` through ``camera_pose``, or None (no look-up,
+        not in TF, or not a finite [4, 4] transform)."""
+        if self.camera_pose is None:
+            return None
+        try:
+            pose = self.camera_pose(stamp, camera_frame)
+        except Exception as exc:  # a look-up must never cost the frame
+            self.throttle.emit(self.log.warning, f"odometry look-up for the map alignment failed: {exc}",
+                               kind="odom pose")
+            return None
+        if pose is None:
+            return None
+        pose = np.asarray(pose, dtype=np.float64)
+        return pose if pose.shape == (4, 4) and np.isfinite(pose).all() else None
+
+    def _refresh_output(self) -> None:
+        """``output`` from the applied scale and this sequence's anchor (a new object only on a change)."""
+        scale, anchor = self.applied_scale, self._anchor
+        if self.output.scale == scale and (anchor is None) == (self.output.offset is None) and (
+                anchor is None or self._output_anchor is anchor):
+            return
+        self.output = OutputTransform(scale, None if anchor is None else anchor.offset(scale))
+        self._output_anchor = anchor
     def _judge_health(self, valid_fraction: float | None, c2w: np.ndarray | None, finite: bool = True) -> HealthStatus:
         """Update the tracking health with one frame (``c2w`` [4, 4] in model units, OpenCV world)."""
+        if self.settings is not self._health_settings:  # the node replaced them (a parameter set)
+            self._health_settings = self.settings
+            config = config_from_parameters(self.settings)  # checked when the settings were made
+            if config != self.health.config:
+                self.health.reconfigure(config)
         status = self.health.update(valid_fraction, c2w, finite=finite)
         self.tracking_reasons = status.reasons
         if status.changed:
@@ -554,15 +675,75 @@ class InferenceEngine:
         return status
 
     def _reset_if_lost(self, stamp: Any) -> None:
-        """on_lost=reset: a lost track starts a new sequence (logged, counted in lost_resets)."""
+        """on_lost=reset: a lost track starts a new sequence (logged, counted in lost_resets), placed
+        in the same map frame through odometry when it can be (see ``_align_sequence``)."""
         if self.settings.on_lost != "reset" or self.health.state != TrackingState.LOST:
             return
         reasons = ", ".join(self.tracking_reasons) or "lost"
-        self.log.warning(f"tracking lost ({reasons}): on_lost=reset, starting a new sequence")
         self.lost_resets += 1
-        self._clear_sequence()
-        self._set_state(State.INITIALIZING, f"tracking lost ({reasons}): new sequence")
+        good, why = self._last_good, ""
+        odom = None
+        if good is None:
+            why = "no pose was tracked since the map frame started"
+        elif self.camera_pose is None:
+            why = "no odometry look-up (odom_frame -> camera TF) is available to the engine"
+        else:
+            odom = self._odom_pose(good.stamp, good.camera_frame)
+            if odom is None:
+                why = (f"no TF {self.settings.odom_frame} -> {good.camera_frame} at the last good pose's stamp "
+                       f"{good.stamp_s:.3f} s")
+        self._clear_sequence(keep_map_frame=True)
+        if odom is not None:
+            self._pending_alignment = _PendingAlignment(good, odom)
+            self.log.warning(f"tracking lost ({reasons}): on_lost=reset, starting a new sequence; it continues the "
+                             f"map from the last good pose (frame {good.index}) through odometry")
+            text = f"tracking lost ({reasons}): new sequence, aligned to the last good pose through odometry"
+        else:
+            self._new_map_origin()
+            self.throttle.emit(self.log.warning, f"tracking lost ({reasons}): on_lost=reset starts a new sequence at "
+                               f"a NEW map origin (the map frame jumps): {why}", kind="lost origin")
+            text = f"tracking lost ({reasons}): new sequence at a new map origin ({why})"
+        self._set_state(State.INITIALIZING, text)
         self._publish_status(self.state_text, stamp)
+
+    def _align_sequence(self, results: list[FrameResult], frames: list[InputFrame]) -> None:
+        """Place a sequence started by a lost reset in the map: its first frame with odometry ``a``
+        gets ``T_map_cam(good) · inv(T_odom_cam(good)) · T_odom_cam(a)`` (``robot/map_offset.py``)."""
+        pending, self._pending_alignment = self._pending_alignment, None
+        good = pending.good
+        for r, frame in zip(results, frames):
+            odom = self._odom_pose(frame.stamp, frame.camera_frame)
+            if odom is None:
+                continue
+            base = odometry_alignment(good.T_map_cam, pending.T_odom_cam, odom)
+            self._anchor = SequenceAnchor(base, optical_pose_to_map(r.c2w))
+            self._refresh_output()
+            motion = invert_rigid(pending.T_odom_cam) @ odom
+            moved = float(np.linalg.norm(motion[:3, 3]))
+            turned = float(rotation_angle_deg(np.eye(3), motion[:3, :3]))
+            self.map_alignment = (f"continued from frame {good.index} of the previous sequence through odometry "
+                                  f"(moved {moved:.3f} m, turned {turned:.1f} deg in between)")
+            self.log.info(f"new sequence placed in the map: {self.map_alignment}")
+            self._status_note = "map continued from the last good pose through odometry"
+            if not good.metric and moved > 0:
+                self.throttle.emit(self.log.warning, f"on_lost=reset alignment: the odometry moved {moved:.3f} m "
+                                   "between the last good pose and the new sequence, added in model units (no "
+                                   "metric scale was applied: scale_source none or not converged): the new "
+                                   "sequence's position is off by the model's scale error times that motion",
+                                   kind="align units")
+            return
+        stamps = ", ".join(f"{f.stamp_s:.3f}" for f in frames)
+        why = f"no TF {self.settings.odom_frame} -> {frames[0].camera_frame} at its first frames' stamps ({stamps} s)"
+        self._new_map_origin()
+        self.throttle.emit(self.log.warning, f"on_lost=reset: the new sequence starts a NEW map origin (the map "
+                           f"frame jumps): {why}", kind="lost origin")
+        self._status_note = f"new map origin after a lost reset: {why}"
+
+    def _new_map_origin(self) -> None:
+        """The map frame restarts at this sequence's first camera (no anchor, no last good pose)."""
+        self._anchor = self._last_good = self._pending_alignment = None
+        self._refresh_output()
+        self.map_alignment = "origin at the first camera of the sequence"
 
     def _forget_keyframes_from(self, index: int) -> None:
         """Frames from 1-based ``index`` on left the cache: they are no motion reference any more."""
@@ -570,8 +751,10 @@ class InferenceEngine:
         if self._last_stored_index >= index:
             self._last_stored_index = 0
 
-    def _publish_clouds(self, r: FrameResult, pose: FrameOutput, need_points: bool, need_depth: bool) -> None:
-        """Output thread: the frame's point cloud (~/points, map) and depth image."""
+    def _publish_clouds(self, r: FrameResult, pose: FrameOutput, need_points: bool, need_depth: bool,
+                        transform: OutputTransform | None = None) -> None:
+        """Output thread: the frame's point cloud (~/points, map) and depth image; ``transform`` = the
+        frame's scale and map offset (the map keeps the sequence's own frame and units)."""
         s = self.settings
         points = colors = conf = depth = None
         if need_points:
@@ -583,10 +766,9 @@ class InferenceEngine:
             points = points_to_map(pts.astype(np.float32))
             conf = r.confidence.reshape(-1)[index].astype(np.float32)
             if self.map is not None:
-                self.map.add(r.frame_index, points, colors)  # model units (scaled at publication and save)
+                self.map.add(r.frame_index, points, colors)  # model units (transformed at publication and save)
                 self._warn_if_thinned()
-            if pose.scale != 1.0:
-                points = scale_points(points, pose.scale)
+            points = (transform or OutputTransform(pose.scale)).points(points)
         if need_depth:
             depth = np.where(r.depth > 0, r.depth, np.nan).astype(np.float32)
             if pose.scale != 1.0:
@@ -640,7 +822,10 @@ class InferenceEngine:
         self._set_state(State.INITIALIZING, f"recovered from: {text}; waiting for scale frames")
         self._publish_status(self.state_text, stamp)
 
-    def _clear_sequence(self) -> None:
+    def _clear_sequence(self, keep_map_frame: bool = False) -> None:
+        """Forget the sequence (cache, path, map, health, scale). ``keep_map_frame``: a lost reset,
+        whose next sequence may continue the map frame (the last good pose stays); otherwise the
+        next sequence starts a new map origin."""
         self.session.reset()
         self._collected.clear()
         self._last_index = 0
@@ -659,6 +844,12 @@ class InferenceEngine:
             self.scale_source.reset()
         self.applied_scale = 1.0
         self._scale_window = 0
+        self.focal.clear()
+        if keep_map_frame:
+            self._anchor = self._pending_alignment = None
+            self._refresh_output()
+        else:
+            self._new_map_origin()
 
     # ------------------------------------------------------------------ commands (inference thread)
     def reset(self) -> str:
@@ -863,7 +1054,8 @@ class InferenceEngine:
             raise SaveError("the map is not accumulated (accumulate_map is false); nothing to save")
         snapshot = Command("map snapshot", self.map.snapshot)
         self.outputs.op(snapshot.run)
-        return SaveSnapshot(self.trajectory.stamps(), self.trajectory.poses(), snapshot, self.applied_scale)
+        out = self.output
+        return SaveSnapshot(self.trajectory.stamps(), self.trajectory.poses(), snapshot, out.scale, out.offset)
 
     def save_map(self, directory: str) -> tuple[Path, Path]:
         """``save_snapshot`` + ``write_map_files`` in one call (in-process use and tests)."""
@@ -935,6 +1127,7 @@ class SaveSnapshot:
     poses: np.ndarray  # [N, 4, 4] T_map_cam
     map: Command  # runs on the output thread; result (points [M, 3] float32, colors [M, 3] uint8, version)
     scale: float = 1.0  # metres per model unit applied to both files (1 = model units)
+    offset: np.ndarray | None = None  # [4, 4] map offset T_map_seq applied after the scale (None = identity)
 
 
 def write_map_files(snapshot: SaveSnapshot, directory: str, output_directory: str,
@@ -948,8 +1141,9 @@ def write_map_files(snapshot: SaveSnapshot, directory: str, output_directory: st
         raise SaveError(f"cannot take the map: {snapshot.map.error}")
     points, colors, _ = snapshot.map.result
     poses = snapshot.poses
-    if snapshot.scale != 1.0:
-        points, poses = scale_points(points, snapshot.scale).astype(np.float32), apply_scale(poses, snapshot.scale)
+    transform = OutputTransform(snapshot.scale, snapshot.offset)
+    if not transform.identity:
+        points, poses = transform.points(points).astype(np.float32), transform.pose(poses)
     try:
         return save_map_pair(directory, output_directory, points, colors, snapshot.stamps, poses,
                              map_name=MAP_FILE, trajectory_name=TRAJECTORY_FILE)
