@@ -64,12 +64,12 @@ class BackendUnavailable(RuntimeError):
 
 def make_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
                  kv_splits: int | None = None, fa3_tiles: tuple[int, int, int] = FA3_TILES,
-                 fused_merge: bool | None = None) -> AttentionBackend:
+                 fused_merge: bool | None = None, workspace: torch.Tensor | None = None) -> AttentionBackend:
     """Resolve a backend name (auto, sdpa, flashinfer, flashinfer-fa2, flashinfer-fa3,
     flashinfer-fa3-paged, flashinfer-fa3-stock) for a device.
 
     kv_splits: FlashInfer's split-KV count (None or 0 = automatic); ignored by sdpa.
-    fa3_tiles, fused_merge: passed to ``FlashInferBackend`` (the project-built FA3 kernel's
+    fa3_tiles, fused_merge, workspace: passed to ``FlashInferBackend`` (the project-built FA3 kernel's
     shape; whether the split-KV merge runs as a Triton kernel); ignored by sdpa.
     dtype: the K/V pool's dtype when known; FlashInfer needs bf16/fp16, so ``auto`` picks
     sdpa for float32 and an explicit flashinfer backend with float32 is refused here.
@@ -93,7 +93,7 @@ def make_backend(name: str, device: torch.device, dtype: torch.dtype | None = No
 
         variant = name.split("-", 1)[1] if "-" in name else "fa3" if _is_hopper(device) else "fa2"
         return FlashInferBackend(device, variant, dtype, kv_splits=kv_splits or None, fa3_tiles=fa3_tiles,
-                                 fused_merge=fused_merge)
+                                 fused_merge=fused_merge, workspace=workspace)
     raise BackendUnavailable(f"unknown attention backend {name!r}")
 
 

@@ -198,7 +198,8 @@ class FlashInferBackend:
 
     def __init__(self, device: torch.device | str, variant: str = "fa3", dtype: torch.dtype | None = None,
                  graph_pages: int | None = None, kv_splits: int | None = None, min_graph_pages: int = 1,
-                 fa3_tiles: tuple[int, int, int] = FA3_TILES, fused_merge: bool | None = None) -> None:
+                 fa3_tiles: tuple[int, int, int] = FA3_TILES, fused_merge: bool | None = None,
+                 workspace: Tensor | None = None) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"flashinfer variant must be one of {VARIANTS}, got {variant!r}")
         if dtype is not None:
@@ -219,7 +220,13 @@ class FlashInferBackend:
         self.device = device
         self.kv_splits = kv_splits
         self._num_sms = torch.cuda.get_device_properties(device).multi_processor_count
-        self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        if workspace is not None and (workspace.numel() * workspace.element_size() < WORKSPACE_BYTES
+                                      or workspace.device != device):
+            raise ValueError(f"a shared FlashInfer workspace must be >= {WORKSPACE_BYTES} bytes on {device}")
+        # FlashInfer's float scratch of a run (plan data lives in the wrapper's own int buffers):
+        # backends whose runs are ordered on one stream may share it (several cameras, stream.multi)
+        self._workspace = workspace if workspace is not None else \
+            torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         self.graph_mode = graph_pages is not None
         self._graph_pages = graph_pages
         self._min_graph_pages = max(1, min_graph_pages)

@@ -56,8 +56,11 @@ class GraphedStep:
     """
 
     def __init__(self, model: LingBotMap, pool: KVPool, camera: CameraKVCache, backend, resolution: tuple[int, int],
-                 options: StepOptions, *, capture: bool = True) -> None:
+                 options: StepOptions, *, capture: bool = True, trunk_pool=None) -> None:
         self.model, self.pool, self.camera, self.backend = model, pool, camera, backend
+        # the trunk graph's memory pool: its own (None), or one shared by graphs whose trunks
+        # replay in turn on one stream (several cameras): only one of them is live at a time
+        self.trunk_pool = trunk_pool
         self.resolution = resolution
         self.options = options
         self.capture = capture
@@ -169,7 +172,7 @@ class GraphedStep:
         current.wait_stream(side)
         del levels
         trunk = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(trunk, capture_error_mode="thread_local"):  # other threads may use CUDA
+        with torch.cuda.graph(trunk, pool=self.trunk_pool, capture_error_mode="thread_local"):  # other threads may use CUDA
             levels = self._trunk()
         heads = torch.cuda.CUDAGraph()
         self.output_stream.wait_stream(current)
@@ -185,13 +188,16 @@ class GraphedStep:
 def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, num_pages: int,
                       resolution: tuple[int, int], variant: str, dtype: torch.dtype, options: StepOptions, *,
                       kv_splits: int | None = None, min_pages: int = 1, fa3_tiles: tuple[int, int, int] = FA3_TILES,
-                      fused_merge: bool | None = None) -> GraphedStep:
+                      fused_merge: bool | None = None, workspace: Tensor | None = None,
+                      trunk_pool=None) -> GraphedStep:
     """A GraphedStep with its own FlashInfer wrapper in CUDA-graph mode (sized for ``num_pages``;
     ``min_pages``, the fewest visible pages of a phase-2 step, bounds its KV split count;
-    ``fa3_tiles`` and ``fused_merge`` as for ``FlashInferBackend``)."""
+    ``fa3_tiles``, ``fused_merge`` and ``workspace`` as for ``FlashInferBackend``; ``trunk_pool``,
+    a CUDA graph pool handle shared with other steps' trunks, as for ``GraphedStep``)."""
     backend = FlashInferBackend(pool.k.device, variant, dtype, graph_pages=num_pages, kv_splits=kv_splits,
-                                min_graph_pages=min_pages, fa3_tiles=fa3_tiles, fused_merge=fused_merge)
-    return GraphedStep(model, pool, camera, backend, resolution, options)
+                                min_graph_pages=min_pages, fa3_tiles=fa3_tiles, fused_merge=fused_merge,
+                                workspace=workspace)
+    return GraphedStep(model, pool, camera, backend, resolution, options, trunk_pool=trunk_pool)
 
 
 __all__ = ["GraphedStep", "make_graphed_step"]

@@ -71,6 +71,23 @@ class PendingResults:
         return self._results
 
 
+class _SharedGpuState:
+    """Device memory that sessions on one ``SharedKVStorage`` share because they run in turn
+    on one stream: FlashInfer's float workspace (128 MiB per backend otherwise; each session
+    has an eager and a graph backend) and the memory pool of the trunk CUDA graphs (only
+    one trunk replays at a time; the heads graphs run beside the next trunk on their own
+    streams and keep their own pools)."""
+
+    def __init__(self, workspace: Tensor | None) -> None:
+        self.workspace = workspace
+        self._trunk_pool = None
+
+    def graph_kwargs(self) -> dict:
+        if self._trunk_pool is None:
+            self._trunk_pool = torch.cuda.graph_pool_handle()
+        return {"workspace": self.workspace, "trunk_pool": self._trunk_pool}
+
+
 def _torch_dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
@@ -99,8 +116,13 @@ class StreamingSession:
         else:
             fused, triton = self._resolve_kernels()
         self._merge_kernel = triton  # FlashInfer's split-KV merge: the Triton kernel wherever Triton runs here
+        shared = share_from._shared if share_from is not None else None
         self.backend = backend or make_backend(cfg.backend, self.device, self.dtype, kv_splits=cfg.kv_splits,
-                                               fa3_tiles=cfg.fa3_tiles, fused_merge=triton)
+                                               fa3_tiles=cfg.fa3_tiles, fused_merge=triton,
+                                               workspace=None if shared is None else shared.workspace)
+        # what sessions on one storage share besides the weights (None: a session on its own)
+        self._shared = shared or (_SharedGpuState(getattr(self.backend, "_workspace", None))
+                                  if storage is not None else None)
         # how every step runs, eager or graphed (a test may replace it before the first frame)
         self.step_options = share_from.step_options if share_from is not None else \
             self._make_step_options(fused, with_depth)
@@ -464,7 +486,8 @@ class StreamingSession:
                                               self._resolution, self.backend.variant, self.dtype,
                                               self.step_options, kv_splits=self.cfg.kv_splits or None,
                                               min_pages=self.cfg.num_scale_frames + 2,
-                                              fa3_tiles=self.cfg.fa3_tiles, fused_merge=self._merge_kernel)
+                                              fa3_tiles=self.cfg.fa3_tiles, fused_merge=self._merge_kernel,
+                                              **(self._shared.graph_kwargs() if self._shared is not None else {}))
         return self._graphed
 
     def _land(self, frames: Tensor, hosts: list[Tensor], out, plan: StepPlan, first_frame: int, t0: float,
