@@ -120,12 +120,12 @@ class Faulty:
         return results
 
 
-def make_engine(model, wants=("points", "depth"), **overrides):
+def make_engine(model, wants=("points", "depth"), camera_pose=None, **overrides):
     settings = resolve_settings({**SETTINGS, **overrides})
     session = Faulty(StreamingSession(model, settings.stream))
     sink, log = Sink(wants), Log()
     clock = [1000.0]
-    engine = InferenceEngine(session, settings, sink, log, now=lambda: clock[0])
+    engine = InferenceEngine(session, settings, sink, log, now=lambda: clock[0], camera_pose=camera_pose)
     return engine, sink, log, session
 
 
@@ -847,3 +847,200 @@ def test_depth_cache_matches_within_50_ms_only():
     cache.put(3.0, c)  # a leaves the cache
     assert cache.nearest(2.04) is b and cache.nearest(2.96) is c
     assert cache.nearest(1.0) is None and cache.nearest(2.5) is None
+
+
+# ------------------------------------------------------------------ on_lost=reset: the map frame continues
+def odometry_pose(stamp: float) -> np.ndarray:
+    """A robot's camera in odom (metres) at ``stamp``: driving a curve, turning 10 deg per second."""
+    a = np.radians(10.0 * stamp)
+    T = np.eye(4)
+    T[:3, :3] = [[np.cos(a), -np.sin(a), 0.0], [np.sin(a), np.cos(a), 0.0], [0.0, 0.0, 1.0]]
+    T[:3, 3] = (0.2 * stamp, 0.05 * stamp ** 2, 0.01 * stamp)
+    return T
+
+
+def _lose_and_restart(engine, sink, session, imgs):
+    """Frames 0-4 (tracking), a non-finite pose at 5 (lost: on_lost=reset), frames 6-9 (a new
+    sequence: its scale frames come out with frame 7). Returns the last good published pose."""
+    for i in range(5):
+        feed(engine, imgs[i], float(i))
+    assert sink.statuses[-1][0].tracking_state == "tracking"
+    good = sink.frames[-1]
+    session.fault = "pose"
+    feed(engine, imgs[5], 5.0)
+    assert engine.lost_resets == 1
+    for i in range(6, 10):
+        feed(engine, imgs[i], float(i))
+    return good
+
+
+def test_lost_reset_with_odometry_continues_the_map_from_the_last_good_pose(model, tmp_path):
+    """The new sequence's first frame is published at the last good pose moved by the odometry between
+    the two stamps; its later frames follow by the model's own motion (a replay of the new frames
+    alone); clouds, the node's path/map transform and the saved files agree. ~/reset starts a new origin."""
+    asked = []
+
+    def camera_pose(stamp, camera_frame):
+        asked.append((stamp, camera_frame))
+        return odometry_pose(stamp)
+
+    engine, sink, log, session = make_engine(model, camera_pose=camera_pose, on_lost="reset")
+    imgs = frames(12)
+    good = _lose_and_restart(engine, sink, session, imgs)
+    assert good.stamp == 4.0 and (4.0, "cam") in asked
+    new = {o.stamp: o for o in sink.frames if o.stamp >= 6.0}
+    assert sorted(new) == [6.0, 7.0, 8.0, 9.0]
+    expected_first = good.T_map_cam @ np.linalg.inv(odometry_pose(4.0)) @ odometry_pose(6.0)
+    np.testing.assert_allclose(new[6.0].T_map_cam, expected_first, atol=1e-9)
+    replayed = replay(model, imgs[6:10])  # the new sequence in its own frame (origin at frame 6)
+    own = [optical_pose_to_map(r.c2w) for r in replayed]
+    for k, stamp in enumerate((6.0, 7.0, 8.0, 9.0)):
+        np.testing.assert_allclose(new[stamp].T_map_cam, expected_first @ np.linalg.inv(own[0]) @ own[k], atol=1e-6)
+    # the clouds: the replay's points moved into the map by the same offset
+    out = engine.output
+    assert out.scale == 1.0 and out.offset is not None
+    pts, _, _ = select_points(unproject_depth(replayed[-1].depth, replayed[-1].intrinsics, replayed[-1].c2w), None,
+                              replayed[-1].confidence, 0.0, 1)
+    np.testing.assert_allclose(new[9.0].points, out.points(points_to_map(pts)), atol=1e-4)
+    # the path the node publishes (engine.output over the model-unit trajectory) and the saved files
+    np.testing.assert_allclose(out.pose(engine.trajectory.poses()), [new[t].T_map_cam for t in sorted(new)],
+                               atol=1e-9)
+    ply, tum = engine.save_map(str(tmp_path / "aligned"))
+    np.testing.assert_allclose(read_tum(tum)[1], [new[t].T_map_cam for t in sorted(new)], atol=1e-5)
+    assert read_ply(ply)[0].shape[0] > 0
+    status = [st for st, _ in sink.statuses]
+    assert any("aligned to the last good pose through odometry" in st.state_text for st in status)
+    assert any("map continued from the last good pose" in st.state_text for st in status)
+    assert "continued from frame 5 of the previous sequence" in engine.map_alignment
+    assert any(level == "warning" and "added in model units" in m for level, m in log.lines)  # scale_source none
+    # ~/reset: a fresh map (no offset), the next frames are the replay itself
+    engine.reset()
+    assert engine.output.identity and engine.map_alignment.startswith("origin at the first camera")
+    for i in (10, 11):
+        feed(engine, imgs[i], 100.0 + i)
+    fresh = replay(model, imgs[10:12])
+    np.testing.assert_allclose(sink.frames[-1].T_map_cam, optical_pose_to_map(fresh[-1].c2w), atol=1e-9)
+
+
+def test_lost_reset_with_a_metric_scale_adds_the_odometry_in_metres(model):
+    """scale_source fixed: the published units are metres, the odometry's motion is added as it is
+    (no units warning), the new sequence's own motion is scaled."""
+    engine, sink, log, session = make_engine(model, camera_pose=lambda stamp, frame: odometry_pose(stamp),
+                                             on_lost="reset", scale_source="fixed", metric_scale=2.0)
+    imgs = frames(10)
+    good = _lose_and_restart(engine, sink, session, imgs)
+    first = good.T_map_cam @ np.linalg.inv(odometry_pose(4.0)) @ odometry_pose(6.0)
+    own = [optical_pose_to_map(r.c2w) for r in replay(model, imgs[6:10])]
+    rel = np.linalg.inv(own[0]) @ own[3]
+    rel[:3, 3] *= 2.0
+    np.testing.assert_allclose(sink.frames[-1].T_map_cam, first @ rel, atol=1e-6)
+    assert not any("model units" in m for _, m in log.lines)
+
+
+def test_lost_reset_without_odometry_starts_a_new_origin_and_says_so(model):
+    """No camera_pose look-up: today's behaviour (the new sequence's first camera is the origin), a
+    warning and the status text say so. Odometry missing at the new frames: the same, said later."""
+    engine, sink, log, session = make_engine(model, on_lost="reset")
+    imgs = frames(10)
+    _lose_and_restart(engine, sink, session, imgs)
+    own = replay(model, imgs[6:10])
+    np.testing.assert_allclose(sink.frames[-1].T_map_cam, optical_pose_to_map(own[-1].c2w), atol=1e-9)
+    assert engine.output.identity
+    assert any(level == "warning" and "NEW map origin" in m and "no odometry look-up" in m for level, m in log.lines)
+    assert any("new sequence at a new map origin (no odometry look-up" in st.state_text for st, _ in sink.statuses)
+
+    engine, sink, log, session = make_engine(model, on_lost="reset",
+                                             camera_pose=lambda stamp, frame: None if stamp > 5 else np.eye(4))
+    _lose_and_restart(engine, sink, session, imgs)
+    np.testing.assert_allclose(sink.frames[-1].T_map_cam, optical_pose_to_map(own[-1].c2w), atol=1e-9)
+    assert any("no TF odom -> cam at its first frames' stamps (6.000, 7.000 s)" in m for _, m in log.lines)
+    assert any("new map origin after a lost reset" in st.state_text for st, _ in sink.statuses)
+
+
+def test_health_thresholds_follow_the_settings_at_run_time(model):
+    """health_* from the settings; replaced settings (a parameter set) apply from the next frame and
+    keep the state. (The tiny random model turns by more than 30 degrees between some frames: the
+    rotation threshold is opened wide first.)"""
+    loose = {**SETTINGS, "health_max_rotation_deg": 180.0, "health_jump_factor": 1e6}
+    engine, sink, _, _ = make_engine(model, **loose, health_init_frames=6)
+    imgs = frames(8)
+    for i in range(5):
+        feed(engine, imgs[i], float(i))
+    assert [st.tracking_reasons for st, _ in sink.statuses if st.frames_processed] == [""] * 5
+    assert sink.statuses[-1][0].tracking_state == "initializing"  # 5 good frames < 6
+    engine.settings = resolve_settings({**loose, "health_init_frames": 6, "health_max_rotation_deg": 0.001})
+    feed(engine, imgs[5], 5.0)
+    st = sink.statuses[-1][0]
+    assert st.tracking_state == "initializing" and st.tracking_reasons == "rotation_jump"
+    assert engine.health.config.max_rotation_step_deg == 0.001
+    engine.settings = resolve_settings({**loose, "health_init_frames": 2})
+    feed(engine, imgs[6], 6.0)
+    assert sink.statuses[-1][0].tracking_state == "initializing"  # one good frame since the jump
+    feed(engine, imgs[7], 7.0)
+    assert sink.statuses[-1][0].tracking_state == "tracking"
+
+
+def test_focal_lengths_are_tracked_in_input_pixels(model):
+    engine, sink, _, _ = make_engine(model)
+    for i, rgb in enumerate(frames(3)):
+        feed(engine, rgb, float(i))
+    assert len(engine.focal) == 3 and engine.focal.input_size == (518, 294)
+    K = sink.frames[-1].intrinsics  # 98 x 56 model input from 518 x 294
+    fx, fy = engine.focal.median()
+    assert fx == pytest.approx(np.median([o.intrinsics[0, 0] for o in sink.frames]) * 518 / 98)
+    assert fy == pytest.approx(np.median([o.intrinsics[1, 1] for o in sink.frames]) * 294 / 56)
+    assert K.shape == (3, 3)
+
+
+class OnDevice:
+    """A session wrapper that reports a non-CPU device (the tensors stay on the CPU) and records
+    what it is given."""
+
+    def __init__(self, session) -> None:
+        self._s = session
+        self.device = torch.device("cuda", 0)  # what the engine reads; nothing is put there
+        self.pushed = []
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def push(self, image, keyframe=None):
+        self.pushed.append(image)
+        return self._s.push(image, keyframe)
+
+
+def test_distorted_frames_are_undistorted_on_the_sessions_device_when_it_is_a_gpu(model, monkeypatch):
+    """Session device not the CPU: the engine undistorts with the torch path on that device and pushes the
+    float tensor it makes (run here on the CPU: the path is asked for "cuda:0" and computes on the CPU);
+    the poses are the model's on exactly those tensors. The CPU session keeps the numpy path."""
+    from lingbot_map_ros.robot.undistort import Undistorter
+
+    settings = resolve_settings(SETTINGS)
+    session = OnDevice(StreamingSession(model, settings.stream))
+    sink = Sink(())
+    engine = InferenceEngine(session, settings, sink, Log(), now=lambda: 1000.0)
+    devices = []
+    real = Undistorter.model_input_torch
+
+    def on_cpu(self, rgb, camera, width, device):
+        devices.append(device)
+        return real(self, rgb, camera, width, "cpu")
+
+    monkeypatch.setattr(Undistorter, "model_input_torch", on_cpu)
+    camera = _camera()
+    imgs = frames(3)
+    for i, rgb in enumerate(imgs):
+        engine.submit_frame(InputFrame(rgb=rgb, stamp=float(i), stamp_s=float(i), camera_frame="cam", camera=camera))
+        while engine.run_once(0):
+            pass
+    assert devices == [torch.device("cuda", 0)] * 3 and engine.frames_undistorted == 3
+    assert all(isinstance(im, torch.Tensor) and im.dtype == torch.float32 and im.shape == (3, 56, 98)
+               for im in session.pushed)
+    check = StreamingSession(model, settings.stream)
+    expected = [r for im in session.pushed for r in check.push(im.clone())]
+    np.testing.assert_array_equal(sink.frames[-1].T_map_cam, optical_pose_to_map(expected[-1].c2w))
+    # the same frames through the numpy path (CPU session): model inputs within 2/255
+    host = [preprocess_array(Undistorter().undistort(rgb, camera), WIDTH) for rgb in imgs]
+    assert max(np.abs(h - im.numpy()).max() for h, im in zip(host, session.pushed)) <= 2 / 255 + 1e-6
+    cpu_engine, _, _, cpu_session = make_engine(model, wants=())
+    assert cpu_engine._undistort_device() is None and devices == [torch.device("cuda", 0)] * 3
