@@ -457,7 +457,7 @@ class InferenceEngine:
             _check_resize(frame.rgb.shape, s.image_width)
             if camera is None:
                 return model_input(frame.rgb, s.image_width)  # uint8 as it came when no resize is needed
-            device = self._undistort_device()
+            device = self.undistort_device()
             if device is not None:
                 image = self.undistorter.model_input_torch(frame.rgb, camera, s.image_width, device)
             else:
@@ -467,7 +467,7 @@ class InferenceEngine:
         self.frames_undistorted += 1
         return image
 
-    def _undistort_device(self) -> Any:
+    def undistort_device(self) -> Any:
         """The session's device when undistortion should run there (not the CPU), else None."""
         device = getattr(self.session, "device", None)
         return device if device is not None and getattr(device, "type", "cpu") != "cpu" else None

@@ -1043,4 +1043,4 @@ def test_distorted_frames_are_undistorted_on_the_sessions_device_when_it_is_a_gp
     host = [preprocess_array(Undistorter().undistort(rgb, camera), WIDTH) for rgb in imgs]
     assert max(np.abs(h - im.numpy()).max() for h, im in zip(host, session.pushed)) <= 2 / 255 + 1e-6
     cpu_engine, _, _, cpu_session = make_engine(model, wants=())
-    assert cpu_engine._undistort_device() is None and devices == [torch.device("cuda", 0)] * 3
+    assert cpu_engine.undistort_device() is None and devices == [torch.device("cuda", 0)] * 3
