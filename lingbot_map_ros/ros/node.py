@@ -49,57 +49,66 @@ nobody listens: per-frame clouds, depth; the map is still accumulated when
 Start-up. Parameters map onto ModelConfig/StreamConfig in ``params.resolve_settings``
 (each value logged); the model is loaded in ``_load_session``. A bad parameter,
 checkpoint or backend ends the process with exit status 1 and one error line.
+
+Several cameras (parameter ``cameras``, e.g. ``[front, rear]``). One model and one K/V
+storage serve every camera (``stream.multi.CameraSessions``); each camera is a
+``camera_channel.CameraChannel`` with the names above under ``c/`` (subscriptions
+``c/image`` or ``c/image/compressed``, ``c/camera_info``, ``c/depth``) and ``~/c/``
+(outputs and the services reset, set_deferred_eviction, commit_eviction,
+rollback_last_frame), its own engine (sequence, trajectory, map, latest-frame slot) and
+``camera.<c>.*`` parameters (``params.CAMERA_PARAMETERS``). One inference thread
+(``scheduler.CameraScheduler``) runs the cameras' frames and commands round-robin.
+``~/save_map`` and ``~/map_points`` cover every camera: the first camera defines
+``map_frame`` and the others join it through the TF extrinsics (``multi_map``); a camera
+that cannot (no ``base_frame``, an extrinsic missing) publishes in ``<map_frame>_<c>``.
+/diagnostics gets the shared pool and every camera's entries.
 """
 from __future__ import annotations
 
 import logging
-import math
 import os
 import signal
-import statistics
 import sys
 import threading
 import time
-from collections import deque
-from dataclasses import asdict, replace
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Any
 
 import numpy as np
 import rclpy
 from rclpy.signals import SignalHandlerOptions
-from builtin_interfaces.msg import Time as TimeMsg
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus, KeyValue
-from geometry_msgs.msg import PoseStamped
-from nav_msgs.msg import Odometry, Path
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.clock import Clock, ClockType
-from rclpy.exceptions import ParameterException
+from rclpy.exceptions import ParameterException, ParameterUninitializedException
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
 from rclpy.node import Node
-from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
-from sensor_msgs.msg import CameraInfo, CompressedImage, Image, PointCloud2
+from rclpy.parameter import Parameter
+from sensor_msgs.msg import CameraInfo, PointCloud2
 from std_msgs.msg import Header
-from std_srvs.srv import SetBool, Trigger
 
-from lingbot_map_ros.msg import FrameInfo, Status
-from lingbot_map_ros.srv import CommitEviction, RollbackFrame, SaveMap
+from lingbot_map_ros.srv import SaveMap
 
 from ..config import ConfigError
-from .conversions import (camera_info_msg, compressed_to_rgb, depth_to_image_msg, image_to_rgb, make_pointcloud2,
-                          odometry_msg, pose_to_msg, sensor_depth_array)
-from .engine import FrameOutput, FrameSummary, InferenceEngine, InputFrame, SaveError, StatusFields, write_map_files
-from .mapping import PoseEntry
-from .params import DEFAULT_CAMERA_FRAME, PARAMETERS, NodeSettings, Param, apply_dynamic, resolve_settings
-from .tf_tools import TfOutput
+from ..io.map_save import MAP_FILE, MapSaveError
 from ..robot.scale import apply_scale, scale_points
-from ..robot.undistort import CameraModel
-from .worker import Command, Throttle
+from ..stream.multi import PoolStatus
+from .camera_channel import (ARRIVAL_WINDOW, NODE_NAME, AlignedPlacer, CameraChannel, RosOutputs, _qos, diag,
+                             stamp_seconds)
+from .conversions import image_to_rgb, make_pointcloud2  # noqa: F401  (image_to_rgb: benchmarks time it here)
+from .engine import SaveError, StatusFields, write_map_files
+from .multi_map import MapAligner, base_motion_from_odometry, own_map_frame, transform_points, transform_poses
+from .multi_save import CameraMap, save_camera_maps
+from .params import (CAMERA_PARAMETERS, CAMERA_PREFIX, PARAMETERS, NodeSettings, Param, apply_camera_dynamic,
+                     apply_dynamic, camera_param_name, camera_values, resolve_camera_settings, resolve_settings)
+from .scheduler import CameraScheduler
+from .tf_tools import transform_to_matrix
 
-NODE_NAME = "lingbot_map"
 _PARAMETER_TABLE = {p.name: p for p in PARAMETERS}
-ARRIVAL_WINDOW = 64  # images whose age on arrival /diagnostics summarises
+POOL_REFRESH_S = 0.5  # several cameras: the shared pool's status is read at most this often
+__all__ = ["LingBotMapNode", "RosOutputs", "StartupError", "main", "NODE_NAME", "ARRIVAL_WINDOW"]
 
 
 class StartupError(RuntimeError):
@@ -120,16 +129,6 @@ def descriptor(p: Param) -> ParameterDescriptor:
         else:
             d.floating_point_range = [FloatingPointRange(from_value=float(lo), to_value=float(hi), step=float(step))]
     return d
-
-
-def stamp_seconds(stamp: TimeMsg) -> float:
-    return stamp.sec + stamp.nanosec * 1e-9
-
-
-def _qos(reliable: bool = True, latched: bool = False, depth: int = 10) -> QoSProfile:
-    return QoSProfile(depth=depth,
-                      reliability=ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT,
-                      durability=DurabilityPolicy.TRANSIENT_LOCAL if latched else DurabilityPolicy.VOLATILE)
 
 
 class _ForwardToRos(logging.Handler):
@@ -153,112 +152,6 @@ class _ForwardToRos(logging.Handler):
             self._logger.debug(text)
 
 
-class RosOutputs:
-    """The engine's sink: builds and publishes the messages (called from the inference thread)."""
-
-    def __init__(self, node: Node, settings: NodeSettings) -> None:
-        s = self.settings = settings
-        self.node = node
-        self.status = node.create_publisher(Status, "~/status", _qos(depth=20))
-        self.pose = node.create_publisher(PoseStamped, "~/pose", _qos()) if s.publish_pose else None
-        self.odometry = node.create_publisher(Odometry, "~/odometry", _qos()) if s.publish_odometry else None
-        self.path = node.create_publisher(Path, "~/path", _qos(latched=True, depth=1)) if s.publish_path else None
-        self.points = node.create_publisher(PointCloud2, "~/points", _qos(depth=2)) if s.publish_points else None
-        self.map_points = node.create_publisher(PointCloud2, "~/map_points", _qos(latched=True, depth=1)) \
-            if s.publish_map and s.accumulate_map else None
-        self.depth = self.depth_info = None
-        if s.publish_depth:
-            self.depth = node.create_publisher(Image, "~/depth", _qos(depth=2))
-            self.depth_info = node.create_publisher(CameraInfo, "~/depth/camera_info", _qos(depth=2))
-        self.frame_info = node.create_publisher(FrameInfo, "~/frame", _qos(depth=10))
-        self.tf = TfOutput(node, s, node.get_logger().warning)  # follows publish_tf, settable at run time
-        self._warn = node.get_logger().warning
-        self._scale_wait_throttle = Throttle(5.0)
-        self.scale: Callable[[], float] = lambda: 1.0  # metres per model unit of the path (set by the node)
-        self._path_scale = 1.0
-        self.latest_stamp = TimeMsg()
-        self._path_lock = threading.Lock()
-        self._path_entries: list[PoseEntry] = []
-        self._path_dirty = False
-
-    def wants(self, output: str) -> bool:
-        if output == "points":
-            return self.points is not None and self.points.get_subscription_count() > 0
-        if output == "depth":
-            return self.depth is not None and (self.depth.get_subscription_count() > 0
-                                               or self.depth_info.get_subscription_count() > 0)
-        if output == "frame":
-            return self.frame_info.get_subscription_count() > 0
-        raise ValueError(f"unknown output {output!r}")
-
-    def publish_frame(self, out: FrameOutput) -> None:
-        s = self.settings
-        self.latest_stamp = out.stamp
-        in_map = Header(stamp=out.stamp, frame_id=s.map_frame)
-        if self.pose is not None:
-            self.pose.publish(PoseStamped(header=in_map, pose=pose_to_msg(out.T_map_cam)))
-        if self.odometry is not None:
-            msg = odometry_msg(out.T_map_cam, in_map, out.camera_frame)
-            if out.covariance is not None:  # tracking health's heuristic (robot/health.py)
-                msg.pose.covariance = [float(v) for v in out.covariance]
-            self.odometry.publish(msg)
-        if self.settings.publish_tf and not self._tf_waits_for_scale(out):
-            self.tf.publish(out.T_map_cam, out.stamp, out.camera_frame)
-        self.publish_clouds(out)  # nothing when the clouds follow from the output thread
-
-    def _tf_waits_for_scale(self, out: FrameOutput) -> bool:
-        """map_to_odom with scale_wait_for_convergence: no TF until the estimated scale converged
-        (a map -> odom transform in model units would jump when the scale arrives)."""
-        s = self.settings
-        mode = self.tf.mode or s.tf_mode
-        if out.scale_ready or not s.scale_wait_for_convergence or mode != "map_to_odom":
-            return False
-        self._scale_wait_throttle.emit(self._warn, f"tf_mode map_to_odom waits for the metric scale "
-                                       f"(scale_source {s.scale_source}) to converge: no TF yet")
-        return True
-
-    def publish_frame_info(self, info: FrameSummary, out: FrameOutput) -> None:
-        self.frame_info.publish(FrameInfo(header=Header(stamp=out.stamp, frame_id=self.settings.map_frame),
-                                          pose=pose_to_msg(out.T_map_cam), **asdict(info)))
-
-    def publish_clouds(self, out: FrameOutput) -> None:
-        """~/points and ~/depth of a frame whose pose ``publish_frame`` already sent (output thread)."""
-        in_map = Header(stamp=out.stamp, frame_id=self.settings.map_frame)
-        if out.points is not None and self.wants("points"):
-            self.points.publish(make_pointcloud2(out.points, out.colors, out.confidence, in_map))
-        if out.depth is not None and self.depth is not None:
-            in_camera = Header(stamp=out.stamp, frame_id=out.camera_frame)
-            height, width = out.depth.shape
-            self.depth.publish(depth_to_image_msg(out.depth, in_camera))
-            self.depth_info.publish(camera_info_msg(out.intrinsics, width, height, in_camera))
-
-    def publish_path(self, entries: list[PoseEntry]) -> None:
-        """Hand over the current path; ``flush_path`` (a timer) publishes it at path_publish_rate."""
-        with self._path_lock:
-            self._path_entries, self._path_dirty = entries, True
-
-    def flush_path(self) -> None:
-        with self._path_lock:
-            if self.path is None or not self._path_dirty:
-                return
-            entries, self._path_dirty = self._path_entries, False
-        scale = self.scale()  # the engine keeps the path in model units
-        rebuild, self._path_scale = scale != self._path_scale, scale
-        for e in entries:
-            if e.message is None or rebuild:
-                T = apply_scale(e.T_map_cam, scale) if scale != 1.0 else e.T_map_cam
-                e.message = PoseStamped(header=Header(stamp=e.stamp, frame_id=self.settings.map_frame),
-                                        pose=pose_to_msg(T))
-        stamp = entries[-1].stamp if entries else self.latest_stamp
-        self.path.publish(Path(header=Header(stamp=stamp, frame_id=self.settings.map_frame),
-                               poses=[e.message for e in entries]))
-
-    def publish_status(self, status: StatusFields, stamp: Any) -> None:
-        msg = Status(header=Header(stamp=stamp if stamp is not None else TimeMsg(), frame_id=self.settings.map_frame),
-                     **asdict(status))
-        self.status.publish(msg)
-
-
 class LingBotMapNode(Node):
     """See the module docstring. Raises StartupError when it cannot start.
 
@@ -273,33 +166,27 @@ class LingBotMapNode(Node):
         logging.getLogger("lingbot_map_ros").setLevel(logging.INFO)
         self.settings = self._read_parameters()
         s = self.settings
-        self.outputs = RosOutputs(self, s)
-        self.outputs.publish_status(StatusFields(state=0, state_text="loading the model"), None)
-        session = self._load_session()
-        self.engine = InferenceEngine(session, s, self.outputs, log, now=self._now,
-                                      odom_position=self.outputs.tf.camera_position)
-        self.outputs.scale = lambda: self.engine.applied_scale
-        if s.scale_source == "odometry":
-            self.outputs.tf.start()  # its buffer serves the scale's odom -> camera look-ups
+        self.multi = bool(s.cameras)
+        self.aligner: MapAligner | None = None
+        self.sessions = None  # CameraSessions with several cameras
+        self.scheduler: CameraScheduler | None = None
+        self.channels: dict[str, CameraChannel] = {}
+        self._pool_status: PoolStatus | None = None
+        self._pool_at = -float("inf")
+        if self.multi:
+            self._start_cameras()
+        else:
+            self._start_camera()
+        s = self.settings
 
         self._input_group = MutuallyExclusiveCallbackGroup()
         self._timer_group = MutuallyExclusiveCallbackGroup()
-        self.camera_info: CameraInfo | None = None
-        self.camera_model: CameraModel | None = None
-        self._arrival_age_s: deque[float] = deque(maxlen=ARRIVAL_WINDOW)  # executor thread only
-        qos = qos_profile_sensor_data if s.input_qos == "sensor_data" else _qos(depth=5)
-        if s.input_transport == "compressed":
-            self.image_sub = self.create_subscription(CompressedImage, "image/compressed", self._on_compressed, qos,
-                                                      callback_group=self._input_group)
-        else:
-            self.image_sub = self.create_subscription(Image, "image", self._on_image, qos,
-                                                      callback_group=self._input_group)
-        self.camera_info_sub = self.create_subscription(CameraInfo, "camera_info", self._on_camera_info,
-                                                        qos_profile_sensor_data, callback_group=self._input_group)
-        if s.scale_source == "depth":  # registered depth for the metric scale (latest few cached)
-            self.depth_sub = self.create_subscription(Image, "depth", self._on_depth, qos_profile_sensor_data,
-                                                      callback_group=self._input_group)
+        for channel in self.channels.values():
+            channel.subscribe(self._input_group, None if self.multi else self._accept)
         self.diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", _qos())
+        self.map_points = None  # several cameras: every camera's map in map_frame
+        if self.multi and s.publish_map and s.accumulate_map:
+            self.map_points = self.create_publisher(PointCloud2, "~/map_points", _qos(latched=True, depth=1))
         # The services live on a helper node that main() spins on its own executor thread: a
         # call waits for the inference thread (one step, or up to service_timeout while the
         # first frame compiles), and image intake, timers and diagnostics must not wait with it.
@@ -313,20 +200,12 @@ class LingBotMapNode(Node):
         prefix = self.get_fully_qualified_name().rstrip("/")
         # Not `self._services` or `self._timers`: those are rclpy Node's own lists (the parameter
         # services live there; replacing them dropped them and made this executor serve the helper's).
-        self._service_handles = [
-            self.service_node.create_service(Trigger, f"{prefix}/reset", self._srv_reset,
-                                             callback_group=self._service_group),
-            self.service_node.create_service(SetBool, f"{prefix}/set_deferred_eviction", self._srv_set_deferred,
-                                             callback_group=self._service_group),
-            self.service_node.create_service(CommitEviction, f"{prefix}/commit_eviction", self._srv_commit,
-                                             callback_group=self._service_group),
-            self.service_node.create_service(RollbackFrame, f"{prefix}/rollback_last_frame", self._srv_rollback,
-                                             callback_group=self._service_group),
-            self.service_node.create_service(SaveMap, f"{prefix}/save_map", self._srv_save_map,
-                                             callback_group=self._service_group),
-        ]
-        self._heartbeat: Command | None = None
-        self._map_version = -1
+        self._service_handles = []
+        for channel in self.channels.values():
+            self._service_handles += channel.create_services(self.service_node, prefix, self._service_group)
+        self._service_handles.append(self.service_node.create_service(
+            SaveMap, f"{prefix}/save_map", self._srv_save_map, callback_group=self._service_group))
+        self._map_version: Any = -1
         # Timers run on the steady clock: with use_sim_time and no /clock, /diagnostics and the
         # status heartbeat go on (and say so) instead of stopping without a word.
         self._steady = Clock(clock_type=ClockType.STEADY_TIME)
@@ -338,34 +217,108 @@ class LingBotMapNode(Node):
         self._set_rate_timer("map", s.map_publish_rate)
         self.add_on_set_parameters_callback(self._check_parameters)
         self.add_post_set_parameters_callback(self._apply_parameters)
-        self.engine.start()
-        if s.input_transport == "raw" and _fastdds_without_profile():
+        if self.multi:
+            self.scheduler.start()
+        else:
+            self.engine.start()
+        transports = {c.settings.input_transport for c in self.channels.values()}
+        if "raw" in transports and _fastdds_without_profile():
             log.warning("FASTDDS_DEFAULT_PROFILES_FILE is not set: with Fast DDS a raw image over 512 KB (518x378 "
                         "RGB and larger) travels as UDP fragments and is often lost on a best-effort subscription. "
                         "Start the camera driver (and this node) with FASTDDS_DEFAULT_PROFILES_FILE=<share>/"
                         "lingbot_map_ros/config/fastdds_large_messages.xml (the launch file sets it for the node), "
                         "or use compressed input")
-        log.info(f"ready: listening on {self.image_sub.topic_name} ({s.input_transport}, {s.input_qos} QoS), "
-                 f"device {s.stream.device}, backend {session.backend.name}, dtype {s.stream.dtype}")
+        for channel in self.channels.values():
+            cs = channel.settings
+            log.info(f"ready: listening on {channel.image_sub.topic_name} ({cs.input_transport}, {cs.input_qos} QoS), "
+                     f"device {cs.stream.device}, backend {channel.engine.session.backend.name}, "
+                     f"dtype {cs.stream.dtype}")
 
     # ------------------------------------------------------------------ start-up
+    def _start_camera(self) -> None:
+        """One camera: today's names, its own inference thread (``engine.start``)."""
+        s = self.settings
+        channel = CameraChannel(self, "", s)
+        self.channels[""] = channel
+        self.outputs = channel.outputs
+        self.outputs.publish_status(StatusFields(state=0, state_text="loading the model"), None)
+        session = self._load_session()
+        self.engine = channel.attach(session, self._now)
+
+    def _start_cameras(self) -> None:
+        """Several cameras: one model, one CameraSessions, a channel each, one CameraScheduler."""
+        s = self.settings
+        cameras = s.cameras
+        self.aligner = self._make_aligner()
+        reference = cameras[0]
+        for name in cameras:
+            cs = self.camera_settings[name]
+            tf_settings = cs if name == reference else replace(cs, tf_mode="map_to_camera")
+            placer = AlignedPlacer(self.aligner, name, self._reference_scale)
+            channel = CameraChannel(self, name, cs, placer, tf_settings=tf_settings)
+            channel.outputs.pool = self._pool
+            self.channels[name] = channel
+            channel.outputs.publish_status(StatusFields(state=0, state_text="loading the model"), None)
+        self.sessions = self._load_sessions()
+        for name, channel in self.channels.items():
+            channel.attach(self.sessions.sessions[name], self._now)
+        self.engine = self.channels[reference].engine  # the reference camera's (in-process use)
+        self.outputs = self.channels[reference].outputs
+        self.scheduler = CameraScheduler({name: ch.engine for name, ch in self.channels.items()})
+        self._warn_about_alignment()
+
     def _read_parameters(self) -> NodeSettings:
         try:
             for p in PARAMETERS:
-                self.declare_parameter(p.name, p.default, descriptor(p))
-            values = {p.name: self.get_parameter(p.name).value for p in PARAMETERS}
-            return resolve_settings(values, log=self.get_logger().info)
+                if p.name == "cameras":  # a string array whose default [] would type it as bytes
+                    self.declare_parameter(p.name, Parameter.Type.STRING_ARRAY, descriptor(p))
+                else:
+                    self.declare_parameter(p.name, p.default, descriptor(p))
+            values = {p.name: self._value(p) for p in PARAMETERS}
+            settings = resolve_settings(values, log=self.get_logger().info)
+            self.camera_settings = self._read_camera_parameters(values, settings.cameras)
+            return settings
         except (ParameterException, ConfigError) as exc:
             raise StartupError(f"invalid parameters: {exc}") from None
+
+    def _value(self, p: Param) -> Any:
+        try:
+            return self.get_parameter(p.name).value
+        except ParameterUninitializedException:  # cameras not given (or given as [], which has no type)
+            return p.default
+
+    def _read_camera_parameters(self, values: dict, cameras: tuple[str, ...]) -> dict[str, NodeSettings]:
+        """Declare camera.<c>.<p> for each listed camera and per-camera parameter (default: the global
+        value) and resolve each camera's settings; ConfigError for a camera.* override naming an
+        unknown camera or parameter, or a bad value."""
+        overrides = {name: p.value for name, p in self._parameter_overrides.items() if name.startswith(CAMERA_PREFIX)}
+        camera_values(cameras, overrides)  # refuses unknown cameras/parameters and bad values, naming them
+        if not cameras:
+            return {}
+        per_camera = {}
+        for camera in cameras:
+            per_camera[camera] = {}
+            for name in CAMERA_PARAMETERS:
+                p = _PARAMETER_TABLE[name]
+                full = camera_param_name(camera, name)
+                own = replace(p, name=full, description=f"camera {camera}: {p.description}")
+                self.declare_parameter(full, values[name], descriptor(own))
+                per_camera[camera][name] = self.get_parameter(full).value
+        return resolve_camera_settings(values, per_camera, log=self.get_logger().info)
 
     def _check_parameters(self, params) -> SetParametersResult:
         """on_set_parameters: refuse (with the reason) a value the node cannot take at run time."""
         settings = self.settings
+        per_camera = self._settings_by_camera()
         for p in params:
-            if p.name not in _PARAMETER_TABLE:  # rclpy's own (use_sim_time, qos overrides)
+            ours = p.name in _PARAMETER_TABLE or (self.multi and p.name.startswith(CAMERA_PREFIX))
+            if not ours:  # rclpy's own (use_sim_time, qos overrides)
                 continue
             try:
-                settings = apply_dynamic(settings, p.name, p.value)
+                if self.multi:
+                    per_camera = apply_camera_dynamic(per_camera, p.name, p.value)
+                if p.name in _PARAMETER_TABLE:
+                    settings = apply_dynamic(settings, p.name, p.value)
             except ConfigError as exc:
                 return SetParametersResult(successful=False, reason=str(exc))
         return SetParametersResult(successful=True)
@@ -373,16 +326,17 @@ class LingBotMapNode(Node):
     def _apply_parameters(self, params) -> None:
         """post_set_parameters: the accepted values take effect (checked by ``_check_parameters``)."""
         s = self.settings
+        per_camera = self._settings_by_camera()
         for p in params:
             if p.name in _PARAMETER_TABLE:
                 s = apply_dynamic(s, p.name, p.value)
-        self.settings = self.outputs.settings = self.outputs.tf.settings = s
-        if s.publish_tf:
-            self.outputs.tf.start()  # the tf2 broadcaster/listener, made once, on this (executor) thread
-        engine_deferred = self.engine.settings.deferred_eviction
-        self.engine.settings = replace(s, deferred_eviction=engine_deferred)
-        if s.deferred_eviction != engine_deferred:
-            self.engine.submit("set_deferred_eviction", lambda: self.engine.set_deferred_eviction(s.deferred_eviction))
+            if self.multi and (p.name in _PARAMETER_TABLE or p.name.startswith(CAMERA_PREFIX)):
+                per_camera = apply_camera_dynamic(per_camera, p.name, p.value)
+        self.settings = s
+        if not self.multi:
+            per_camera = {"": s}
+        for name, channel in self.channels.items():
+            channel.apply_settings(per_camera[name])
         names = {p.name for p in params}
         if "path_publish_rate" in names:
             self._set_rate_timer("path", s.path_publish_rate)
@@ -391,32 +345,45 @@ class LingBotMapNode(Node):
         for p in params:
             self.get_logger().info(f"parameter {p.name} set to {p.value!r}")
 
+    def _settings_by_camera(self) -> dict[str, NodeSettings]:
+        return {name: channel.settings for name, channel in self.channels.items()}
+
     def _set_rate_timer(self, which: str, rate: float) -> None:
         """(Re)create the ~/path or ~/map_points timer at ``rate`` Hz (0 = none)."""
         old = self._rate_timers.pop(which, None)
         if old is not None:
             self.destroy_timer(old)
-        publisher, callback = ((self.outputs.path, self.outputs.flush_path) if which == "path"
-                               else (self.outputs.map_points, self._on_map_timer))
-        if publisher is not None and rate > 0:
+        if which == "path":
+            publisher = any(c.outputs.path is not None for c in self.channels.values())
+            callback = self._flush_paths
+        else:
+            publisher = any(c.outputs.map_points is not None for c in self.channels.values())
+            callback = self._on_map_timer
+        if publisher and rate > 0:
             self._rate_timers[which] = self.create_timer(1.0 / rate, callback, callback_group=self._timer_group,
                                                          clock=self._steady)
 
-    def _load_session(self):
-        """The one place the model is built: configs -> weights -> device -> session."""
-        from ..stream import BackendUnavailable
-        from ..io.checkpoint import CheckpointError, load_model
-        from ..stream.long_stream import LongStreamSession
-        from ..stream.session import StreamingSession
+    def _load_model(self):
+        from ..io.checkpoint import load_model
 
         s = self.settings
         if s.checkpoint is None:
             self.get_logger().warning("checkpoint is empty: the model has RANDOM weights (seed "
                                       f"{s.seed}); poses, depth and points are MEANINGLESS. Set the checkpoint "
                                       "parameter to a .pt/.safetensors file or a Hugging Face id.")
+        return load_model(s.model, s.checkpoint, s.stream.device, s.stream.dtype, seed=s.seed)
+
+    def _load_session(self):
+        """The one place the model is built (one camera): configs -> weights -> device -> session."""
+        from ..stream import BackendUnavailable
+        from ..io.checkpoint import CheckpointError
+        from ..stream.long_stream import LongStreamSession
+        from ..stream.session import StreamingSession
+
+        s = self.settings
         t0 = time.perf_counter()
         try:
-            model = load_model(s.model, s.checkpoint, s.stream.device, s.stream.dtype, seed=s.seed)
+            model = self._load_model()
             session = LongStreamSession(StreamingSession(model, s.stream), s.long_stream)
         except (CheckpointError, BackendUnavailable, ConfigError) as exc:
             raise StartupError(str(exc)) from None
@@ -424,116 +391,97 @@ class LingBotMapNode(Node):
                                f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)")
         return session
 
+    def _load_sessions(self):
+        """Several cameras: one model, one ``CameraSessions`` (a session per camera on one K/V storage)."""
+        from ..stream import BackendUnavailable
+        from ..io.checkpoint import CheckpointError
+        from ..stream.multi import CameraSessions
+
+        t0 = time.perf_counter()
+        try:
+            model = self._load_model()
+            sessions = CameraSessions(model, {name: (cs.stream, cs.long_stream)
+                                              for name, cs in self.camera_settings.items()})
+        except (CheckpointError, BackendUnavailable, ConfigError, ValueError) as exc:
+            raise StartupError(str(exc)) from None
+        self.get_logger().info(f"model loaded in {time.perf_counter() - t0:.1f} s "
+                               f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters) for "
+                               f"{len(self.camera_settings)} cameras: {', '.join(self.camera_settings)}")
+        return sessions
+
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
 
-    # ------------------------------------------------------------------ input
-    def _camera_frame(self, header_frame: str) -> str:
+    # ------------------------------------------------------------------ several cameras: one map
+    def _make_aligner(self) -> MapAligner:
         s = self.settings
-        if s.camera_frame:
-            return s.camera_frame
-        if header_frame:
-            return header_frame
-        info = self.camera_info
-        return info.header.frame_id if info is not None and info.header.frame_id else DEFAULT_CAMERA_FRAME
+        lookup = _TfLookup(self) if s.base_frame else None
+        self._tf_lookup = lookup
+        base_motion = None
+        if lookup is not None and s.odom_frame:
+            def base_motion(t_ref: float, t_cam: float):
+                a = lookup.matrix(s.odom_frame, s.base_frame, t_ref)
+                b = lookup.matrix(s.odom_frame, s.base_frame, t_cam)
+                return None if a is None or b is None else base_motion_from_odometry(a, b)
+        extrinsic = (lambda frame: lookup.matrix(s.base_frame, frame)) if lookup is not None else (lambda frame: None)
+        log = self.get_logger()
+        return MapAligner(s.cameras, s.map_frame, s.base_frame, extrinsic, base_motion,
+                          scale_frames=s.stream.num_scale_frames, warn=log.warning, info=log.info)
 
-    def _on_image(self, msg: Image) -> None:
-        self._accept(msg, image_to_rgb)
+    def _warn_about_alignment(self) -> None:
+        s, log = self.settings, self.get_logger()
+        own = ", ".join(own_map_frame(s.map_frame, c) for c in s.cameras)
+        if not s.base_frame:
+            log.warning(f"cameras {', '.join(s.cameras)}: base_frame is empty, so their extrinsics are unknown: each "
+                        f"camera publishes in its own map frame ({own}); set base_frame (and the URDF's camera "
+                        f"transforms in TF) for one map {s.map_frame}")
+            return
+        if self._tf_lookup is not None and self._tf_lookup.buffer is None:
+            log.warning(f"tf2_ros is not importable: the camera extrinsics cannot be read, each camera keeps its "
+                        f"own map frame ({own})")
+        if s.scale_source == "none":
+            log.warning("scale_source none: the cameras' maps are joined through the extrinsics in metres while "
+                        "each camera's poses are in its own model units (metre-like, not metric): the cameras' "
+                        "maps agree only as far as those units are metres; a metric scale source joins them better")
+        log.info(f"one map: camera {s.cameras[0]} defines {s.map_frame}; the other cameras join it through TF "
+                 f"{s.base_frame} -> <camera frame> once both cameras have poses (until then: their own "
+                 f"{s.map_frame}_<camera>)")
 
-    def _on_compressed(self, msg: CompressedImage) -> None:
-        self._accept(msg, compressed_to_rgb)
+    def _reference_scale(self) -> float:
+        """Metres per model unit of the first camera (1 before its engine exists)."""
+        channel = self.channels.get(self.settings.cameras[0])
+        return channel.engine.applied_scale if channel is not None and channel.engine is not None else 1.0
 
+    def _pool(self) -> PoolStatus | None:
+        """The shared pool's status, read at most every POOL_REFRESH_S (inference thread; cached for
+        /diagnostics)."""
+        now = time.monotonic()
+        if self.sessions is not None and now - self._pool_at >= POOL_REFRESH_S:
+            self._pool_at = now
+            try:
+                self._pool_status = self.sessions.pool_status()
+            except Exception as exc:  # a status read must never cost a frame
+                self.get_logger().warning(f"cannot read the pool status: {type(exc).__name__}: {exc}")
+        return self._pool_status
+
+    # ------------------------------------------------------------------ input
     def _accept(self, msg, convert) -> None:
-        t0 = time.perf_counter()
-        # age on arrival (publisher + transport + executor), reported in /diagnostics: a
-        # transport problem (e.g. large raw images as UDP fragments) shows up here first
-        self._arrival_age_s.append(self._now() - stamp_seconds(msg.header.stamp))
-        try:
-            rgb = convert(msg)
-        except Exception as exc:  # ImageConversionError, and anything odd a decoder raises
-            self.engine.reject_frame(msg.header.stamp, str(exc))
-            return
-        self.engine.submit_frame(InputFrame(rgb=rgb, stamp=msg.header.stamp, stamp_s=stamp_seconds(msg.header.stamp),
-                                            camera_frame=self._camera_frame(msg.header.frame_id),
-                                            convert_ms=(time.perf_counter() - t0) * 1e3,
-                                            camera=self.camera_model))
+        """One camera: an image message to the engine (``CameraChannel.accept``)."""
+        self.channels[""].accept(msg, convert, self._now())
 
-    def _on_depth(self, msg: Image) -> None:
-        """scale_source depth: cache the image (16UC1 millimetres or 32FC1 metres) by its stamp."""
-        try:
-            depth = sensor_depth_array(msg)
-        except Exception as exc:  # ImageConversionError and odd buffers
-            self.engine.throttle.emit(self.get_logger().warning, f"ignoring a depth image: {exc}", kind="depth msg")
-            return
-        self.engine.depth_cache.put(stamp_seconds(msg.header.stamp), depth)
-
-    def _on_camera_info(self, msg: CameraInfo) -> None:
-        """Keep the latest usable CameraInfo (for /diagnostics); warn (throttled) about unusable ones."""
-        fx, fy = msg.k[0], msg.k[4]
-        problem = ("an empty image size" if msg.width == 0 or msg.height == 0 else
-                   "non-finite K" if not all(math.isfinite(v) for v in msg.k) else
-                   "a focal length that is not positive" if not (fx > 0 and fy > 0) else None)
-        if problem is not None:
-            self.engine.throttle.emit(self.get_logger().warning,
-                                      f"ignoring camera_info with {problem} (image size {msg.width}x{msg.height})")
-            return
-        try:  # the undistortion's camera (the engine thread builds and caches its remap grid)
-            self.camera_model = CameraModel.from_camera_info(msg)
-        except ValueError as exc:  # e.g. a distortion model it does not know
-            self.camera_model = None
-            self.engine.throttle.emit(self.get_logger().warning, f"camera_info cannot be used to undistort: {exc}",
-                                      kind="camera_info model")
-        self.camera_info = msg
+    @property
+    def camera_info(self) -> CameraInfo | None:
+        """One camera: the latest usable CameraInfo."""
+        channel = self.channels.get("")
+        return None if channel is None else channel.camera_info
 
     # ------------------------------------------------------------------ services
-    def _run(self, name: str, fn) -> tuple[bool, Any, str]:
-        """Queue ``fn`` on the inference thread and wait for it: (ran successfully, result, error text)."""
-        timeout = self.settings.service_timeout
-        command = self.engine.submit(name, fn)
-        if not command.wait(timeout):
-            if command.cancel():
-                return False, None, f"timed out after {timeout:.1f} s waiting for the inference thread; not executed"
-            command.wait(timeout)
-        if command.state == Command.CANCELLED:
-            return False, None, "the node is shutting down; not executed"
-        if command.state != Command.DONE:
-            return False, None, f"still running after {2 * timeout:.1f} s"
-        if command.error is not None:
-            return False, None, str(command.error) or type(command.error).__name__
-        return True, command.result, ""
-
-    def _srv_reset(self, request: Trigger.Request, response: Trigger.Response) -> Trigger.Response:
-        ok, text, error = self._run("reset", self.engine.reset)
-        response.success, response.message = ok, text if ok else error
-        self.get_logger().info(f"~/reset: {response.message}")
-        return response
-
-    def _srv_set_deferred(self, request: SetBool.Request, response: SetBool.Response) -> SetBool.Response:
-        ok, text, error = self._run("set_deferred_eviction", lambda: self.engine.set_deferred_eviction(request.data))
-        response.success, response.message = ok, text if ok else error
-        return response
-
-    def _srv_commit(self, request, response):
-        expected = int(request.expected_frame_index)
-        ok, freed, error = self._run("commit_eviction", lambda: self.engine.commit_eviction(expected))
-        response.success = ok
-        response.pages_freed = int(freed or 0)
-        response.message = (f"{freed} page(s) freed" if freed else "nothing was pending") if ok else error
-        return response
-
-    def _srv_rollback(self, request, response):
-        expected = int(request.expected_frame_index)
-        ok, index, error = self._run("rollback_last_frame", lambda: self.engine.rollback(expected))
-        response.success = ok
-        response.frame_index = int(index or 0)
-        response.message = f"rolled back frame {index}" if ok else f"nothing rolled back: {error}"
-        self.get_logger().info(f"~/rollback_last_frame({expected}): {response.message}")
-        return response
-
     def _srv_save_map(self, request, response):
+        if self.multi:
+            return self._srv_save_maps(request, response)
         # the inference thread only takes the snapshot; the files are written here, on a service
         # thread, so a slow disk holds up neither frames nor the other services
-        ok, snapshot, error = self._run("save_map", self.engine.save_snapshot)
+        ok, snapshot, error = self.channels[""].run("save_map", self.engine.save_snapshot)
         paths = None
         if ok:
             ok, paths, error = self._write_map(snapshot, request.directory)
@@ -558,11 +506,64 @@ class LingBotMapNode(Node):
         finally:
             self._save_lock.release()
 
+    def _srv_save_maps(self, request, response):
+        """Several cameras: every camera's snapshot (on the inference thread), then one map.ply for the
+        cameras in map_frame (map_<c>.ply for a camera in its own frame) and trajectory_<c>.tum each."""
+        snapshots = {}
+        for name, channel in self.channels.items():
+            ok, snapshot, error = channel.run("save_map", channel.engine.save_snapshot)
+            if not ok:
+                response.success, response.message = False, f"camera {name}: {error}"
+                self.get_logger().info(f"~/save_map: {response.message}")
+                return response
+            snapshots[name] = snapshot
+        timeout = self.settings.service_timeout
+        saved = None
+        if not self._save_lock.acquire(timeout=timeout):
+            error = f"another ~/save_map is still writing after {timeout:.1f} s; not saved"
+        else:
+            try:
+                saved, error = self._write_maps(snapshots, request.directory), ""
+            except (SaveError, MapSaveError) as exc:
+                error = str(exc)
+            finally:
+                self._save_lock.release()
+        response.success = saved is not None
+        if saved is None:
+            response.message = error
+        else:
+            first = self.settings.cameras[0]
+            response.ply_path = str(saved.maps.get(MAP_FILE, next(iter(saved.maps.values()))))
+            response.trajectory_path = str(saved.trajectories.get(first, next(iter(saved.trajectories.values()))))
+            files = [str(p) for p in list(saved.maps.values()) + list(saved.trajectories.values())]
+            notes = "; ".join(f"camera {c} not saved: {why}" for c, why in saved.skipped.items())
+            response.message = f"wrote {', '.join(files)}" + (f" ({notes})" if notes else "")
+        self.get_logger().info(f"~/save_map: {response.message}")
+        return response
+
+    def _write_maps(self, snapshots: dict, directory: str):
+        """The cameras' snapshots -> files (service thread): scaled, placed in their map frames."""
+        timeout = self.settings.service_timeout
+        maps = []
+        for name, snap in snapshots.items():
+            if not snap.map.wait(timeout):
+                raise SaveError(f"camera {name}: the output thread did not catch up in time; try again")
+            if snap.map.error is not None:
+                raise SaveError(f"camera {name}: cannot take the map: {snap.map.error}")
+            points, colors, _ = snap.map.result
+            poses = snap.poses
+            if snap.scale != 1.0:
+                points, poses = scale_points(points, snap.scale).astype(np.float32), apply_scale(poses, snap.scale)
+            placed = self.channels[name].outputs.placement(snap.scale)
+            maps.append(CameraMap(name, placed.frame, snap.stamps, transform_poses(placed.transform, poses),
+                                  transform_points(placed.transform, points).astype(np.float32), colors))
+        return save_camera_maps(directory, self.settings.output_directory, maps, self.settings.map_frame)
+
     # ------------------------------------------------------------------ timers
     def _on_second(self) -> None:
-        self.engine.clock_problem = self._clock_problem()
-        if self._heartbeat is None or self._heartbeat.wait(0):
-            self._heartbeat = self.engine.heartbeat()
+        clock = self._clock_problem()
+        for channel in self.channels.values():
+            channel.beat(clock)
         self.diagnostics.publish(self._diagnostics())
 
     def _clock_problem(self) -> str:
@@ -579,96 +580,132 @@ class LingBotMapNode(Node):
                     ("was never received" if now_ns == 0 else f"has not advanced for {stalled:.0f} s"))
         return ""
 
+    def _flush_paths(self) -> None:
+        for channel in self.channels.values():
+            channel.outputs.flush_path()
+
     def _on_map_timer(self) -> None:
+        if self.multi:
+            return self._on_maps_timer()
         pub = self.outputs.map_points
         if pub.get_subscription_count() == 0 or self.engine.map.version == self._map_version:
             return
         points, colors, version = self.engine.map.snapshot()
-        scale = self.engine.applied_scale  # the map is kept in model units
-        if scale != 1.0:
-            points = scale_points(points, scale).astype(np.float32)
-        header = Header(stamp=self.outputs.latest_stamp, frame_id=self.settings.map_frame)
-        pub.publish(make_pointcloud2(points, colors, None, header))
+        self.outputs.publish_map(points, colors, self.engine.applied_scale)  # the map is kept in model units
         self._map_version = version
 
+    def _on_maps_timer(self) -> None:
+        """Several cameras: ~/<c>/map_points (its own map, in its frame) and ~/map_points (every camera
+        whose map is in map_frame now), each when someone listens and something changed."""
+        if not isinstance(self._map_version, dict):
+            self._map_version = {}
+        combined = self.map_points is not None and self.map_points.get_subscription_count() > 0
+        parts, key = [], []
+        for name, channel in self.channels.items():
+            own = channel.outputs.map_points
+            if own is None or channel.engine.map is None:
+                continue
+            wanted = own.get_subscription_count() > 0
+            if not (wanted or combined):
+                continue
+            engine = channel.engine
+            placed = channel.outputs.placement(engine.applied_scale)
+            state = (engine.map.version, engine.applied_scale, placed.version, placed.frame)
+            if wanted and self._map_version.get(name) != state:
+                points, colors, _ = engine.map.snapshot()
+                channel.outputs.publish_map(points, colors, engine.applied_scale)
+                self._map_version[name] = state
+            if combined and placed.frame == self.settings.map_frame:
+                parts.append(channel)
+                key.append((name, state))
+        if combined and parts and self._map_version.get("") != key:
+            self._publish_combined_map(parts)
+            self._map_version[""] = key
+
+    def _publish_combined_map(self, channels: list[CameraChannel]) -> None:
+        points, colors, stamp = [], [], None
+        for channel in channels:
+            engine = channel.engine
+            p, c, _ = engine.map.snapshot()
+            placed = channel.outputs.placement(engine.applied_scale)
+            if engine.applied_scale != 1.0:
+                p = scale_points(p, engine.applied_scale)
+            points.append(transform_points(placed.transform, p).astype(np.float32))
+            colors.append(c)
+            latest = channel.outputs.latest_stamp
+            if stamp is None or stamp_seconds(latest) > stamp_seconds(stamp):
+                stamp = latest
+        header = Header(stamp=stamp, frame_id=self.settings.map_frame)
+        self.map_points.publish(make_pointcloud2(np.concatenate(points), np.concatenate(colors), None, header))
+
     def _diagnostics(self) -> DiagnosticArray:
-        s, e = self.settings, self.engine
-        c = e.counters.snapshot()
-        quiet = e.seconds_since_input()
-        topic = self.image_sub.topic_name
         name = self.get_fully_qualified_name()
-        if quiet is None or quiet > s.input_timeout:
-            level = DiagnosticStatus.WARN
-            message = f"no image on {topic} " + ("yet" if quiet is None else f"for {quiet:.1f} s")
-        else:
-            level, message = DiagnosticStatus.OK, f"receiving images on {topic}"
-        values = {"topic": topic, "input rate (Hz)": f"{e.input_rate.rate():.2f}",
-                  "seconds since last image": "never" if quiet is None else f"{quiet:.1f}",
-                  "frames received": c.frames_received, "frames dropped (invalid)": c.frames_dropped_invalid,
-                  "frames undistorted": e.frames_undistorted,
-                  f"image age on arrival, median of the last {ARRIVAL_WINDOW} (ms)":
-                      f"{1e3 * statistics.median(self._arrival_age_s):.1f}" if self._arrival_age_s else "n/a"}
-        info = self.camera_info
-        if info is not None and info.k[0] > 0 and e.last_intrinsics is not None:
-            K, width, _ = e.last_intrinsics
-            values["camera_info fx (input px)"] = f"{info.k[0]:.1f}"
-            values["estimated fx (input px)"] = f"{K[0, 0] * info.width / width:.1f}" if info.width else "n/a"
-        statuses = [_diag(f"{name}: input", level, message, values)]
-        clock = e.clock_problem
-        statuses.append(_diag(f"{name}: clock", DiagnosticStatus.WARN if clock else DiagnosticStatus.OK,
-                              clock or "ok", {"use_sim_time": self.get_parameter("use_sim_time").value}))
-        out_level = DiagnosticStatus.ERROR if int(e.state) == Status.STATE_ERROR else DiagnosticStatus.OK
-        statuses.append(_diag(f"{name}: output", out_level, e.state_text, {
-            "state": e.state.name, "output rate (Hz)": f"{e.output_rate.rate():.2f}",
-            "frames processed": c.frames_processed, "frames dropped (stale)": c.frames_dropped_stale,
-            "frames dropped (error)": c.frames_dropped_error, "clouds skipped (output thread behind)": e.clouds_skipped,
-            "output thread queue": e.outputs.pending()}))
-        statuses.append(_tracking_diag(name, e))
-        statuses.append(_scale_diag(name, e))
-        stats = e.last_stats
-        if stats is None:
-            statuses.append(_diag(f"{name}: cache", DiagnosticStatus.OK, "not allocated yet (no frame)", {}))
-        else:
-            used = stats.scale_pages + stats.window_pages
-            total = used + stats.free_pages
-            cache_level = DiagnosticStatus.WARN if stats.free_pages == 0 and stats.deferred else DiagnosticStatus.OK
-            statuses.append(_diag(f"{name}: cache", cache_level, f"{used}/{total} pages in use", {
-                "occupancy (%)": f"{100.0 * used / max(total, 1):.1f}", "stored frames": stats.resident_frames,
-                "scale pages": stats.scale_pages, "window pages": stats.window_pages, "free pages": stats.free_pages,
-                "pending evictions": stats.pending_evictions, "deferred eviction": stats.deferred}))
+        clock = self.channels[next(iter(self.channels))].engine.clock_problem
+        clock_diag = diag(f"{name}: clock", DiagnosticStatus.WARN if clock else DiagnosticStatus.OK,
+                          clock or "ok", {"use_sim_time": self.get_parameter("use_sim_time").value})
+        if not self.multi:
+            channel = self.channels[""]
+            statuses = [channel.input_diag(name), clock_diag] + channel.state_diags(name)
+            return DiagnosticArray(header=Header(stamp=self.get_clock().now().to_msg()), status=statuses)
+        statuses = [clock_diag, self._pool_diag(name)]
+        for camera, channel in self.channels.items():
+            label = f"{name}: {camera}"
+            statuses.append(channel.input_diag(label))
+            statuses += channel.state_diags(label)
+            aligned = self.aligner.aligned(camera)
+            statuses.append(diag(f"{label}: map frame", DiagnosticStatus.OK if aligned else DiagnosticStatus.WARN,
+                                 self.aligner.describe(camera), {
+                                     "frame": channel.outputs.placement().frame,
+                                     "items run by the scheduler": self.scheduler.served.get(camera, 0)}))
         return DiagnosticArray(header=Header(stamp=self.get_clock().now().to_msg()), status=statuses)
+
+    def _pool_diag(self, name: str) -> DiagnosticStatus:
+        pool = self._pool_status
+        if pool is None:
+            return diag(f"{name}: pool", DiagnosticStatus.OK, "not read yet (no frame)", {})
+        values = {"capacity (tokens)": pool.capacity_tokens, "leased (tokens)": pool.leased_tokens,
+                  "size (MiB)": f"{pool.nbytes / 2**20:.1f}"}
+        for camera, cp in pool.cameras.items():
+            values[f"{camera}: pages / used / tokens per page"] = f"{cp.pages} / {cp.used_pages} / {cp.page_tokens}"
+        used = 100.0 * pool.leased_tokens / pool.capacity_tokens if pool.capacity_tokens else 0.0
+        return diag(f"{name}: pool", DiagnosticStatus.OK,
+                    f"{pool.leased_tokens}/{pool.capacity_tokens} tokens leased ({used:.0f} %), "
+                    f"{pool.nbytes / 2**20:.1f} MiB", values)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
-        self.engine.stop()
+        if self.scheduler is not None:
+            self.scheduler.stop()
+        else:
+            self.engine.stop()
         self.service_node.destroy_node()
         logging.getLogger("lingbot_map_ros").removeHandler(self._log_handler)
 
 
-def _tracking_diag(name: str, engine: InferenceEngine) -> DiagnosticStatus:
-    """/diagnostics "tracking": OK tracking/initializing, WARN degraded, ERROR lost."""
-    state = engine.health.state.value
-    level = {"degraded": DiagnosticStatus.WARN, "lost": DiagnosticStatus.ERROR}.get(state, DiagnosticStatus.OK)
-    reasons = ", ".join(engine.tracking_reasons)
-    return _diag(f"{name}: tracking", level, state + (f" ({reasons})" if reasons else ""), {
-        "state": state, "reasons": reasons or "none", "on_lost": engine.settings.on_lost,
-        "lost resets": engine.lost_resets})
+class _TfLookup:
+    """Non-blocking look-ups in a tf2 buffer of its own (several cameras: the extrinsics and the
+    odometry that join the cameras' maps); ``buffer`` None when tf2_ros is not importable."""
 
+    def __init__(self, node: Node) -> None:
+        try:
+            import tf2_ros
+        except ImportError:
+            self.buffer = self._listener = None
+            return
+        self.buffer = tf2_ros.Buffer()
+        self._listener = tf2_ros.TransformListener(self.buffer, node)
 
-def _scale_diag(name: str, engine: InferenceEngine) -> DiagnosticStatus:
-    """/diagnostics "scale": OK when none/fixed/converged, WARN while an estimate has not converged."""
-    kind, src = engine.settings.scale_source, engine.scale_source
-    if src is None:
-        return _diag(f"{name}: scale", DiagnosticStatus.OK, "model units (scale_source none)", {"source": kind})
-    status = src.as_status()
-    level = DiagnosticStatus.OK if src.converged else DiagnosticStatus.WARN
-    message = f"{engine.applied_scale:.4f} m per model unit" if src.converged else "not converged: model units"
-    return _diag(f"{name}: scale", level, message, {k: v for k, v in status.items()})
+    def matrix(self, target: str, source: str, stamp_s: float | None = None) -> np.ndarray | None:
+        """``T_target_source`` [4, 4] (latest, or at ``stamp_s`` seconds), None when not in TF."""
+        if self.buffer is None:
+            return None
+        from rclpy.time import Time
 
-
-def _diag(name: str, level: bytes, message: str, values: dict) -> DiagnosticStatus:
-    return DiagnosticStatus(level=level, name=name, message=message, hardware_id=NODE_NAME,
-                            values=[KeyValue(key=k, value=str(v)) for k, v in values.items()])
+        try:
+            when = Time() if stamp_s is None else Time(nanoseconds=int(round(stamp_s * 1e9)))
+            return transform_to_matrix(self.buffer.lookup_transform(target, source, when))
+        except Exception:  # tf2 raises several lookup/extrapolation exception types
+            return None
 
 
 def _fastdds_without_profile() -> bool:

@@ -1,0 +1,411 @@
+"""Two cameras on one node in a real ROS 2 graph (DDS on loopback, a private ROS_DOMAIN_ID).
+
+One node process (tiny fixture weights, CPU) serves ``cameras: [front, rear]`` with one
+model and one K/V pool; ``rear`` has its own image width (``camera.rear.image_width``) and
+optical frame (``camera.rear.camera_frame``). This process publishes the robot's URDF
+(base_link -> front_optical, base_link -> rear_optical on /tf_static), different real
+frames to /front/image and /rear/image, listens to the per-camera outputs and calls the
+per-camera services. Expected poses come from separate in-process single-camera sessions
+fed the same frames: front (the reference camera) defines ``map``; rear's poses are
+expected in ``map`` through the extrinsics. Two more node processes check that a bad
+``camera.<c>.*`` parameter stops the node at start with one clear line.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
+tf2_ros = pytest.importorskip("tf2_ros", reason="tf2_ros not importable: install ../shared/ros_extras "
+                                                "(bash ../shared/ros_extras/install.sh .venv)")
+
+from builtin_interfaces.msg import Time as TimeMsg  # noqa: E402
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
+from geometry_msgs.msg import PoseStamped  # noqa: E402
+from nav_msgs.msg import Odometry  # noqa: E402
+from rcl_interfaces.msg import Parameter as ParameterMsg, ParameterType, ParameterValue  # noqa: E402
+from rcl_interfaces.srv import GetParameters, SetParameters  # noqa: E402
+from rclpy.executors import MultiThreadedExecutor  # noqa: E402
+from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E402
+from sensor_msgs.msg import Image, PointCloud2  # noqa: E402
+from std_msgs.msg import Header  # noqa: E402
+from std_srvs.srv import SetBool, Trigger  # noqa: E402
+from tf2_msgs.msg import TFMessage  # noqa: E402
+
+from lingbot_map_ros.geometry import OPTICAL_TO_REP103, quaternion_to_matrix  # noqa: E402
+from lingbot_map_ros.msg import Status  # noqa: E402
+from lingbot_map_ros.ros.conversions import rgb_to_image_msg, transform_stamped  # noqa: E402
+from lingbot_map_ros.ros.params import write_params_file  # noqa: E402
+from lingbot_map_ros.srv import CommitEviction, RollbackFrame, SaveMap  # noqa: E402
+
+pytestmark = [pytest.mark.ros, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared"
+DOMAIN_ID = 101 + (os.getpid() * 11 + 55) % 100  # 101..200, never test_node_robot's (+5) in the same process
+NODE = "/lingbot_map"
+CAMERAS = ("front", "rear")
+WIDTH = {"front": 98, "rear": 112}
+START_TIMEOUT = 90.0
+STEP_TIMEOUT = 30.0
+FRAMES = 4
+NODE_PARAMS = {"num_scale_frames": 2, "sliding_window": 3, "keyframe_interval": 1, "camera_iterations": 4,
+               "device": "cpu", "image_width": WIDTH["front"], "map_publish_rate": 10.0, "input_timeout": 30.0,
+               "conf_threshold": 1.0, "point_stride": 1, "map_voxel_size": 0.0, "service_timeout": 20.0,
+               "path_publish_rate": 20.0, "publish_depth": False, "cameras": list(CAMERAS),
+               "base_frame": "base_link", "camera.rear.image_width": WIDTH["rear"],
+               "camera.rear.camera_frame": "rear_optical"}
+
+
+def rigid(R: np.ndarray, t) -> np.ndarray:
+    T = np.eye(4)
+    T[:3, :3], T[:3, 3] = R, t
+    return T
+
+
+M = np.asarray(OPTICAL_TO_REP103)[:3, :3]  # optical axes in a REP-103 body: a camera looking forward
+RZ180 = np.diag([-1.0, -1.0, 1.0])
+EXTRINSICS = {"front_optical": rigid(M, (0.2, 0.0, 0.5)),  # T_base_cam: 0.2 m ahead, looking forward
+              "rear_optical": rigid(RZ180 @ M, (-0.3, 0.05, 0.5))}  # 0.3 m behind, looking back
+
+
+def real_frames(first: int, n: int) -> list[np.ndarray]:
+    from PIL import Image as PILImage
+
+    folder = SHARED / "data" / "loop"
+    if not folder.is_dir():
+        pytest.skip(f"real frames not found at {folder}")
+    return [np.asarray(PILImage.open(p).convert("RGB")) for p in sorted(folder.glob("*.jpg"))[first:first + n]]
+
+
+FRONT_FIRST, REAR_FIRST = 0, 60  # the two cameras see different parts of the loop
+
+
+def pose_matrix(msg) -> np.ndarray:
+    p, q = msg.pose.position, msg.pose.orientation
+    return rigid(quaternion_to_matrix(np.array([q.x, q.y, q.z, q.w])), (p.x, p.y, p.z))
+
+
+def start_node(name: str, params: Path, log: Path) -> subprocess.Popen:
+    env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(DOMAIN_ID),
+               PYTHONUNBUFFERED="1")
+    cmd = [sys.executable, "-m", "lingbot_map_ros.ros.node", "--ros-args", "--params-file", str(params),
+           "-r", f"__node:={name}"]
+    with open(log, "w") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+
+
+def stop_process(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+class Client:
+    """The test's side: URDF on /tf_static, image publishers, recorders of every output, services."""
+
+    def __init__(self) -> None:
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context, domain_id=DOMAIN_ID)
+        self.node = rclpy.create_node("multi_camera_test_client", context=self.context)
+        self._cond = threading.Condition()
+        self.msgs: dict[str, list] = {}
+        reliable = QoSProfile(depth=200)
+        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        topics = [("/diagnostics", DiagnosticArray, reliable), ("/tf", TFMessage, reliable),
+                  (f"{NODE}/map_points", PointCloud2, latched)]
+        for c in CAMERAS:
+            topics += [(f"{NODE}/{c}/pose", PoseStamped, reliable), (f"{NODE}/{c}/odometry", Odometry, reliable),
+                       (f"{NODE}/{c}/status", Status, reliable)]
+        for topic, kind, qos in topics:
+            self.msgs[topic] = []
+            self.node.create_subscription(kind, topic, self._recorder(topic), qos)
+        self.images = {c: self.node.create_publisher(Image, f"/{c}/image", QoSProfile(depth=10)) for c in CAMERAS}
+        self.urdf = tf2_ros.StaticTransformBroadcaster(self.node)
+        self.urdf.sendTransform([transform_stamped(T, Header(frame_id="base_link"), child)
+                                 for child, T in EXTRINSICS.items()])
+        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
+        self.executor.add_node(self.node)
+        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self._thread.start()
+
+    def _recorder(self, topic: str):
+        def store(msg) -> None:
+            with self._cond:
+                self.msgs[topic].append(msg)
+                self._cond.notify_all()
+        return store
+
+    def wait(self, predicate, timeout: float = STEP_TIMEOUT, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                value = predicate()
+                if value:
+                    return value
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+                self._cond.wait(min(remaining, 0.05))
+
+    def latest(self, topic: str):
+        with self._cond:
+            return self.msgs[topic][-1] if self.msgs[topic] else None
+
+    def send(self, camera: str, rgb: np.ndarray, stamp: TimeMsg) -> Status:
+        """Publish a frame to ``camera`` and wait for the node's status about it."""
+        frame_id = "front_optical" if camera == "front" else ""  # rear: camera.rear.camera_frame
+        self.images[camera].publish(rgb_to_image_msg(rgb, Header(stamp=stamp, frame_id=frame_id), "rgb8"))
+        topic = f"{NODE}/{camera}/status"
+        return self.wait(lambda: next((s for s in self.msgs[topic] if s.header.stamp == stamp
+                                       and not s.state_text.startswith("ready")), None),
+                         what=f"a status of {camera} for stamp {stamp.sec}")
+
+    def pose(self, camera: str, stamp: TimeMsg) -> PoseStamped:
+        topic = f"{NODE}/{camera}/pose"
+        return self.wait(lambda: next((p for p in self.msgs[topic] if p.header.stamp == stamp), None),
+                         what=f"the pose of {camera} at {stamp.sec}")
+
+    def call(self, srv_type, name: str, request, timeout: float = STEP_TIMEOUT):
+        client = self.node.create_client(srv_type, name)
+        try:
+            assert client.wait_for_service(timeout_sec=timeout), f"service {name} not available"
+            future = client.call_async(request)
+            deadline = time.monotonic() + timeout
+            while time.monotonic() < deadline and not future.done():
+                time.sleep(0.01)
+            assert future.done(), f"service {name} did not answer within {timeout} s"
+            return future.result()
+        finally:
+            self.node.destroy_client(client)
+
+    def set_param(self, name: str, value):
+        if isinstance(value, bool):
+            v = ParameterValue(type=ParameterType.PARAMETER_BOOL, bool_value=value)
+        elif isinstance(value, int):
+            v = ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
+        else:
+            v = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value)
+        request = SetParameters.Request(parameters=[ParameterMsg(name=name, value=v)])
+        return self.call(SetParameters, f"{NODE}/set_parameters", request).results[0]
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=2.0)
+        self.node.destroy_node()
+        rclpy.try_shutdown(context=self.context)
+
+
+def stamp_of(k: int) -> TimeMsg:
+    return TimeMsg(sec=7000 + k, nanosec=500_000_000)
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory, fixtures):
+    root = fixtures  # skips with a message when the tiny fixture set is absent
+    tmp = tmp_path_factory.mktemp("multi_camera")
+    frames = {"front": real_frames(FRONT_FIRST, FRAMES + 2), "rear": real_frames(REAR_FIRST, FRAMES + 2)}
+    params = {**NODE_PARAMS, "checkpoint": str(root / "weights.safetensors"),
+              "model_config": str(root / "config.json"), "output_directory": str(tmp / "out")}
+    os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+    proc = start_node("lingbot_map", write_params_file(tmp / "multi.yaml", params), tmp / "node.log")
+    client = Client()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not all(p.get_subscription_count() >= 1 for p in client.images.values()):
+            assert proc.poll() is None, f"the node exited with {proc.returncode}:\n" \
+                                        f"{(tmp / 'node.log').read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "the node did not subscribe to both cameras in time"
+            time.sleep(0.1)
+        # frames in pairs of equal stamps; each waits for its status, so front's first poses (after its two
+        # scale frames) come before rear's: rear joins map at its first pose
+        for k in range(FRAMES):
+            for camera in CAMERAS:
+                client.send(camera, frames[camera][k], stamp_of(k))
+        yield client, proc, frames, tmp
+    finally:
+        client.close()
+        stop_process(proc)
+
+
+@pytest.fixture(scope="module")
+def replay(tiny_model):
+    """Poses (map frame of a single-camera sequence) for a list of RGB frames at ``width``."""
+    from lingbot_map_ros.config import StreamConfig
+    from lingbot_map_ros.io.preprocess import preprocess_array
+    from lingbot_map_ros.ros.conversions import optical_pose_to_map
+    from lingbot_map_ros.stream.session import StreamingSession
+
+    def run(frames: list[np.ndarray], width: int) -> list[np.ndarray]:
+        cfg = StreamConfig(num_scale_frames=2, sliding_window=3, keyframe_interval=1, camera_iterations=4,
+                           backend="sdpa")
+        session = StreamingSession(tiny_model, cfg)
+        results = []
+        for rgb in frames:
+            results += session.push(preprocess_array(rgb, width))
+        return [optical_pose_to_map(r.c2w) for r in results]
+
+    return run
+
+
+# ------------------------------------------------------------------ tests
+def test_both_cameras_get_their_own_sequence_in_one_map(graph, replay):
+    client, proc, frames, _ = graph
+    stamps = [stamp_of(k) for k in range(FRAMES)]
+    front = [client.pose("front", s) for s in stamps]
+    rear = [client.pose("rear", s) for s in stamps]
+    assert {p.header.frame_id for p in front + rear} == {"map"}
+    # front is the reference: exactly a single-camera replay of its frames
+    for got, expected in zip(front, replay(frames["front"][:FRAMES], WIDTH["front"])):
+        np.testing.assert_allclose(pose_matrix(got), expected, atol=1e-4)
+    # rear: its own sequence (at its own width), placed in map through the extrinsics at the first pair
+    own = replay(frames["rear"][:FRAMES], WIDTH["rear"])
+    A = pose_matrix(front[0]) @ np.linalg.inv(EXTRINSICS["front_optical"]) @ EXTRINSICS["rear_optical"] \
+        @ np.linalg.inv(own[0])
+    for got, expected in zip(rear, own):
+        np.testing.assert_allclose(pose_matrix(got), A @ expected, atol=1e-4)
+    odometry = {c: client.wait(lambda c=c: client.latest(f"{NODE}/{c}/odometry")) for c in CAMERAS}
+    assert odometry["front"].child_frame_id == "front_optical" and odometry["rear"].child_frame_id == "rear_optical"
+
+    status = {c: client.latest(f"{NODE}/{c}/status") for c in CAMERAS}
+    for c in CAMERAS:
+        assert (status[c].camera, status[c].frame_index, status[c].frames_processed) == (c, FRAMES, FRAMES)
+        assert status[c].header.frame_id == "map"
+    pool = status["rear"]
+    assert pool.pool_bytes > 0 and 0 < pool.pool_leased_tokens <= pool.pool_capacity_tokens
+    assert proc.poll() is None
+
+
+def test_diagnostics_tf_and_the_map_cover_both_cameras(graph):
+    client, proc, _, _ = graph
+    names = client.wait(lambda: next(({s.name: s for s in d.status} for d in client.msgs["/diagnostics"]
+                                      if any(s.name.endswith("pool") and "leased" in s.message for s in d.status)),
+                                     None), what="/diagnostics with the pool")
+    for c in CAMERAS:
+        for part in ("input", "output", "tracking", "scale", "cache", "map frame"):
+            assert f"{NODE}: {c}: {part}" in names, (c, part, sorted(names))
+    assert names[f"{NODE}: rear: map frame"].level == DiagnosticStatus.OK
+    assert "aligned to map" in names[f"{NODE}: rear: map frame"].message
+    assert f"{NODE}: input" not in names  # the single-camera entry
+    # TF: the rear camera's own child under map (the reference publishes map -> base_link)
+    client.wait(lambda: any(t.header.frame_id == "map" and t.child_frame_id == "rear_optical_lingbot"
+                            for m in client.msgs["/tf"] for t in m.transforms), what="TF map -> rear_optical_lingbot")
+    cloud = client.wait(lambda: (m := client.latest(f"{NODE}/map_points")) is not None and m.width > 0 and m,
+                        what="~/map_points")
+    assert cloud.header.frame_id == "map"
+
+
+def test_single_camera_names_are_absent(graph):
+    client, _, _, _ = graph
+    topics = dict(client.node.get_topic_names_and_types())
+    for c in CAMERAS:
+        assert f"{NODE}/{c}/pose" in topics and f"{NODE}/{c}/status" in topics
+    for name in ("pose", "odometry", "status", "path", "points", "frame"):
+        assert f"{NODE}/{name}" not in topics, name
+    subscribed = {t for t, _ in client.node.get_subscriber_names_and_types_by_node("lingbot_map", "/")}
+    assert {"/front/image", "/rear/image", "/front/camera_info", "/rear/camera_info"} <= subscribed
+    assert "/image" not in subscribed and "/camera_info" not in subscribed
+    services = {s for s, _ in client.node.get_service_names_and_types_by_node("lingbot_map_services", "/")}
+    for c in CAMERAS:
+        for srv in ("reset", "set_deferred_eviction", "commit_eviction", "rollback_last_frame"):
+            assert f"{NODE}/{c}/{srv}" in services
+    assert f"{NODE}/save_map" in services and f"{NODE}/reset" not in services
+
+
+def test_services_of_one_camera_leave_the_other_alone(graph):
+    client, proc, frames, _ = graph
+    ok = client.call(SetBool, f"{NODE}/rear/set_deferred_eviction", SetBool.Request(data=True))
+    assert ok.success, ok.message
+    front = client.send("front", frames["front"][FRAMES], stamp_of(FRAMES))
+    assert front.frame_index == FRAMES + 1 and not front.deferred_eviction
+    assert client.latest(f"{NODE}/rear/status").deferred_eviction
+
+    rear_before = client.latest(f"{NODE}/rear/status")
+    rolled = client.call(RollbackFrame, f"{NODE}/front/rollback_last_frame",
+                         RollbackFrame.Request(expected_frame_index=FRAMES + 1))
+    assert rolled.success and rolled.frame_index == FRAMES + 1, rolled.message
+    committed = client.call(CommitEviction, f"{NODE}/rear/commit_eviction", CommitEviction.Request())
+    assert committed.success, committed.message
+
+    reset = client.call(Trigger, f"{NODE}/rear/reset", Trigger.Request())
+    assert reset.success, reset.message
+    client.wait(lambda: (s := client.latest(f"{NODE}/rear/status")).frames_received == 0 and s.frame_index == 0,
+                what="rear's status after its reset")
+    assert rear_before.frames_processed == FRAMES
+    # front goes on from where it was (frame 5 was rolled back: the next one is 5 again), rear starts anew
+    front = client.send("front", frames["front"][FRAMES + 1], stamp_of(FRAMES + 1))
+    assert (front.frame_index, front.frames_processed) == (FRAMES + 1, FRAMES + 2)
+    rear = client.send("rear", frames["rear"][0], stamp_of(FRAMES + 1))
+    assert rear.frame_index == 1 and rear.frames_received == 1 and rear.state == Status.STATE_INITIALIZING
+    client.call(SetBool, f"{NODE}/rear/set_deferred_eviction", SetBool.Request(data=False))
+    assert proc.poll() is None
+
+
+def test_save_map_writes_every_camera(graph, tmp_path):
+    from lingbot_map_ros.io.export import read_ply, read_tum
+    from lingbot_map_ros.ros.multi_save import check_camera_maps
+
+    client, _, frames, _ = graph
+    client.send("rear", frames["rear"][1], stamp_of(FRAMES + 2))  # rear has poses again (2 scale frames)
+    response = client.call(SaveMap, f"{NODE}/save_map", SaveMap.Request(directory=str(tmp_path)))
+    assert response.success, response.message
+    ply = tmp_path / "map.ply"
+    tums = {c: tmp_path / f"trajectory_{c}.tum" for c in CAMERAS}
+    assert Path(response.ply_path) == ply and Path(response.trajectory_path) == tums["front"]
+    assert check_camera_maps(ply, list(tums.values()))
+    assert read_ply(ply)[0].shape[0] > 0
+    for c in CAMERAS:
+        times, poses = read_tum(tums[c])
+        assert len(times) > 0
+        recorded = {p.header.stamp.sec: p for p in client.msgs[f"{NODE}/{c}/pose"]}
+        for t, T in zip(times, poses):
+            np.testing.assert_allclose(T, pose_matrix(recorded[int(t)]), atol=1e-5)
+
+
+def test_per_camera_parameters_at_run_time(graph):
+    client, _, _, _ = graph
+    got = client.call(GetParameters, f"{NODE}/get_parameters",
+                      GetParameters.Request(names=["camera.rear.image_width", "camera.front.image_width"]))
+    assert [v.integer_value for v in got.values] == [WIDTH["rear"], WIDTH["front"]]
+    refused = client.set_param("camera.rear.keyframe_decision_default", "maybe")
+    assert not refused.successful and "camera.rear.keyframe_decision_default" in refused.reason
+    refused = client.set_param("deferred_eviction", True)
+    assert not refused.successful and "camera.front.deferred_eviction" in refused.reason
+    refused = client.set_param("camera.front.image_width", 112)
+    assert not refused.successful and refused.reason
+    refused = client.set_param("camera.side.image_width", 98)
+    assert not refused.successful
+    ok = client.set_param("camera.rear.deferred_eviction", True)
+    assert ok.successful, ok.reason
+    client.wait(lambda: client.latest(f"{NODE}/rear/status").deferred_eviction, what="rear deferred by parameter")
+    assert client.set_param("camera.rear.deferred_eviction", False).successful
+
+
+@pytest.mark.parametrize("bad, reason", [
+    ({"camera.side.image_width": 98}, "unknown parameter camera.side.image_width: 'side' is not in cameras"),
+    ({"camera.rear.image_width": 100}, "parameter camera.rear.image_width must be in [14, 4088] in steps of 14"),
+])
+def test_a_bad_camera_parameter_stops_the_node_at_start(graph, tmp_path, bad, reason):
+    params = write_params_file(tmp_path / "bad.yaml", {**NODE_PARAMS, **bad})
+    proc = start_node("lingbot_map_bad", params, tmp_path / "bad.log")
+    try:
+        proc.wait(START_TIMEOUT)
+    finally:
+        stop_process(proc)
+    log = (tmp_path / "bad.log").read_text()
+    assert proc.returncode == 1, log
+    assert "cannot start" in log and reason in log, log
+    assert "Traceback" not in log
