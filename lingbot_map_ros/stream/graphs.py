@@ -56,11 +56,17 @@ class GraphedStep:
     """
 
     def __init__(self, model: LingBotMap, pool: KVPool, camera: CameraKVCache, backend, resolution: tuple[int, int],
-                 options: StepOptions, *, capture: bool = True, trunk_pool=None) -> None:
+                 options: StepOptions, *, capture: bool = True, trunk_pool=None, heads_pool=None,
+                 output_stream: torch.cuda.Stream | None = None) -> None:
         self.model, self.pool, self.camera, self.backend = model, pool, camera, backend
         # the trunk graph's memory pool: its own (None), or one shared by graphs whose trunks
         # replay in turn on one stream (several cameras): only one of them is live at a time
         self.trunk_pool = trunk_pool
+        # likewise the heads graph's pool, shared only by steps that also share ``output_stream``
+        # (their heads then run one after another there)
+        if heads_pool is not None and output_stream is None:
+            raise ValueError("a shared heads pool needs a shared output stream")
+        self.heads_pool = heads_pool
         self.resolution = resolution
         self.options = options
         self.capture = capture
@@ -76,7 +82,7 @@ class GraphedStep:
         self._head_levels: list[Tensor] | None = None
         self._levels: list[Tensor] | None = None  # the trunk graph's outputs
         # where the heads graph runs and the outputs are ready (None: the caller's stream)
-        self.output_stream = torch.cuda.Stream(device) if capture else None
+        self.output_stream = (output_stream or torch.cuda.Stream(device)) if capture else None
         self._handed = torch.cuda.Event() if capture else None
         self._handed_once = False
         self._out: StepOutput | None = None
@@ -177,7 +183,8 @@ class GraphedStep:
         heads = torch.cuda.CUDAGraph()
         self.output_stream.wait_stream(current)
         # a pool of its own: it runs beside the trunk graph, so their memory must not overlap
-        with torch.cuda.graph(heads, stream=self.output_stream, capture_error_mode="thread_local"):
+        with torch.cuda.graph(heads, pool=self.heads_pool, stream=self.output_stream,
+                              capture_error_mode="thread_local"):
             out = self._heads(self._head_levels, self.head_positions)
         current.wait_stream(self.output_stream)
         self.graph, self.heads_graph, self._levels, self._out = trunk, heads, levels, out
@@ -189,15 +196,17 @@ def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, nu
                       resolution: tuple[int, int], variant: str, dtype: torch.dtype, options: StepOptions, *,
                       kv_splits: int | None = None, min_pages: int = 1, fa3_tiles: tuple[int, int, int] = FA3_TILES,
                       fused_merge: bool | None = None, workspace: Tensor | None = None,
-                      trunk_pool=None) -> GraphedStep:
+                      trunk_pool=None, heads_pool=None, output_stream: torch.cuda.Stream | None = None
+                      ) -> GraphedStep:
     """A GraphedStep with its own FlashInfer wrapper in CUDA-graph mode (sized for ``num_pages``;
     ``min_pages``, the fewest visible pages of a phase-2 step, bounds its KV split count;
     ``fa3_tiles``, ``fused_merge`` and ``workspace`` as for ``FlashInferBackend``; ``trunk_pool``,
-    a CUDA graph pool handle shared with other steps' trunks, as for ``GraphedStep``)."""
+    ``heads_pool``, ``output_stream``: shared with other steps, as for ``GraphedStep``)."""
     backend = FlashInferBackend(pool.k.device, variant, dtype, graph_pages=num_pages, kv_splits=kv_splits,
                                 min_graph_pages=min_pages, fa3_tiles=fa3_tiles, fused_merge=fused_merge,
                                 workspace=workspace)
-    return GraphedStep(model, pool, camera, backend, resolution, options, trunk_pool=trunk_pool)
+    return GraphedStep(model, pool, camera, backend, resolution, options, trunk_pool=trunk_pool,
+                       heads_pool=heads_pool, output_stream=output_stream)
 
 
 __all__ = ["GraphedStep", "make_graphed_step"]

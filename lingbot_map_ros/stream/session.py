@@ -72,20 +72,22 @@ class PendingResults:
 
 
 class _SharedGpuState:
-    """Device memory that sessions on one ``SharedKVStorage`` share because they run in turn
-    on one stream: FlashInfer's float workspace (128 MiB per backend otherwise; each session
-    has an eager and a graph backend) and the memory pool of the trunk CUDA graphs (only
-    one trunk replays at a time; the heads graphs run beside the next trunk on their own
-    streams and keep their own pools)."""
+    """Device memory that sessions on one ``SharedKVStorage`` share because their steps run in
+    turn: FlashInfer's float workspace (128 MiB per backend otherwise; each session has an
+    eager and a graph backend), the memory pool of the trunk CUDA graphs (all trunks replay
+    on the caller's stream, one at a time), and one output stream with one pool for the
+    heads graphs (the heads of one camera's step run beside the next camera's trunk, and
+    after the previous camera's heads)."""
 
     def __init__(self, workspace: Tensor | None) -> None:
         self.workspace = workspace
-        self._trunk_pool = None
+        self._graphs: dict | None = None
 
     def graph_kwargs(self) -> dict:
-        if self._trunk_pool is None:
-            self._trunk_pool = torch.cuda.graph_pool_handle()
-        return {"workspace": self.workspace, "trunk_pool": self._trunk_pool}
+        if self._graphs is None:
+            self._graphs = {"trunk_pool": torch.cuda.graph_pool_handle(), "heads_pool": torch.cuda.graph_pool_handle(),
+                            "output_stream": torch.cuda.Stream()}
+        return {"workspace": self.workspace, **self._graphs}
 
 
 def _torch_dtype(name: str) -> torch.dtype:
