@@ -82,7 +82,8 @@ class IntrinsicsComparison:
         return {"camera_info fx (px)": f(self.fx_camera), "camera_info fy (px)": f(self.fy_camera),
                 f"model fx, median of the last {self.frames} frames (px)": f(self.fx_model),
                 f"model fy, median of the last {self.frames} frames (px)": f(self.fy_model),
-                "fx difference (%)": f(100 * self.fx_error, "+.1f"), "fy difference (%)": f(100 * self.fy_error, "+.1f")}
+                "fx difference (%)": f(100 * self.fx_error, "+.1f"),
+                "fy difference (%)": f(100 * self.fy_error, "+.1f")}
 
 
 class FocalTracker:
