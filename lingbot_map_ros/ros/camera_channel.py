@@ -303,18 +303,20 @@ class CameraChannel:
             self.outputs.tf.start()  # its buffer serves the scale's odom -> camera look-ups
         return self.engine
 
-    def subscribe(self, group, accept: Callable[[Any, Callable], None] | None = None) -> None:
+    def subscribe(self, group, accept: Callable[[Any, Callable], None] | None = None,
+                  convert_raw: Callable = image_to_rgb, convert_compressed: Callable = compressed_to_rgb) -> None:
         """Image (raw or compressed), camera_info and, for scale_source depth, depth subscriptions;
-        ``accept(msg, convert)`` takes each image (default ``self.accept``)."""
+        ``accept(msg, convert)`` takes each image (default ``self.accept``) with ``convert_raw`` or
+        ``convert_compressed``."""
         s, p, node = self.settings, self.prefix, self.node
         take = accept if accept is not None else self.accept
         qos = qos_profile_sensor_data if s.input_qos == "sensor_data" else _qos(depth=5)
         if s.input_transport == "compressed":
             self.image_sub = node.create_subscription(CompressedImage, f"{p}image/compressed",
-                                                      lambda msg: take(msg, compressed_to_rgb), qos,
+                                                      lambda msg: take(msg, convert_compressed), qos,
                                                       callback_group=group)
         else:
-            self.image_sub = node.create_subscription(Image, f"{p}image", lambda msg: take(msg, image_to_rgb), qos,
+            self.image_sub = node.create_subscription(Image, f"{p}image", lambda msg: take(msg, convert_raw), qos,
                                                       callback_group=group)
         self.camera_info_sub = node.create_subscription(CameraInfo, f"{p}camera_info", self.on_camera_info,
                                                         qos_profile_sensor_data, callback_group=group)

@@ -97,7 +97,7 @@ from ..robot.scale import apply_scale, scale_points
 from ..stream.multi import PoolStatus
 from .camera_channel import (ARRIVAL_WINDOW, NODE_NAME, AlignedPlacer, CameraChannel, RosOutputs, _qos, diag,
                              stamp_seconds)
-from .conversions import image_to_rgb, make_pointcloud2  # noqa: F401  (image_to_rgb: benchmarks time it here)
+from .conversions import compressed_to_rgb, image_to_rgb, make_pointcloud2
 from .engine import SaveError, StatusFields, write_map_files
 from .multi_map import MapAligner, base_motion_from_odometry, own_map_frame, transform_points, transform_poses
 from .multi_save import CameraMap, save_camera_maps
@@ -181,8 +181,8 @@ class LingBotMapNode(Node):
 
         self._input_group = MutuallyExclusiveCallbackGroup()
         self._timer_group = MutuallyExclusiveCallbackGroup()
-        for channel in self.channels.values():
-            channel.subscribe(self._input_group, None if self.multi else self._accept)
+        for channel in self.channels.values():  # converters named here so that a profiler may wrap them
+            channel.subscribe(self._input_group, None if self.multi else self._accept, image_to_rgb, compressed_to_rgb)
         self.diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", _qos())
         self.map_points = None  # several cameras: every camera's map in map_frame
         if self.multi and s.publish_map and s.accumulate_map:
@@ -652,8 +652,8 @@ class LingBotMapNode(Node):
             label = f"{name}: {camera}"
             statuses.append(channel.input_diag(label))
             statuses += channel.state_diags(label)
-            aligned = self.aligner.aligned(camera)
-            statuses.append(diag(f"{label}: map frame", DiagnosticStatus.OK if aligned else DiagnosticStatus.WARN,
+            waiting = self.aligner.enabled and not self.aligner.aligned(camera)  # own frames by configuration: OK
+            statuses.append(diag(f"{label}: map frame", DiagnosticStatus.WARN if waiting else DiagnosticStatus.OK,
                                  self.aligner.describe(camera), {
                                      "frame": channel.outputs.placement().frame,
                                      "items run by the scheduler": self.scheduler.served.get(camera, 0)}))
