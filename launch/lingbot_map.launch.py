@@ -20,6 +20,11 @@ Arguments:
                      frame waits for the selector's keep/drop decision
   keyframe_decision_timeout  seconds a stored frame waits for that decision (default 0.5; only
                      with keyframe_selector:=true)
+  cameras            several cameras on one node: names separated by commas (cameras:=front,rear);
+                     empty = as in the params file (one camera there). Camera c subscribes
+                     c/image and c/camera_info; image_topic and camera_info_topic containing
+                     {camera} remap them per camera (image_topic:=/{camera}/color/image_raw),
+                     without it they stay /<namespace>/c/image
   dds_profile        Fast DDS profile of the node (FASTDDS_DEFAULT_PROFILES_FILE): large_messages
                      (default) = config/fastdds_large_messages.xml, 16 MB shared-memory segments so
                      that raw images over 512 KB are not sent as UDP fragments (export the same
@@ -56,6 +61,8 @@ ARGUMENTS = (
      "decision (the mapping node's keyframe_decision_timeout)"),
     ("dds_profile", "large_messages", "Fast DDS profile of the node: large_messages (the package's "
      "config/fastdds_large_messages.xml), a path to an XML profile, or none"),
+    ("cameras", "", "Several cameras: names separated by commas (front,rear); empty = as in the params file. "
+     "image_topic / camera_info_topic with {camera} remap each camera's c/image / c/camera_info"),
 )
 DDS_PROFILES = {"large_messages": "fastdds_large_messages.xml"}
 
@@ -80,6 +87,28 @@ def fully_qualified_name(namespace: str, name: str) -> str:
     return "/" + "/".join(parts + [name])
 
 
+def camera_names(text: str) -> list[str]:
+    """``front, rear`` -> ["front", "rear"] (empty items dropped; the node checks the names)."""
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
+def remappings(image_topic: str, camera_info_topic: str, cameras: list[str]) -> list[tuple[str, str]]:
+    """The node's input remappings: one camera's ``image``, ``image/compressed`` and ``camera_info``;
+    with ``cameras``, each camera's ``c/...`` when the topics contain ``{camera}`` (else none: the
+    node's own ``c/image``, ``c/camera_info`` in its namespace)."""
+    if not cameras:
+        return [("image", image_topic), ("image/compressed", f"{image_topic.rstrip('/')}/compressed"),
+                ("camera_info", camera_info_topic)]
+    out = []
+    for c in cameras:
+        if "{camera}" in image_topic:
+            image = image_topic.replace("{camera}", c)
+            out += [(f"{c}/image", image), (f"{c}/image/compressed", f"{image.rstrip('/')}/compressed")]
+        if "{camera}" in camera_info_topic:
+            out.append((f"{c}/camera_info", camera_info_topic.replace("{camera}", c)))
+    return out
+
+
 def _setup(context, *args, **kwargs):
     value = {name: LaunchConfiguration(name).perform(context) for name, _, _ in ARGUMENTS}
     share = FindPackageShare(PACKAGE).perform(context)
@@ -89,6 +118,9 @@ def _setup(context, *args, **kwargs):
         if value[name]:
             overrides[name] = value[name]
     selector = _is_true(value["keyframe_selector"])
+    cameras = camera_names(value["cameras"])
+    if cameras:
+        overrides["cameras"] = cameras
     if selector:
         overrides["keyframe_decision_timeout"] = _seconds("keyframe_decision_timeout",
                                                           value["keyframe_decision_timeout"])
@@ -102,8 +134,7 @@ def _setup(context, *args, **kwargs):
         package=PACKAGE, executable="lingbot_map_node", name=NODE_NAME, namespace=value["namespace"],
         output="screen", emulate_tty=True, additional_env=env,
         parameters=[params_file, overrides],
-        remappings=[("image", image_topic), ("image/compressed", f"{image_topic.rstrip('/')}/compressed"),
-                    ("camera_info", value["camera_info_topic"])],
+        remappings=remappings(image_topic, value["camera_info_topic"], cameras),
     )]
     if selector:
         actions.append(Node(

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.ros
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_ARGUMENTS = {"params_file", "checkpoint", "image_topic", "camera_info_topic", "input_transport", "device",
                     "dtype", "namespace", "use_sim_time", "rviz", "keyframe_selector", "keyframe_decision_timeout",
-                    "dds_profile"}
+                    "dds_profile", "cameras"}
 EXTRAS_HINT = "install ../shared/ros_extras (bash ../shared/ros_extras/install.sh .venv)"
 NO_TF2 = f"tf2_ros not importable: {EXTRAS_HINT}"
 NO_LAUNCH = f"launch/launch_ros not importable: {EXTRAS_HINT}"
@@ -411,6 +411,21 @@ def test_launch_setup_builds_the_node_and_the_optional_selector(monkeypatch):
     assert selector["parameters"] == [{"target_node": "/robot1/lingbot_map", "use_sim_time": False}]
     with pytest.raises(ValueError, match="keyframe_decision_timeout must be a number of seconds >= 0, got 'soon'"):
         _run_setup(module, keyframe_selector="true", keyframe_decision_timeout="soon")
+
+
+def test_launch_cameras_argument_lists_the_cameras_and_remaps_each(monkeypatch):
+    module = _launch_module(monkeypatch)
+    assert module.camera_names(" front, rear,,") == ["front", "rear"]
+    (node,) = _run_setup(module, cameras="front,rear", image_topic="/{camera}/color/image_raw",
+                         camera_info_topic="/{camera}/color/camera_info")
+    assert node["parameters"][1] == {"use_sim_time": False, "cameras": ["front", "rear"]}
+    assert node["remappings"] == [
+        ("front/image", "/front/color/image_raw"), ("front/image/compressed", "/front/color/image_raw/compressed"),
+        ("front/camera_info", "/front/color/camera_info"),
+        ("rear/image", "/rear/color/image_raw"), ("rear/image/compressed", "/rear/color/image_raw/compressed"),
+        ("rear/camera_info", "/rear/color/camera_info")]
+    (node,) = _run_setup(module, cameras="front,rear")  # default topics name no camera: no remapping
+    assert node["remappings"] == [] and node["parameters"][1]["cameras"] == ["front", "rear"]
 
 
 def test_config_lists_every_parameter_with_a_valid_value_and_a_comment():
