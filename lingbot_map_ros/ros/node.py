@@ -108,7 +108,6 @@ from .tf_tools import transform_to_matrix
 
 _PARAMETER_TABLE = {p.name: p for p in PARAMETERS}
 POOL_REFRESH_S = 0.5  # several cameras: the shared pool's status is read at most this often
-__all__ = ["LingBotMapNode", "RosOutputs", "StartupError", "main", "NODE_NAME", "ARRIVAL_WINDOW"]
 
 
 class StartupError(RuntimeError):

@@ -1,0 +1,117 @@
+"""Two InferenceEngines on one CameraSessions driven by one CameraScheduler (the node's multi-camera
+inference thread, without ROS): each camera's poses equal a single-camera replay of its frames,
+and a camera holding a frame for a keyframe decision never holds up the other camera."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lingbot_map_ros.config import ModelConfig
+from lingbot_map_ros.geometry import optical_pose_to_map
+from lingbot_map_ros.io.checkpoint import load_model
+from lingbot_map_ros.io.preprocess import preprocess_array
+from lingbot_map_ros.ros.engine import InferenceEngine, InputFrame
+from lingbot_map_ros.ros.params import resolve_settings
+from lingbot_map_ros.ros.scheduler import CameraScheduler
+from lingbot_map_ros.stream.multi import CameraSessions
+from lingbot_map_ros.stream.session import StreamingSession
+
+WIDTH = 98
+SETTINGS = dict(image_width=WIDTH, num_scale_frames=2, sliding_window=3, backend="sdpa", point_stride=1,
+                conf_threshold=0.0, map_voxel_size=0.0, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(ModelConfig.preset("tiny"), None, seed=3)
+
+
+def frames(n: int, seed: int) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    big = np.kron(rng.integers(0, 256, (40, 120, 3)).astype(np.float32), np.ones((8, 8, 1)))
+    return [big[10 + i: 304 + i, 20 + 7 * i: 538 + 7 * i].astype(np.uint8) for i in range(n)]
+
+
+class Sink:
+    def __init__(self) -> None:
+        self.frames = []
+
+    def wants(self, output):
+        return False
+
+    def publish_frame(self, out):
+        self.frames.append(out)
+
+    def publish_clouds(self, out):
+        pass
+
+    def publish_path(self, entries):
+        pass
+
+    def publish_status(self, status, stamp):
+        pass
+
+    def publish_frame_info(self, info, out):
+        pass
+
+
+class Log:
+    def debug(self, m):
+        pass
+
+    info = warning = error = debug
+
+
+def cameras(model, **per_camera):
+    settings = {name: resolve_settings({**SETTINGS, **own}) for name, own in per_camera.items()}
+    sessions = CameraSessions(model, {name: (s.stream, None) for name, s in settings.items()})
+    sinks = {name: Sink() for name in settings}
+    engines = {name: InferenceEngine(sessions.sessions[name], s, sinks[name], Log(), now=lambda: 1000.0)
+               for name, s in settings.items()}
+    return CameraScheduler(engines), engines, sinks
+
+
+def submit(engine, rgb, stamp: float) -> None:
+    engine.submit_frame(InputFrame(rgb=rgb, stamp=stamp, stamp_s=stamp, camera_frame="cam"))
+
+
+def replay(model, images) -> list[np.ndarray]:
+    session = StreamingSession(model, resolve_settings(SETTINGS).stream)
+    out = []
+    for rgb in images:
+        out += session.push(preprocess_array(rgb, WIDTH))
+    return [optical_pose_to_map(r.c2w) for r in out]
+
+
+def test_two_cameras_in_turn_equal_their_single_camera_replays(model):
+    sched, engines, sinks = cameras(model, a={}, b={})
+    images = {"a": frames(5, seed=1), "b": frames(5, seed=2)}
+    for k in range(5):  # both slots filled, then the scheduler takes them in turn
+        submit(engines["a"], images["a"][k], 100.0 + k)
+        submit(engines["b"], images["b"][k], 100.0 + k)
+        assert sched.run_until_idle() == 2
+    for name in ("a", "b"):
+        got = [f.T_map_cam for f in sinks[name].frames]
+        assert [f.frame_index for f in sinks[name].frames] == [1, 2, 3, 4, 5]
+        for T, expected in zip(got, replay(model, images[name])):
+            np.testing.assert_allclose(T, expected, atol=1e-4)
+    assert sched.served == {"a": 5, "b": 5}
+
+
+def test_a_camera_waiting_for_a_keyframe_decision_does_not_hold_up_the_other(model):
+    sched, engines, sinks = cameras(model, a={"keyframe_decision_timeout": 30.0}, b={})
+    images = {"a": frames(5, seed=3), "b": frames(5, seed=4)}
+    for k in range(4):
+        submit(engines["a"], images["a"][k], 200.0 + k)
+        submit(engines["b"], images["b"][k], 200.0 + k)
+        sched.run_until_idle()
+    # a: scale frames 1-2, frame 3 stored and held for a decision: frame 4 waits in its slot
+    assert [f.frame_index for f in sinks["a"].frames] == [1, 2, 3]
+    assert [f.frame_index for f in sinks["b"].frames] == [1, 2, 3, 4]  # b went on
+    submit(engines["b"], images["b"][4], 204.0)
+    assert sched.run_until_idle() == 1 and sinks["b"].frames[-1].frame_index == 5
+    decision = engines["a"].submit("keep", lambda: engines["a"].commit_eviction(3))
+    sched.run_until_idle()  # the decision, then a's waiting frame
+    assert decision.error is None
+    assert [f.frame_index for f in sinks["a"].frames] == [1, 2, 3, 4]
+    assert engines["a"].counters.snapshot().decisions_kept == 1
