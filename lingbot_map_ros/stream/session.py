@@ -119,6 +119,9 @@ class StreamingSession:
             fused, triton = self._resolve_kernels()
         self._merge_kernel = triton  # FlashInfer's split-KV merge: the Triton kernel wherever Triton runs here
         shared = share_from._shared if share_from is not None else None
+        if backend is None and share_from is not None and share_from.cfg.backend == cfg.backend \
+                and share_from.cfg.kv_splits == cfg.kv_splits and share_from.cfg.fa3_tiles == cfg.fa3_tiles:
+            backend = share_from.backend  # the eager steps (phase 1, fallbacks) run in turn: one backend, one set of buffers
         self.backend = backend or make_backend(cfg.backend, self.device, self.dtype, kv_splits=cfg.kv_splits,
                                                fa3_tiles=cfg.fa3_tiles, fused_merge=triton,
                                                workspace=None if shared is None else shared.workspace)
