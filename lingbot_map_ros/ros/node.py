@@ -78,11 +78,11 @@ import numpy as np
 import rclpy
 from rclpy.signals import SignalHandlerOptions
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
-from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor
+from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.clock import Clock, ClockType
-from rclpy.exceptions import ParameterException, ParameterUninitializedException
+from rclpy.exceptions import ParameterException
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
@@ -95,8 +95,8 @@ from ..config import ConfigError
 from ..io.map_save import MAP_FILE, MapSaveError
 from ..robot.scale import apply_scale, scale_points
 from ..stream.multi import PoolStatus
-from .camera_channel import (ARRIVAL_WINDOW, NODE_NAME, AlignedPlacer, CameraChannel, RosOutputs, _qos, diag,
-                             stamp_seconds)
+from .camera_channel import (ARRIVAL_WINDOW, NODE_NAME, AlignedPlacer, CameraChannel, RosOutputs,  # noqa: F401
+                             _qos, diag, stamp_seconds)  # RosOutputs, ARRIVAL_WINDOW, stamp_seconds: as before
 from .conversions import compressed_to_rgb, image_to_rgb, make_pointcloud2
 from .engine import SaveError, StatusFields, write_map_files
 from .multi_map import MapAligner, base_motion_from_odometry, own_map_frame, transform_points, transform_poses
@@ -269,22 +269,29 @@ class LingBotMapNode(Node):
     def _read_parameters(self) -> NodeSettings:
         try:
             for p in PARAMETERS:
-                if p.name == "cameras":  # a string array whose default [] would type it as bytes
-                    self.declare_parameter(p.name, Parameter.Type.STRING_ARRAY, descriptor(p))
+                if p.name == "cameras":
+                    self._declare_string_array(p)
                 else:
                     self.declare_parameter(p.name, p.default, descriptor(p))
-            values = {p.name: self._value(p) for p in PARAMETERS}
+            values = {p.name: self.get_parameter(p.name).value for p in PARAMETERS}
             settings = resolve_settings(values, log=self.get_logger().info)
             self.camera_settings = self._read_camera_parameters(values, settings.cameras)
             return settings
         except (ParameterException, ConfigError) as exc:
             raise StartupError(f"invalid parameters: {exc}") from None
 
-    def _value(self, p: Param) -> Any:
-        try:
-            return self.get_parameter(p.name).value
-        except ParameterUninitializedException:  # cameras not given (or given as [], which has no type)
-            return p.default
+    def _declare_string_array(self, p: Param) -> None:
+        """Declare ``p`` as a string array holding [] when not given: a default [] would type it as a
+        byte array (a YAML list of names would then be refused), and a params file's ``[]`` has no
+        type at all (the parameter would stay uninitialized, and ``ros2 param get`` fail)."""
+        final = descriptor(p)
+        final.type = ParameterType.PARAMETER_STRING_ARRAY
+        writable = descriptor(p)
+        writable.read_only = False  # until it has a value (below); set_descriptor then makes it read-only
+        self.declare_parameter(p.name, Parameter.Type.STRING_ARRAY, writable)
+        if self.get_parameter_or(p.name).type_ == Parameter.Type.NOT_SET:  # not given, or given as []
+            self.set_parameters([Parameter(p.name, Parameter.Type.STRING_ARRAY, list(p.default))])
+        self.set_descriptor(p.name, final)
 
     def _read_camera_parameters(self, values: dict, cameras: tuple[str, ...]) -> dict[str, NodeSettings]:
         """Declare camera.<c>.<p> for each listed camera and per-camera parameter (default: the global
@@ -452,10 +459,12 @@ class LingBotMapNode(Node):
         return channel.engine.applied_scale if channel is not None and channel.engine is not None else 1.0
 
     def _pool(self) -> PoolStatus | None:
-        """The shared pool's status, read at most every POOL_REFRESH_S (inference thread; cached for
-        /diagnostics)."""
+        """The shared pool's status, read at most every POOL_REFRESH_S once the storage exists (inference
+        thread; cached for /diagnostics): a status may show the pool as it was up to that long ago."""
         now = time.monotonic()
-        if self.sessions is not None and now - self._pool_at >= POOL_REFRESH_S:
+        cached = self._pool_status
+        stale = cached is None or cached.capacity_tokens == 0 or now - self._pool_at >= POOL_REFRESH_S
+        if self.sessions is not None and stale:
             self._pool_at = now
             try:
                 self._pool_status = self.sessions.pool_status()

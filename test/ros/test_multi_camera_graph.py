@@ -230,6 +230,8 @@ def graph(tmp_path_factory, fixtures):
                                         f"{(tmp / 'node.log').read_text()[-3000:]}"
             assert time.monotonic() < deadline, "the node did not subscribe to both cameras in time"
             time.sleep(0.1)
+        # the node's TF listeners (one per camera's TF output, one for the extrinsics) have the URDF
+        client.wait(lambda: client.urdf.pub_tf.get_subscription_count() >= 3, what="the node's /tf_static listeners")
         # frames in pairs of equal stamps; each waits for its status, so front's first poses (after its two
         # scale frames) come before rear's: rear joins map at its first pose
         for k in range(FRAMES):
@@ -331,7 +333,7 @@ def test_services_of_one_camera_leave_the_other_alone(graph):
     assert ok.success, ok.message
     front = client.send("front", frames["front"][FRAMES], stamp_of(FRAMES))
     assert front.frame_index == FRAMES + 1 and not front.deferred_eviction
-    assert client.latest(f"{NODE}/rear/status").deferred_eviction
+    client.wait(lambda: client.latest(f"{NODE}/rear/status").deferred_eviction, what="rear's deferred status")
 
     rear_before = client.latest(f"{NODE}/rear/status")
     rolled = client.call(RollbackFrame, f"{NODE}/front/rollback_last_frame",
@@ -380,6 +382,11 @@ def test_per_camera_parameters_at_run_time(graph):
     got = client.call(GetParameters, f"{NODE}/get_parameters",
                       GetParameters.Request(names=["camera.rear.image_width", "camera.front.image_width"]))
     assert [v.integer_value for v in got.values] == [WIDTH["rear"], WIDTH["front"]]
+    got = client.call(GetParameters, f"{NODE}/get_parameters", GetParameters.Request(names=["cameras"]))
+    assert list(got.values[0].string_array_value) == list(CAMERAS)
+    refused = client.call(SetParameters, f"{NODE}/set_parameters", SetParameters.Request(parameters=[ParameterMsg(
+        name="cameras", value=ParameterValue(type=ParameterType.PARAMETER_STRING_ARRAY, string_array_value=["x"]))]))
+    assert not refused.results[0].successful  # read-only
     refused = client.set_param("camera.rear.keyframe_decision_default", "maybe")
     assert not refused.successful and "camera.rear.keyframe_decision_default" in refused.reason
     refused = client.set_param("deferred_eviction", True)
