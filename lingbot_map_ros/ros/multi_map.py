@@ -162,6 +162,7 @@ class MapAligner:
         self._seq: dict[str, _Sequence] = {}
         self._pair: dict[str, _Pair] = {}
         self._why: dict[str, str] = {c: "no pose yet" for c in self.cameras}
+        self._frames: dict[str, str] = {}  # optical frame each camera reported last
         self._version = 0
 
     @property
@@ -174,6 +175,7 @@ class MapAligner:
         """Note a published pose of ``camera`` (1-based frame ``index``, ``T_model`` [4, 4] optical frame ->
         its own map, model units) and align whatever can be aligned now."""
         with self._lock:
+            self._check_frame(camera, camera_frame)
             seq = self._seq.get(camera)
             if seq is None or index <= min(seq.last_index, self.scale_frames):
                 self._start_sequence(camera, stamp_s)
@@ -184,6 +186,16 @@ class MapAligner:
                 for other in self.cameras[1:]:
                     if other not in self._pair:
                         self._try_align(other)
+
+    def _check_frame(self, camera: str, camera_frame: str) -> None:
+        """Under the lock: warn (throttled) when another camera reports the same optical frame (their
+        extrinsics, TF children and alignment would be one camera's)."""
+        self._frames[camera] = camera_frame
+        same = sorted(c for c, f in self._frames.items() if f == camera_frame and c != camera)
+        if same:
+            self._throttle.emit(self._warn, f"cameras {camera} and {', '.join(same)} report the same optical frame "
+                                f"{camera_frame!r}: set camera.<name>.camera_frame for each (their extrinsics and TF "
+                                "frames must differ)", kind=f"same frame {camera_frame}")
 
     def _start_sequence(self, camera: str, stamp_s: float) -> None:
         self._seq[camera] = _Sequence(float(stamp_s), 0, deque(maxlen=self._history))

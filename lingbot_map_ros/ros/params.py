@@ -499,6 +499,16 @@ def resolve_camera_settings(values: Mapping[str, Any], per_camera: Mapping[str, 
         for name, value in own.items():
             if value != base.get(name, _DEFAULTS[name]):
                 log(f"parameter {camera_param_name(camera, name)} = {value!r}")
+    for name in ("camera_frame", "camera_tf_frame"):  # each camera needs frames of its own
+        by_value: dict[str, list[str]] = {}
+        for camera, settings in out.items():
+            if getattr(settings, name):
+                by_value.setdefault(getattr(settings, name), []).append(camera)
+        for value, cameras in by_value.items():
+            if len(cameras) > 1:
+                raise ConfigError(f"parameter {name} {value!r} is shared by cameras {', '.join(cameras)}: each camera "
+                                  f"needs its own (set " + ", ".join(camera_param_name(c, name) for c in cameras)
+                                  + ")")
     return out
 
 

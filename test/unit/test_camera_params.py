@@ -94,3 +94,13 @@ def test_run_time_changes_per_camera():
         apply_camera_dynamic(settings, "camera.rear.keyframe_decision_timeout", -1.0)
     with pytest.raises(ConfigError, match="'side' is not in cameras"):
         apply_camera_dynamic(settings, "camera.side.deferred_eviction", True)
+
+
+def test_cameras_cannot_share_an_optical_or_tf_frame():
+    with pytest.raises(ConfigError, match=r"parameter camera_frame 'cam' is shared by cameras front, rear: each camera "
+                                          r"needs its own \(set camera.front.camera_frame, camera.rear.camera_frame\)"):
+        resolve_camera_settings({**BASE, "camera_frame": "cam"}, {"front": {}, "rear": {}})
+    with pytest.raises(ConfigError, match="camera_tf_frame 'x' is shared by cameras front, rear"):
+        resolve_camera_settings(BASE, {"front": {"camera_tf_frame": "x"}, "rear": {"camera_tf_frame": "x"}})
+    ok = resolve_camera_settings({**BASE, "camera_frame": "cam"}, {"front": {}, "rear": {"camera_frame": "rear"}})
+    assert (ok["front"].camera_frame, ok["rear"].camera_frame) == ("cam", "rear")

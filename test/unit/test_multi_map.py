@@ -175,6 +175,14 @@ def test_poses_too_far_apart_wait_unless_the_odometry_gives_the_base_motion():
     assert calls[-1] == (10.0, 12.0) and any("base motion from odometry" in line for line in log.infos)
 
 
+def test_two_cameras_reporting_one_optical_frame_are_warned_about():
+    a, log = aligner()
+    a.observe("front", 1, 10.0, "camera_optical_frame", M)
+    a.observe("rear", 1, 10.0, "camera_optical_frame", M)
+    assert any("cameras rear and front report the same optical frame 'camera_optical_frame'" in w
+               for w in log.warnings)
+
+
 def test_aligner_arguments():
     with pytest.raises(ValueError, match="at least one camera"):
         MapAligner((), "map", "base_link", lambda f: None)
