@@ -40,13 +40,13 @@ from std_srvs.srv import SetBool, Trigger
 from lingbot_map_ros.msg import FrameInfo, Status
 from lingbot_map_ros.srv import CommitEviction, RollbackFrame
 
-from ..robot.scale import apply_scale, scale_points
+from ..robot.map_offset import OutputTransform
 from ..robot.undistort import CameraModel
 from .conversions import (camera_info_msg, compressed_to_rgb, depth_to_image_msg, image_to_rgb, make_pointcloud2,
                           odometry_msg, pose_to_msg, sensor_depth_array)
 from .engine import FrameOutput, FrameSummary, InferenceEngine, InputFrame, StatusFields
 from .mapping import PoseEntry
-from .multi_map import MapAligner, Placement, transform_points
+from .multi_map import MapAligner, Placement, transform_points, unpublished
 from .params import DEFAULT_CAMERA_FRAME, NodeSettings
 from .tf_tools import TfOutput
 from .worker import Command, Throttle
@@ -71,22 +71,25 @@ class Placer(Protocol):
     """Where one camera's outputs go (several cameras; see ``multi_map``)."""
 
     def observe(self, out: FrameOutput) -> None: ...
-    def place(self, cam_scale: float) -> Placement: ...
+    def place(self, cam_output: OutputTransform | None = None) -> Placement: ...
 
 
 class AlignedPlacer:
-    """``Placer`` of camera ``camera`` through the node's ``MapAligner``; ``ref_scale`` reads the
-    reference camera's metric scale (metres per model unit) when a placement is asked."""
+    """``Placer`` of camera ``camera`` through the node's ``MapAligner``. ``output`` and ``ref_output``
+    read how this camera's and the reference camera's engines publish now (``engine.output``)."""
 
-    def __init__(self, aligner: MapAligner, camera: str, ref_scale: Callable[[], float]) -> None:
-        self.aligner, self.camera, self.ref_scale = aligner, camera, ref_scale
+    def __init__(self, aligner: MapAligner, camera: str, output: Callable[[], OutputTransform],
+                 ref_output: Callable[[], OutputTransform]) -> None:
+        self.aligner, self.camera, self.output, self.ref_output = aligner, camera, output, ref_output
 
     def observe(self, out: FrameOutput) -> None:
-        T = out.T_map_cam if out.scale in (0.0, 1.0) else apply_scale(out.T_map_cam, 1.0 / out.scale)
+        """A published frame (inference thread: ``engine.output`` is the frame's own transform)."""
+        T = unpublished(out.T_map_cam, self.output())
         self.aligner.observe(self.camera, out.frame_index, out.stamp_s, out.camera_frame, T)
 
-    def place(self, cam_scale: float) -> Placement:
-        return self.aligner.placement(self.camera, self.ref_scale(), cam_scale)
+    def place(self, cam_output: OutputTransform | None = None) -> Placement:
+        return self.aligner.placement(self.camera, self.ref_output(),
+                                      self.output() if cam_output is None else cam_output)
 
 
 class RosOutputs:
@@ -121,8 +124,9 @@ class RosOutputs:
         self.tf = TfOutput(node, tf_settings if tf_settings is not None else s, node.get_logger().warning)
         self._warn = node.get_logger().warning
         self._scale_wait_throttle = Throttle(5.0)
-        self.scale: Callable[[], float] = lambda: 1.0  # metres per model unit of the path (set by the node)
-        self._path_scale = 1.0
+        # how the engine publishes its model-unit path and map now (scale, map offset; set by the channel)
+        self.output: Callable[[], OutputTransform] = OutputTransform
+        self._path_output = OutputTransform()
         self._path_version: int | None = None
         self.latest_stamp = TimeMsg()
         self._path_lock = threading.Lock()
@@ -142,18 +146,19 @@ class RosOutputs:
         raise ValueError(f"unknown output {output!r}")
 
     # -------------------------------------------------------------- placement (several cameras)
-    def placement(self, cam_scale: float | None = None) -> Placement | None:
-        """The camera's placement now (None with one camera)."""
+    def placement(self, cam_output: OutputTransform | None = None) -> Placement | None:
+        """The camera's placement now (None with one camera); ``cam_output`` instead of the engine's
+        output transform now (a save snapshot's)."""
         if self.placer is None:
             return None
-        return self.placer.place(self.scale() if cam_scale is None else cam_scale)
+        return self.placer.place(cam_output)
 
     def _place(self, out: FrameOutput) -> tuple[str, np.ndarray]:
         """(frame id, T_frame_cam) of a frame's pose; remembers the placement for its clouds."""
         if self.placer is None:
             return self.settings.map_frame, out.T_map_cam
         self.placer.observe(out)
-        placed = self.placer.place(out.scale)
+        placed = self.placer.place()
         with self._placed_lock:
             self._placed[out.frame_index] = placed
             while len(self._placed) > PLACED_FRAMES:
@@ -168,7 +173,7 @@ class RosOutputs:
             return None
         with self._placed_lock:
             placed = self._placed.get(out.frame_index)
-        return placed if placed is not None else self.placer.place(out.scale)
+        return placed if placed is not None else self.placer.place()
 
     # -------------------------------------------------------------- sink
     def publish_frame(self, out: FrameOutput) -> None:
@@ -228,15 +233,15 @@ class RosOutputs:
             if self.path is None or not self._path_dirty:
                 return
             entries, self._path_dirty = self._path_entries, False
-        scale = self.scale()  # the engine keeps the path in model units
-        placed = self.placement(scale)
+        output = self.output()  # the engine keeps the path in model units, in the sequence's own frame
+        placed = self.placement()
         frame_id = self.settings.map_frame if placed is None else placed.frame
         version = None if placed is None else placed.version
-        rebuild = scale != self._path_scale or version != self._path_version
-        self._path_scale, self._path_version = scale, version
+        rebuild = output != self._path_output or version != self._path_version
+        self._path_output, self._path_version = output, version
         for e in entries:
             if e.message is None or rebuild:
-                T = apply_scale(e.T_map_cam, scale) if scale != 1.0 else e.T_map_cam
+                T = e.T_map_cam if output.identity else output.pose(e.T_map_cam)
                 if placed is not None and placed.transform is not None:
                     T = placed.transform @ T
                 e.message = PoseStamped(header=Header(stamp=e.stamp, frame_id=frame_id), pose=pose_to_msg(T))
@@ -256,13 +261,13 @@ class RosOutputs:
                 msg.pool_bytes = int(pool.nbytes)
         self.status.publish(msg)
 
-    def publish_map(self, points: np.ndarray, colors: np.ndarray, scale: float, stamp: Any = None,
+    def publish_map(self, points: np.ndarray, colors: np.ndarray, output: OutputTransform, stamp: Any = None,
                     publisher=None) -> None:
-        """Publish this camera's accumulated map (model units, its own map frame) on ``publisher``
-        (default ``~/[<camera>/]map_points``), scaled and placed."""
-        placed = self.placement(scale)
-        if scale != 1.0:
-            points = scale_points(points, scale).astype(np.float32)
+        """Publish this camera's accumulated map (model units, its sequence's frame) on ``publisher``
+        (default ``~/[<camera>/]map_points``) through the engine's ``output`` and the placement."""
+        placed = self.placement(output)
+        if not output.identity:
+            points = output.points(points).astype(np.float32)
         if placed is not None:
             points = transform_points(placed.transform, points).astype(np.float32)
         header = Header(stamp=self.latest_stamp if stamp is None else stamp,
@@ -297,10 +302,11 @@ class CameraChannel:
         """Create the camera's engine on ``session`` (ROS time ``now`` in seconds)."""
         s = self.settings
         self.engine = InferenceEngine(session, s, self.outputs, self.log, now=now,
-                                      odom_position=self.outputs.tf.camera_position)
-        self.outputs.scale = lambda: self.engine.applied_scale
-        if s.scale_source == "odometry":
-            self.outputs.tf.start()  # its buffer serves the scale's odom -> camera look-ups
+                                      odom_position=self.outputs.tf.camera_position,
+                                      camera_pose=self.outputs.tf.camera_pose)
+        self.outputs.output = lambda: self.engine.output
+        if s.scale_source == "odometry" or s.on_lost == "reset":
+            self.outputs.tf.start()  # its buffer serves the odom -> camera look-ups (scale, lost-reset map)
         return self.engine
 
     def subscribe(self, group, accept: Callable[[Any, Callable], None] | None = None,
@@ -344,7 +350,7 @@ class CameraChannel:
         """Run-time parameter changes (executor thread), checked by the node before."""
         self.settings = self.outputs.settings = s
         self.outputs.tf.settings = replace(s, **self._tf_override) if self._tf_override else s
-        if s.publish_tf:
+        if s.publish_tf or s.on_lost == "reset":
             self.outputs.tf.start()  # the tf2 broadcaster/listener, made once, on this (executor) thread
         engine = self.engine
         engine_deferred = engine.settings.deferred_eviction

@@ -17,7 +17,8 @@ at (nearly) the same time, one of the reference camera and one of ``c``:
   identity (the base is assumed not to have moved in between);
 - ``S(T, s)``: translation times the camera's metric scale ``s`` (metres per model unit,
   1 with ``scale_source none``: then metres of the extrinsics are mixed with model units,
-  and the node warns).
+  and the node warns); more generally the pose as the camera's engine publishes it
+  (``OutputTransform``: the scale, then the map offset a lost reset may give a sequence).
 
 The pair: at the later of the two sequence starts ``t*`` (the first poses after a start
 or reset of either camera), each camera's pose nearest in time to ``t*``. So the rule is
@@ -72,6 +73,24 @@ def map_alignment(T_map_ref: np.ndarray, T_base_ref: np.ndarray, T_base_cam: np.
 def base_motion_from_odometry(T_odom_base_ref: np.ndarray, T_odom_base_cam: np.ndarray) -> np.ndarray:
     """``T_base(t_ref)_base(t_c) = inv(T_odom_base(t_ref)) · T_odom_base(t_c)`` [4, 4]."""
     return invert_rigid(T_odom_base_ref) @ np.asarray(T_odom_base_cam, np.float64)
+
+
+def published(T_model: np.ndarray, output: Any) -> np.ndarray:
+    """A model-unit pose [4, 4] as its engine publishes it: ``output`` is a scale (metres per model
+    unit) or an ``OutputTransform`` (``robot.map_offset``: scale, then the map offset)."""
+    if isinstance(output, (int, float)):
+        return np.asarray(T_model, np.float64) if output == 1.0 else apply_scale(T_model, output)
+    return output.pose(T_model)
+
+
+def unpublished(T_published: np.ndarray, output: Any) -> np.ndarray:
+    """The inverse of ``published``: the model-unit pose [4, 4] behind a published one."""
+    if isinstance(output, (int, float)):
+        scale, offset = float(output), None
+    else:
+        scale, offset = output.scale, output.offset
+    T = np.asarray(T_published, np.float64) if offset is None else invert_rigid(offset) @ T_published
+    return T if scale in (0.0, 1.0) else apply_scale(T, 1.0 / scale)
 
 
 def own_map_frame(map_frame: str, camera: str) -> str:
@@ -239,9 +258,10 @@ class MapAligner:
         self._info(f"camera {camera}: {self._why[camera]}")
 
     # -------------------------------------------------------------- any thread
-    def placement(self, camera: str, ref_scale: float = 1.0, cam_scale: float = 1.0) -> Placement:
-        """The frame and transform of ``camera``'s outputs now (scales: metres per model unit of the
-        reference camera and of ``camera``)."""
+    def placement(self, camera: str, ref_output: Any = 1.0, cam_output: Any = 1.0) -> Placement:
+        """The frame and transform of ``camera``'s outputs now. ``ref_output`` / ``cam_output``: how the
+        reference camera's and ``camera``'s engines publish their model-unit poses now, a scale
+        (metres per model unit) or an ``OutputTransform`` (scale and map offset, ``robot.map_offset``)."""
         with self._lock:
             version = self._version
             if not self.enabled:
@@ -251,8 +271,8 @@ class MapAligner:
             pair = self._pair.get(camera)
             if pair is None:
                 return Placement(own_map_frame(self.map_frame, camera), None, version)
-        T = map_alignment(pair.T_map_ref, pair.T_base_ref, pair.T_base_cam, pair.T_mapc_cam, pair.motion,
-                          ref_scale, cam_scale)
+        T = map_alignment(published(pair.T_map_ref, ref_output), pair.T_base_ref, pair.T_base_cam,
+                          published(pair.T_mapc_cam, cam_output), pair.motion)
         return Placement(self.map_frame, T, version)
 
     def describe(self, camera: str) -> str:
@@ -275,5 +295,5 @@ def _nearest(history: deque, t: float) -> tuple[float, np.ndarray, str]:
     return min(history, key=lambda item: abs(item[0] - t))
 
 
-__all__ = ["map_alignment", "base_motion_from_odometry", "own_map_frame", "transform_points", "transform_poses",
+__all__ = ["map_alignment", "base_motion_from_odometry", "own_map_frame", "published", "unpublished", "transform_points", "transform_poses",
            "Placement", "MapAligner", "MAX_GAP_S"]

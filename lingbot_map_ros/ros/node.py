@@ -93,7 +93,7 @@ from lingbot_map_ros.srv import SaveMap
 
 from ..config import ConfigError
 from ..io.map_save import MAP_FILE, MapSaveError
-from ..robot.scale import apply_scale, scale_points
+from ..robot.map_offset import OutputTransform
 from ..stream.multi import PoolStatus
 from .camera_channel import (ARRIVAL_WINDOW, NODE_NAME, AlignedPlacer, CameraChannel, RosOutputs,  # noqa: F401
                              _qos, diag, stamp_seconds)  # RosOutputs, ARRIVAL_WINDOW, stamp_seconds: as before
@@ -253,7 +253,7 @@ class LingBotMapNode(Node):
         for name in cameras:
             cs = self.camera_settings[name]
             tf_settings = cs if name == reference else replace(cs, tf_mode="map_to_camera")
-            placer = AlignedPlacer(self.aligner, name, self._reference_scale)
+            placer = AlignedPlacer(self.aligner, name, self._output_of(name), self._output_of(reference))
             channel = CameraChannel(self, name, cs, placer, tf_settings=tf_settings)
             channel.outputs.pool = self._pool
             self.channels[name] = channel
@@ -453,10 +453,12 @@ class LingBotMapNode(Node):
                  f"{s.base_frame} -> <camera frame> once both cameras have poses (until then: their own "
                  f"{s.map_frame}_<camera>)")
 
-    def _reference_scale(self) -> float:
-        """Metres per model unit of the first camera (1 before its engine exists)."""
-        channel = self.channels.get(self.settings.cameras[0])
-        return channel.engine.applied_scale if channel is not None and channel.engine is not None else 1.0
+    def _output_of(self, camera: str):
+        """() -> how ``camera``'s engine publishes now (``engine.output``; identity before it exists)."""
+        def output() -> OutputTransform:
+            channel = self.channels.get(camera)
+            return channel.engine.output if channel is not None and channel.engine is not None else OutputTransform()
+        return output
 
     def _pool(self) -> PoolStatus | None:
         """The shared pool's status, read at most every POOL_REFRESH_S once the storage exists (inference
@@ -560,9 +562,10 @@ class LingBotMapNode(Node):
                 raise SaveError(f"camera {name}: cannot take the map: {snap.map.error}")
             points, colors, _ = snap.map.result
             poses = snap.poses
-            if snap.scale != 1.0:
-                points, poses = scale_points(points, snap.scale).astype(np.float32), apply_scale(poses, snap.scale)
-            placed = self.channels[name].outputs.placement(snap.scale)
+            output = OutputTransform(snap.scale, snap.offset)
+            if not output.identity:
+                points, poses = output.points(points).astype(np.float32), output.pose(poses)
+            placed = self.channels[name].outputs.placement(output)
             maps.append(CameraMap(name, placed.frame, snap.stamps, transform_poses(placed.transform, poses),
                                   transform_points(placed.transform, points).astype(np.float32), colors))
         return save_camera_maps(directory, self.settings.output_directory, maps, self.settings.map_frame)
@@ -599,7 +602,7 @@ class LingBotMapNode(Node):
         if pub.get_subscription_count() == 0 or self.engine.map.version == self._map_version:
             return
         points, colors, version = self.engine.map.snapshot()
-        self.outputs.publish_map(points, colors, self.engine.applied_scale)  # the map is kept in model units
+        self.outputs.publish_map(points, colors, self.engine.output)  # the map is kept in model units
         self._map_version = version
 
     def _on_maps_timer(self) -> None:
@@ -617,11 +620,12 @@ class LingBotMapNode(Node):
             if not (wanted or combined):
                 continue
             engine = channel.engine
-            placed = channel.outputs.placement(engine.applied_scale)
-            state = (engine.map.version, engine.applied_scale, placed.version, placed.frame)
+            output = engine.output
+            placed = channel.outputs.placement(output)
+            state = (engine.map.version, output, placed.version, placed.frame)
             if wanted and self._map_version.get(name) != state:
                 points, colors, _ = engine.map.snapshot()
-                channel.outputs.publish_map(points, colors, engine.applied_scale)
+                channel.outputs.publish_map(points, colors, output)
                 self._map_version[name] = state
             if combined and placed.frame == self.settings.map_frame:
                 parts.append(channel)
@@ -633,12 +637,10 @@ class LingBotMapNode(Node):
     def _publish_combined_map(self, channels: list[CameraChannel]) -> None:
         points, colors, stamp = [], [], None
         for channel in channels:
-            engine = channel.engine
-            p, c, _ = engine.map.snapshot()
-            placed = channel.outputs.placement(engine.applied_scale)
-            if engine.applied_scale != 1.0:
-                p = scale_points(p, engine.applied_scale)
-            points.append(transform_points(placed.transform, p).astype(np.float32))
+            output = channel.engine.output
+            p, c, _ = channel.engine.map.snapshot()
+            placed = channel.outputs.placement(output)
+            points.append(transform_points(placed.transform, output.points(p)).astype(np.float32))
             colors.append(c)
             latest = channel.outputs.latest_stamp
             if stamp is None or stamp_seconds(latest) > stamp_seconds(stamp):

@@ -6,8 +6,9 @@ import numpy as np
 import pytest
 
 from lingbot_map_ros.geometry import OPTICAL_TO_REP103, quaternion_to_matrix
+from lingbot_map_ros.robot.map_offset import OutputTransform
 from lingbot_map_ros.ros.multi_map import (MapAligner, base_motion_from_odometry, map_alignment, own_map_frame,
-                                           transform_points, transform_poses)
+                                           published, transform_points, transform_poses, unpublished)
 from lingbot_map_ros.robot.scale import apply_scale, scale_points
 
 M = np.asarray(OPTICAL_TO_REP103, dtype=np.float64)  # an optical frame looking along map x: T_map_cam of c2w = I
@@ -81,6 +82,25 @@ def test_the_aligned_pose_closes_the_extrinsic_chain_for_random_transforms():
         np.testing.assert_allclose(transform_poses(T, poses)[1], T @ D)
 
 
+def test_placement_through_the_engines_output_transforms():
+    """Each engine may publish its model-unit poses through a scale and a map offset (a lost reset
+    that continued the map): the camera's published poses still land where the extrinsics say."""
+    rng = np.random.default_rng(1)
+    for _ in range(10):
+        out_ref = OutputTransform(float(rng.uniform(0.5, 3.0)), random_rigid(rng))
+        out_cam = OutputTransform(float(rng.uniform(0.5, 3.0)), random_rigid(rng))
+        T_ref, T_cam = random_rigid(rng), random_rigid(rng)
+        np.testing.assert_allclose(unpublished(published(T_cam, out_cam), out_cam), T_cam, atol=1e-9)
+        np.testing.assert_allclose(unpublished(published(T_cam, 2.5), 2.5), T_cam, atol=1e-12)
+        a, _ = aligner()
+        a.observe("front", 1, 10.0, "front_optical", T_ref)
+        a.observe("rear", 1, 10.0, "rear_optical", T_cam)
+        T = a.placement("rear", out_ref, out_cam).transform
+        # rear's published pose, placed, is the reference's published pose through the two extrinsics
+        np.testing.assert_allclose(T @ out_cam.pose(T_cam),
+                                   out_ref.pose(T_ref) @ np.linalg.inv(T_BASE_FRONT) @ T_BASE_REAR, atol=1e-9)
+
+
 # ------------------------------------------------------------------ MapAligner
 class Recorder:
     def __init__(self) -> None:
@@ -117,7 +137,7 @@ def test_the_reference_is_the_map_and_the_other_camera_joins_it_once_both_have_p
     np.testing.assert_allclose(p.transform, rigid(RZ180, (-0.5, 0.0, 0.0)), atol=1e-12)
     assert any("aligned to map" in line and "0.020 s apart" in line for line in log.infos)
     # scales on use: the same pair, the reference's units now 2 m
-    np.testing.assert_allclose(a.placement("rear", ref_scale=2.0, cam_scale=1.0).transform,
+    np.testing.assert_allclose(a.placement("rear", ref_output=2.0, cam_output=1.0).transform,
                                rigid(RZ180, (-0.5, 0.0, 0.0)), atol=1e-12)  # first poses carry no translation
 
 
