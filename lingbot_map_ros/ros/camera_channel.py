@@ -512,7 +512,20 @@ class CameraChannel:
                 "occupancy (%)": f"{100.0 * used / max(total, 1):.1f}", "stored frames": stats.resident_frames,
                 "scale pages": stats.scale_pages, "window pages": stats.window_pages, "free pages": stats.free_pages,
                 "pending evictions": stats.pending_evictions, "deferred eviction": stats.deferred}))
+        statuses.append(self.intrinsics_diag(label))
         return statuses
+
+    def intrinsics_diag(self, label: str) -> DiagnosticStatus:
+        """/diagnostics "intrinsics": the model's median focal lengths vs camera_info's K (input pixels),
+        WARN beyond ``robot.intrinsics.WARN_FRACTION``."""
+        info, focal = self.camera_info, self.engine.focal
+        if info is None:
+            return diag(f"{label}: intrinsics", DiagnosticStatus.OK, "no camera_info received: nothing to compare", {})
+        if len(focal) == 0:
+            return diag(f"{label}: intrinsics", DiagnosticStatus.OK, "no frame processed yet", {})
+        comparison = focal.compare(info.k, (info.width, info.height))
+        return diag(f"{label}: intrinsics", DiagnosticStatus.WARN if comparison.warn else DiagnosticStatus.OK,
+                    comparison.message(), comparison.values())
 
     def shutdown(self) -> None:
         """Stop the engine's threads (one camera: its own inference thread and output thread)."""
@@ -527,7 +540,7 @@ def tracking_diag(name: str, engine: InferenceEngine) -> DiagnosticStatus:
     reasons = ", ".join(engine.tracking_reasons)
     return diag(f"{name}: tracking", level, state + (f" ({reasons})" if reasons else ""), {
         "state": state, "reasons": reasons or "none", "on_lost": engine.settings.on_lost,
-        "lost resets": engine.lost_resets})
+        "lost resets": engine.lost_resets, "map frame anchored to": engine.map_alignment})
 
 
 def scale_diag(name: str, engine: InferenceEngine) -> DiagnosticStatus:

@@ -35,7 +35,7 @@ from rcl_interfaces.msg import Parameter as ParameterMsg, ParameterType, Paramet
 from rcl_interfaces.srv import GetParameters, SetParameters  # noqa: E402
 from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E402
-from sensor_msgs.msg import Image, PointCloud2  # noqa: E402
+from sensor_msgs.msg import CameraInfo, Image, PointCloud2  # noqa: E402
 from std_msgs.msg import Header  # noqa: E402
 from std_srvs.srv import SetBool, Trigger  # noqa: E402
 from tf2_msgs.msg import TFMessage  # noqa: E402
@@ -135,6 +135,8 @@ class Client:
             self.msgs[topic] = []
             self.node.create_subscription(kind, topic, self._recorder(topic), qos)
         self.images = {c: self.node.create_publisher(Image, f"/{c}/image", QoSProfile(depth=10)) for c in CAMERAS}
+        self.infos = {c: self.node.create_publisher(CameraInfo, f"/{c}/camera_info", QoSProfile(depth=10))
+                      for c in CAMERAS}
         self.urdf = tf2_ros.StaticTransformBroadcaster(self.node)
         self.urdf.sendTransform([transform_stamped(T, Header(frame_id="base_link"), child)
                                  for child, T in EXTRINSICS.items()])
@@ -292,7 +294,12 @@ def test_both_cameras_get_their_own_sequence_in_one_map(graph, replay):
 
 
 def test_diagnostics_tf_and_the_map_cover_both_cameras(graph):
-    client, proc, _, _ = graph
+    client, proc, frames, _ = graph
+    h, w = frames["front"][0].shape[:2]
+    info = CameraInfo(header=Header(frame_id="front_optical"), width=w, height=h,
+                      k=[321.0, 0.0, w / 2, 0.0, 321.0, h / 2, 0.0, 0.0, 1.0])
+    client.wait(lambda: client.infos["front"].get_subscription_count() >= 1, what="the front camera_info subscription")
+    client.infos["front"].publish(info)
     names = client.wait(lambda: next(({s.name: s for s in d.status} for d in client.msgs["/diagnostics"]
                                       if any(s.name.endswith("pool") and "leased" in s.message for s in d.status)),
                                      None), what="/diagnostics with the pool")
@@ -302,6 +309,12 @@ def test_diagnostics_tf_and_the_map_cover_both_cameras(graph):
     assert names[f"{NODE}: rear: map frame"].level == DiagnosticStatus.OK
     assert "aligned to map" in names[f"{NODE}: rear: map frame"].message
     assert f"{NODE}: input" not in names  # the single-camera entry
+    intrinsics = client.wait(lambda: next((s for d in client.msgs["/diagnostics"] for s in d.status
+                                           if s.name == f"{NODE}: front: intrinsics"
+                                           and any(kv.key == "camera_info fx (px)" for kv in s.values)), None),
+                             what="front's intrinsics entry with its camera_info")
+    assert {kv.key: kv.value for kv in intrinsics.values}["camera_info fx (px)"] == "321.0"
+    assert "focal length" in intrinsics.message
     # TF: the rear camera's own child under map (the reference publishes map -> base_link)
     client.wait(lambda: any(t.header.frame_id == "map" and t.child_frame_id == "rear_optical_lingbot"
                             for m in client.msgs["/tf"] for t in m.transforms), what="TF map -> rear_optical_lingbot")
