@@ -114,8 +114,6 @@ class InProcessNode:
         overrides = [Parameter(k, value=v) for k, v in params.items()]
         self.node = LingBotMapNode(NODE, context=self.context, parameter_overrides=overrides)
         self.session = self.node.engine.session = Poison(self.node.engine.session)  # before any image
-        if self.node.engine.camera_pose is None:  # until node.py passes camera_pose (then delete these 2 lines)
-            self.node.engine.camera_pose = self.node.outputs.tf.camera_pose
         self.executor = SingleThreadedExecutor(context=self.context)
         self.executor.add_node(self.node)
         self.services = MultiThreadedExecutor(num_threads=SERVICE_THREADS, context=self.context)

@@ -152,6 +152,8 @@ def loop(fixtures, tmp_path_factory):
     client = Client()
     try:
         client.wait(lambda: client.msgs["status"], timeout=90.0, what="the node's first status")
+        # the first status ("loading the model") comes before the image subscription exists
+        client.wait(lambda: client.pub.get_subscription_count() >= 1, timeout=90.0, what="the node's image subscription")
         yield client, proc, log, fixtures
     finally:
         client.close()
