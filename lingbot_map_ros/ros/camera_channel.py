@@ -48,7 +48,7 @@ from .engine import FrameOutput, FrameSummary, InferenceEngine, InputFrame, Stat
 from .mapping import PoseEntry
 from .multi_map import MapAligner, Placement, transform_points, unpublished
 from .params import DEFAULT_CAMERA_FRAME, NodeSettings
-from .tf_tools import TfOutput
+from .tf_tools import SharedTf, TfOutput
 from .worker import Command, Throttle
 
 NODE_NAME = "lingbot_map"
@@ -97,10 +97,12 @@ class RosOutputs:
 
     ``prefix`` ("" or "<camera>/") goes between ``~/`` and each output's name; ``placer`` (several
     cameras) gives each output's frame and transform; ``tf_settings`` the settings TF is published
-    with (default ``settings``)."""
+    with (default ``settings``); ``tf_shared`` the node's TF broadcaster, buffer and listener
+    (several cameras; None = the camera's own)."""
 
     def __init__(self, node: Node, settings: NodeSettings, prefix: str = "", placer: Placer | None = None,
-                 camera: str = "", tf_settings: NodeSettings | None = None) -> None:
+                 camera: str = "", tf_settings: NodeSettings | None = None,
+                 tf_shared: SharedTf | None = None) -> None:
         s = self.settings = settings
         self.node = node
         self.camera = camera
@@ -121,7 +123,8 @@ class RosOutputs:
             self.depth_info = node.create_publisher(CameraInfo, f"~/{p}depth/camera_info", _qos(depth=2))
         self.frame_info = node.create_publisher(FrameInfo, f"~/{p}frame", _qos(depth=10))
         # follows publish_tf, settable at run time
-        self.tf = TfOutput(node, tf_settings if tf_settings is not None else s, node.get_logger().warning)
+        self.tf = TfOutput(node, tf_settings if tf_settings is not None else s, node.get_logger().warning,
+                           shared=tf_shared)
         self._warn = node.get_logger().warning
         self._scale_wait_throttle = Throttle(5.0)
         # how the engine publishes its model-unit path and map now (scale, map offset; set by the channel)
@@ -279,16 +282,18 @@ class CameraChannel:
     """A camera's subscriptions, outputs (``RosOutputs``), engine and services on ``node``.
 
     ``name`` "" = the single camera of today's interface. Build order: the channel (outputs),
-    ``attach`` (the engine on its session), ``subscribe``, ``create_services``."""
+    ``attach`` (the engine on its session), ``subscribe``, ``create_services``. ``tf_shared``: the
+    node's ``SharedTf`` (several cameras: one TF listener for all); None = the camera's own."""
 
     def __init__(self, node: Node, name: str, settings: NodeSettings, placer: Placer | None = None,
-                 tf_settings: NodeSettings | None = None) -> None:
+                 tf_settings: NodeSettings | None = None, tf_shared: SharedTf | None = None) -> None:
         self.node, self.name = node, name
         self.prefix = f"{name}/" if name else ""
         self.settings = settings
         self.log = node.get_logger().get_child(name) if name else node.get_logger()
         self._tf_override = {} if tf_settings is None else {"tf_mode": tf_settings.tf_mode}
-        self.outputs = RosOutputs(node, settings, self.prefix, placer, camera=name, tf_settings=tf_settings)
+        self.outputs = RosOutputs(node, settings, self.prefix, placer, camera=name, tf_settings=tf_settings,
+                                  tf_shared=tf_shared)
         self.engine: InferenceEngine | None = None
         self.camera_info: CameraInfo | None = None
         self.camera_model: CameraModel | None = None

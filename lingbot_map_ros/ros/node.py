@@ -61,7 +61,8 @@ rollback_last_frame), its own engine (sequence, trajectory, map, latest-frame sl
 ``~/save_map`` and ``~/map_points`` cover every camera: the first camera defines
 ``map_frame`` and the others join it through the TF extrinsics (``multi_map``); a camera
 that cannot (no ``base_frame``, an extrinsic missing) publishes in ``<map_frame>_<c>``.
-/diagnostics gets the shared pool and every camera's entries.
+/diagnostics gets the shared pool and every camera's entries. One TF broadcaster, buffer
+and listener (``tf_tools.SharedTf``) serve every camera's TF output and the alignment.
 """
 from __future__ import annotations
 
@@ -104,7 +105,7 @@ from .multi_save import CameraMap, save_camera_maps
 from .params import (CAMERA_PARAMETERS, CAMERA_PREFIX, PARAMETERS, NodeSettings, Param, apply_camera_dynamic,
                      apply_dynamic, camera_param_name, camera_values, resolve_camera_settings, resolve_settings)
 from .scheduler import CameraScheduler
-from .tf_tools import transform_to_matrix
+from .tf_tools import SharedTf
 
 _PARAMETER_TABLE = {p.name: p for p in PARAMETERS}
 POOL_REFRESH_S = 0.5  # several cameras: the shared pool's status is read at most this often
@@ -170,6 +171,7 @@ class LingBotMapNode(Node):
         self.sessions = None  # CameraSessions with several cameras
         self.scheduler: CameraScheduler | None = None
         self.channels: dict[str, CameraChannel] = {}
+        self.tf_shared: SharedTf | None = None  # the node's TF broadcaster, buffer and listener
         self._pool_status: PoolStatus | None = None
         self._pool_at = -float("inf")
         if self.multi:
@@ -240,6 +242,7 @@ class LingBotMapNode(Node):
         channel = CameraChannel(self, "", s)
         self.channels[""] = channel
         self.outputs = channel.outputs
+        self.tf_shared = channel.outputs.tf.shared
         self.outputs.publish_status(StatusFields(state=0, state_text="loading the model"), None)
         session = self._load_session()
         self.engine = channel.attach(session, self._now)
@@ -248,13 +251,16 @@ class LingBotMapNode(Node):
         """Several cameras: one model, one CameraSessions, a channel each, one CameraScheduler."""
         s = self.settings
         cameras = s.cameras
+        # one TF broadcaster, buffer and listener for every camera and the alignment (started by its
+        # first user: the alignment at once when base_frame is set, a camera that publishes TF)
+        self.tf_shared = SharedTf(self)
         self.aligner = self._make_aligner()
         reference = cameras[0]
         for name in cameras:
             cs = self.camera_settings[name]
             tf_settings = cs if name == reference else replace(cs, tf_mode="map_to_camera")
             placer = AlignedPlacer(self.aligner, name, self._output_of(name), self._output_of(reference))
-            channel = CameraChannel(self, name, cs, placer, tf_settings=tf_settings)
+            channel = CameraChannel(self, name, cs, placer, tf_settings=tf_settings, tf_shared=self.tf_shared)
             channel.outputs.pool = self._pool
             self.channels[name] = channel
             channel.outputs.publish_status(StatusFields(state=0, state_text="loading the model"), None)
@@ -421,8 +427,9 @@ class LingBotMapNode(Node):
     # ------------------------------------------------------------------ several cameras: one map
     def _make_aligner(self) -> MapAligner:
         s = self.settings
-        lookup = _TfLookup(self) if s.base_frame else None
-        self._tf_lookup = lookup
+        lookup = self.tf_shared if s.base_frame else None
+        if lookup is not None:
+            lookup.start()  # the URDF's static transforms arrive while the model loads
         base_motion = None
         if lookup is not None and s.odom_frame:
             def base_motion(t_ref: float, t_cam: float):
@@ -442,7 +449,7 @@ class LingBotMapNode(Node):
                         f"camera publishes in its own map frame ({own}); set base_frame (and the URDF's camera "
                         f"transforms in TF) for one map {s.map_frame}")
             return
-        if self._tf_lookup is not None and self._tf_lookup.buffer is None:
+        if self.tf_shared.buffer is None:
             log.warning(f"tf2_ros is not importable: the camera extrinsics cannot be read, each camera keeps its "
                         f"own map frame ({own})")
         if s.scale_source == "none":
@@ -690,32 +697,6 @@ class LingBotMapNode(Node):
             self.engine.stop()
         self.service_node.destroy_node()
         logging.getLogger("lingbot_map_ros").removeHandler(self._log_handler)
-
-
-class _TfLookup:
-    """Non-blocking look-ups in a tf2 buffer of its own (several cameras: the extrinsics and the
-    odometry that join the cameras' maps); ``buffer`` None when tf2_ros is not importable."""
-
-    def __init__(self, node: Node) -> None:
-        try:
-            import tf2_ros
-        except ImportError:
-            self.buffer = self._listener = None
-            return
-        self.buffer = tf2_ros.Buffer()
-        self._listener = tf2_ros.TransformListener(self.buffer, node)
-
-    def matrix(self, target: str, source: str, stamp_s: float | None = None) -> np.ndarray | None:
-        """``T_target_source`` [4, 4] (latest, or at ``stamp_s`` seconds), None when not in TF."""
-        if self.buffer is None:
-            return None
-        from rclpy.time import Time
-
-        try:
-            when = Time() if stamp_s is None else Time(nanoseconds=int(round(stamp_s * 1e9)))
-            return transform_to_matrix(self.buffer.lookup_transform(target, source, when))
-        except Exception:  # tf2 raises several lookup/extrapolation exception types
-            return None
 
 
 def _fastdds_without_profile() -> bool:

@@ -48,9 +48,17 @@ running, e.g. ``publish_tf`` set at run time) and creates its tf2_ros broadcaste
 listener only when it first needs them (at construction when ``publish_tf`` is on then,
 so that the listener fills its buffer while the model loads). Without tf2_ros a plain
 ``/tf`` publisher (tf2_msgs) serves ``map_to_camera`` only, without the parent check.
+
+The broadcaster, buffer and listener live in a ``SharedTf``: one per ``TfOutput`` by
+default (one camera), or one for the whole node (several cameras: every camera's
+``TfOutput`` and the alignment's extrinsic look-ups use it, so one listener parses
+``/tf``). It is created lazily the same way: by its first user that needs it. With a
+shared buffer a time jump clears it once for all cameras: a camera whose stamps go back
+after another camera cleared the buffer since its own previous frame leaves it as it is.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -183,33 +191,115 @@ class LookupFailed(RuntimeError):
         self.kind = kind
 
 
+class SharedTf:
+    """A node's TF machinery: one broadcaster and one tf2_ros buffer with its listener, made on
+    the first ``start`` (any thread; once) and shared by every ``TfOutput`` given it and by
+    ``matrix`` look-ups. Without tf2_ros a plain ``/tf`` publisher (tf2_msgs) and no buffer.
+
+    ``clears`` counts ``clear`` calls: a user compares it with the value it saw at its previous
+    frame to know whether another user cleared the buffer in between."""
+
+    def __init__(self, node) -> None:
+        self._node = node
+        self._lock = threading.Lock()
+        self.started = False
+        self.backend = "none"  # tf2_ros | tf2_msgs | none, once started
+        self.send: Callable[[Any], Any] | None = None  # publishes one TransformStamped
+        self.buffer = None  # tf2_ros.Buffer
+        self.listener = None  # tf2_ros.TransformListener (subscribes to /tf and /tf_static)
+        self.broadcaster = None
+        self.clears = 0
+
+    def start(self) -> None:
+        """Create the broadcaster and the listener, once (the listener's subscriptions are made on
+        the calling thread: call it from the executor thread where it matters)."""
+        if self.started:
+            return
+        with self._lock:
+            if self.started:
+                return
+            self._create()
+            self.started = True
+
+    def _create(self) -> None:
+        try:
+            import tf2_ros
+
+            self.broadcaster = tf2_ros.TransformBroadcaster(self._node)
+            self.send = self.broadcaster.sendTransform
+            self.buffer = tf2_ros.Buffer()
+            self.listener = tf2_ros.TransformListener(self.buffer, self._node)
+            self.backend = "tf2_ros"
+        except ImportError:
+            try:
+                from rclpy.qos import QoSProfile
+                from tf2_msgs.msg import TFMessage
+
+                pub = self._node.create_publisher(TFMessage, "/tf", QoSProfile(depth=100))
+                self.send = lambda transform: pub.publish(TFMessage(transforms=[transform]))
+                self.backend = "tf2_msgs"
+            except ImportError:
+                pass
+
+    def clear(self) -> None:
+        """Forget the buffer's dynamic transforms (the static ones stay) and count the clear."""
+        if self.buffer is not None:
+            self.buffer.clear()
+        self.clears += 1
+
+    def matrix(self, target: str, source: str, stamp_s: float | None = None) -> np.ndarray | None:
+        """``T_target_source`` [4, 4] (latest, or at ``stamp_s`` seconds), None when not in the buffer
+        (or there is none: not started, no tf2_ros). Never waits."""
+        if self.buffer is None:
+            return None
+        from rclpy.time import Time
+
+        try:
+            when = Time() if stamp_s is None else Time(nanoseconds=int(round(stamp_s * 1e9)))
+            return transform_to_matrix(self.buffer.lookup_transform(target, source, when))
+        except Exception:  # tf2 raises several lookup/extrapolation exception types
+            return None
+
+
 class TfOutput:
     """Publishes the node's TF according to ``tf_mode`` (see the module docstring).
 
     ``publish`` runs on the inference thread; ``settings`` may be replaced by another
-    thread at any time (it is read once per call)."""
+    thread at any time (it is read once per call). ``shared``: the node's ``SharedTf``
+    (several cameras); None = one of its own."""
 
     def __init__(self, node, settings, warn: Callable[[str], Any], info: Callable[[str], Any] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, shared: SharedTf | None = None) -> None:
         self.settings = settings
         self.mode: str | None = None  # the resolved mode, once chosen
-        self.backend = "none"  # tf2_ros | tf2_msgs | none, once started
+        self.shared = shared if shared is not None else SharedTf(node)
         self._node = node
         self._warn = warn
         self._info = info if info is not None else node.get_logger().info
         self._clock = clock
         self._throttle = Throttle(WARN_PERIOD_S, clock)
         self._warned: set[str] = set()
-        self._started = False
-        self._send: Callable[[Any], Any] | None = None
-        self._buffer = None
-        self._listener = None
         self._auto_since: float | None = None
         self._parents: dict[str, str] = {}
         self._parents_at = -float("inf")
+        self._parents_clears = 0  # shared.clears when the parents were read
         self._last_stamp_s: float | None = None
+        self._clears_seen = 0  # shared.clears at the previous frame
         if settings.publish_tf:
             self.start()
+
+    @property
+    def backend(self) -> str:
+        """tf2_ros | tf2_msgs | none (not started, or neither importable)."""
+        return self.shared.backend
+
+    @property
+    def _buffer(self):
+        return self.shared.buffer
+
+    @property
+    def _send(self) -> Callable[[Any], Any] | None:
+        return self.shared.send
 
     # -------------------------------------------------------------- public
     def publish(self, T_map_cam: np.ndarray, stamp: Any, camera_frame: str) -> bool:
@@ -250,42 +340,26 @@ class TfOutput:
         return True
 
     def clear(self) -> None:
-        """Forget the buffered transforms (e.g. after the clock jumped back); the mode stays."""
-        if self._buffer is not None:
-            self._buffer.clear()
+        """Forget the buffered transforms (e.g. after the clock jumped back); the mode stays. With a
+        shared buffer every user's dynamic transforms go."""
+        self.shared.clear()
+        self._clears_seen = self.shared.clears
         self._parents, self._parents_at = {}, -float("inf")
 
     def start(self) -> None:
-        """Create the broadcaster and the listener (once; ``publish`` calls it). Call it from
-        the executor thread when ``publish_tf`` is switched on at run time, so that the
+        """Create the broadcaster and the listener (once per ``SharedTf``; ``publish`` calls it). Call
+        it from the executor thread when ``publish_tf`` is switched on at run time, so that the
         listener's subscriptions are not created on the inference thread."""
-        if self._started:
-            return
-        self._started = True
-        try:
-            import tf2_ros
-
-            self._broadcaster = tf2_ros.TransformBroadcaster(self._node)
-            self._send = self._broadcaster.sendTransform
-            self._buffer = tf2_ros.Buffer()
-            self._listener = tf2_ros.TransformListener(self._buffer, self._node)
-            self.backend = "tf2_ros"
-        except ImportError:
-            try:
-                from rclpy.qos import QoSProfile
-                from tf2_msgs.msg import TFMessage
-
-                pub = self._node.create_publisher(TFMessage, "/tf", QoSProfile(depth=100))
-                self._send = lambda transform: pub.publish(TFMessage(transforms=[transform]))
-                self.backend = "tf2_msgs"
-            except ImportError:
-                pass
+        self.shared.start()
 
     # -------------------------------------------------------------- steps
     def _check_time_jump(self, stamp: Any, threshold_s: float) -> None:
         stamp_s = stamp.sec + stamp.nanosec * 1e-9
         last, self._last_stamp_s = self._last_stamp_s, stamp_s
+        seen, self._clears_seen = self._clears_seen, self.shared.clears
         if last is not None and stamp_s < last - threshold_s and self._buffer is not None:
+            if self.shared.clears != seen:  # another camera cleared the shared buffer after our previous frame
+                return
             self.clear()
             self._info(f"TF: the image stamps went back {last - stamp_s:.1f} s (a bag played in a loop?): cleared "
                        "the TF buffer's dynamic transforms (static ones stay)")
@@ -366,9 +440,9 @@ class TfOutput:
         if self._buffer is None:
             return None
         now = self._clock()
-        if now - self._parents_at >= PARENT_CHECK_PERIOD_S:
+        if now - self._parents_at >= PARENT_CHECK_PERIOD_S or self._parents_clears != self.shared.clears:
             self._parents = parents_from_yaml(self._buffer.all_frames_as_yaml())
-            self._parents_at = now
+            self._parents_at, self._parents_clears = now, self.shared.clears
         return self._parents.get(frame)
 
     def _warn_once(self, key: str, message: str) -> None:
@@ -405,5 +479,5 @@ class TfOutput:
             raise LookupFailed(f"{type(exc).__name__}: {exc}") from None
 
 
-__all__ = ["TfOutput", "TfEdge", "MODES", "transform_to_matrix", "invert_rigid", "map_to_base", "map_to_odom",
+__all__ = ["TfOutput", "SharedTf", "TfEdge", "MODES", "transform_to_matrix", "invert_rigid", "map_to_base", "map_to_odom",
            "compose", "choose_mode", "edge_for", "camera_child_frame", "parents_from_yaml", "LookupFailed"]

@@ -211,6 +211,12 @@ class Client:
         rclpy.try_shutdown(context=self.context)
 
 
+def node_subscriptions(node, topic: str, name: str = "lingbot_map") -> int:
+    """How many subscriptions the node ``name`` (namespace /) has on ``topic``, as the graph sees them."""
+    return sum(1 for info in node.get_subscriptions_info_by_topic(topic)
+               if info.node_name == name and info.node_namespace == "/")
+
+
 def stamp_of(k: int) -> TimeMsg:
     return TimeMsg(sec=7000 + k, nanosec=500_000_000)
 
@@ -232,8 +238,8 @@ def graph(tmp_path_factory, fixtures):
                                         f"{(tmp / 'node.log').read_text()[-3000:]}"
             assert time.monotonic() < deadline, "the node did not subscribe to both cameras in time"
             time.sleep(0.1)
-        # the node's TF listeners (one per camera's TF output, one for the extrinsics) have the URDF
-        client.wait(lambda: client.urdf.pub_tf.get_subscription_count() >= 3, what="the node's /tf_static listeners")
+        # the node's TF listener (one for every camera's TF output and the extrinsics) has the URDF
+        client.wait(lambda: node_subscriptions(client.node, "/tf_static") >= 1, what="the node's /tf_static listener")
         # frames in pairs of equal stamps; each waits for its status, so front's first poses (after its two
         # scale frames) come before rear's: rear joins map at its first pose
         for k in range(FRAMES):
@@ -321,6 +327,19 @@ def test_diagnostics_tf_and_the_map_cover_both_cameras(graph):
     cloud = client.wait(lambda: (m := client.latest(f"{NODE}/map_points")) is not None and m.width > 0 and m,
                         what="~/map_points")
     assert cloud.header.frame_id == "map"
+
+
+def test_one_tf_listener_serves_every_camera(graph):
+    """Every camera's TF output and the alignment's extrinsic look-ups share one tf2 buffer: the
+    node parses /tf and /tf_static once (it was once per camera plus once for the alignment)."""
+    client, proc, _, _ = graph
+    client.wait(lambda: any(t.child_frame_id == "rear_optical_lingbot" for m in client.msgs["/tf"]
+                            for t in m.transforms), what="TF from the rear camera")  # both cameras publish TF
+    assert node_subscriptions(client.node, "/tf") == 1
+    assert node_subscriptions(client.node, "/tf_static") == 1
+    assert sum(1 for info in client.node.get_publishers_info_by_topic("/tf")
+               if info.node_name == "lingbot_map") == 1  # one broadcaster
+    assert proc.poll() is None
 
 
 def test_single_camera_names_are_absent(graph):
