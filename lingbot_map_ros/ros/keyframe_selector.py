@@ -2,11 +2,17 @@
 
     ros2 run lingbot_map_ros keyframe_selector --ros-args -p target_node:=/lingbot_map
     # the mapping node with the decision hold:  -p keyframe_decision_timeout:=0.5
+    # one camera of a multi-camera node (cameras [front, rear]; its hold:
+    # -p camera.front.keyframe_decision_timeout:=0.5):
+    ros2 run lingbot_map_ros keyframe_selector --ros-args -p target_node:=/lingbot_map/front
 
 For each frame that the node holds for a decision (``decision_pending``) announced on
 ``<target_node>/frame`` (lingbot_map_ros/FrameInfo) it decides keep or drop and calls
 ``<target_node>/commit_eviction`` (keep) or ``<target_node>/rollback_last_frame`` (drop) with
-``expected_frame_index`` = the frame's index. Frames the node stores without a hold (the scale
+``expected_frame_index`` = the frame's index. ``target_node`` is the mapping node's fully
+qualified name, or ``<node>/<camera>`` for one camera of a multi-camera node (its names
+``~/<camera>/frame``, ``~/<camera>/commit_eviction``, ``~/<camera>/rollback_last_frame``;
+one selector per camera). Frames the node stores without a hold (the scale
 frames at the start, a new window's re-fed frames) only become the reference of the next
 decisions; ``decide_unheld`` decides them too, for a node without the hold. Rules, in order
 (``KeyframePolicy``; translation in map units, rotation in degrees, both measured by the node
@@ -120,7 +126,8 @@ def _desc(text: str, lo: float | None = None, hi: float | None = None) -> Parame
 
 
 PARAMS = {
-    "target_node": ("/lingbot_map", _desc("Fully qualified name of the mapping node")),
+    "target_node": ("/lingbot_map", _desc("Fully qualified name of the mapping node, or <node>/<camera> for one "
+                                          "camera of a multi-camera node (e.g. /lingbot_map/front)")),
     "min_translation": (0.10, _desc("Keep a frame this far from the last keyframe (map units)", 0.0, 1e6)),
     "min_rotation_deg": (10.0, _desc("Keep a frame turned this much from the last keyframe (degrees)", 0.0, 180.0)),
     "min_valid_fraction": (0.3, _desc("Drop a frame with fewer confident pixels than this (0..1; 0 = off)",
@@ -154,7 +161,8 @@ class KeyframeSelector(Node):
         try:
             validate_full_topic_name(f"{target}/frame")
         except InvalidTopicNameException as exc:
-            raise ValueError(f"target_node must be a fully qualified node name such as /lingbot_map, got "
+            raise ValueError(f"target_node must be a fully qualified node name such as /lingbot_map (or "
+                             f"/lingbot_map/front for camera front of a multi-camera node), got "
                              f"{p['target_node']!r} ({str(exc).splitlines()[0].rstrip(':')})") from None
         self.policy = KeyframePolicy(Thresholds(p["min_translation"], p["min_rotation_deg"],
                                                 p["min_valid_fraction"], p["confidence_drop"]))

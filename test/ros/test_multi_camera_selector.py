@@ -1,0 +1,245 @@
+"""The keyframe selector serving one camera of a two-camera node, in a real ROS 2 graph (DDS on
+loopback, a private ROS_DOMAIN_ID).
+
+One node process (tiny fixture weights, CPU) serves ``cameras: [front, rear]``; only ``front``
+holds its stored frames for a decision (``camera.front.keyframe_decision_timeout``). A
+``keyframe_selector`` process with ``target_node:=/lingbot_map/front`` reads
+``/lingbot_map/front/frame`` and calls ``/lingbot_map/front/commit_eviction`` /
+``rollback_last_frame``. Its policy is steered through the node's ``conf_threshold`` (the
+frames' valid fraction): 0 makes every pixel confident (valid fraction 1: the selector keeps),
+1000 none (valid fraction 0: the selector drops, ``min_valid_fraction`` 0.5). Checked: front's
+decisions are the selector's (exact kept/dropped counts in ~/front/status, none timed out or
+refused, a drop's frame index comes again), rear streams without a hold or a decision, and the
+selector never calls rear's services.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
+
+from builtin_interfaces.msg import Time as TimeMsg  # noqa: E402
+from rcl_interfaces.msg import Parameter as ParameterMsg, ParameterType, ParameterValue  # noqa: E402
+from rcl_interfaces.srv import SetParameters  # noqa: E402
+from rclpy.executors import MultiThreadedExecutor  # noqa: E402
+from rclpy.qos import QoSProfile  # noqa: E402
+from sensor_msgs.msg import Image  # noqa: E402
+from std_msgs.msg import Header  # noqa: E402
+
+from lingbot_map_ros.msg import FrameInfo, Status  # noqa: E402
+from lingbot_map_ros.ros.conversions import rgb_to_image_msg  # noqa: E402
+from lingbot_map_ros.ros.params import write_params_file  # noqa: E402
+
+pytestmark = [pytest.mark.ros, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+SHARED = REPO.parent / "shared"
+DOMAIN_ID = 231 + os.getpid() % 2  # 231..232: no other graph module's range (Fast DDS: at most 232)
+NODE = "/lingbot_map"
+CAMERAS = ("front", "rear")
+START_TIMEOUT = 90.0
+STEP_TIMEOUT = 30.0
+DECISION_TIMEOUT = 10.0  # front's hold: far longer than the selector needs (a timeout would fail the test)
+KEPT, DROPPED = 3, 2  # front's held frames the selector keeps, then drops
+NODE_PARAMS = {"num_scale_frames": 2, "sliding_window": 3, "keyframe_interval": 1, "camera_iterations": 4,
+               "device": "cpu", "image_width": 98, "input_timeout": 30.0, "conf_threshold": 0.0,
+               "service_timeout": 20.0, "publish_depth": False, "publish_points": False, "publish_map": False,
+               "publish_tf": False, "cameras": list(CAMERAS), "camera.rear.camera_frame": "rear_optical",
+               "camera.front.keyframe_decision_timeout": DECISION_TIMEOUT}
+SELECTOR_PARAMS = {"target_node": f"{NODE}/front", "min_translation": 0.0, "min_valid_fraction": 0.5,
+                   "confidence_drop": 0.0, "service_timeout": DECISION_TIMEOUT, "summary_period": 0.0}
+
+
+def real_frames(first: int, n: int) -> list[np.ndarray]:
+    from PIL import Image as PILImage
+
+    folder = SHARED / "data" / "loop"
+    if not folder.is_dir():
+        pytest.skip(f"real frames not found at {folder}")
+    return [np.asarray(PILImage.open(p).convert("RGB")) for p in sorted(folder.glob("*.jpg"))[first:first + n]]
+
+
+def ros_env() -> dict[str, str]:
+    return dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(DOMAIN_ID),
+                PYTHONUNBUFFERED="1")
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", *args], env=ros_env(), cwd=REPO, stdout=out,
+                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+
+
+def stop(proc: subprocess.Popen) -> int:
+    """SIGINT (Ctrl-C), then kill after 10 s; the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    return proc.returncode
+
+
+class Client:
+    """The test's side: image publishers, recorders of each camera's status and frame info."""
+
+    def __init__(self) -> None:
+        self.context = rclpy.Context()
+        rclpy.init(context=self.context, domain_id=DOMAIN_ID)
+        self.node = rclpy.create_node("multi_camera_selector_test", context=self.context)
+        self._cond = threading.Condition()
+        self.msgs: dict[str, list] = {}
+        for c in CAMERAS:
+            for topic, kind in ((f"{NODE}/{c}/status", Status), (f"{NODE}/{c}/frame", FrameInfo)):
+                self.msgs[topic] = []
+                self.node.create_subscription(kind, topic, self._recorder(topic), QoSProfile(depth=200))
+        self.images = {c: self.node.create_publisher(Image, f"/{c}/image", QoSProfile(depth=10)) for c in CAMERAS}
+        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
+        self.executor.add_node(self.node)
+        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
+        self._thread.start()
+
+    def _recorder(self, topic: str):
+        def store(msg) -> None:
+            with self._cond:
+                self.msgs[topic].append(msg)
+                self._cond.notify_all()
+        return store
+
+    def wait(self, predicate, timeout: float = STEP_TIMEOUT, what: str = "condition"):
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while True:
+                value = predicate()
+                if value:
+                    return value
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+                self._cond.wait(min(remaining, 0.05))
+
+    def status(self, camera: str) -> Status:
+        with self._cond:
+            return self.msgs[f"{NODE}/{camera}/status"][-1]
+
+    def send(self, camera: str, rgb: np.ndarray, stamp: TimeMsg) -> Status:
+        """Publish a frame to ``camera`` and wait for the node's status about it (a frame behind a
+        held one waits for that one's decision)."""
+        self.images[camera].publish(rgb_to_image_msg(rgb, Header(stamp=stamp, frame_id=f"{camera}_optical"), "rgb8"))
+        topic = f"{NODE}/{camera}/status"
+        return self.wait(lambda: next((s for s in self.msgs[topic] if s.header.stamp == stamp
+                                       and not s.state_text.startswith("ready")), None),
+                         what=f"a status of {camera} for stamp {stamp.sec}")
+
+    def set_param(self, name: str, value: float) -> None:
+        client = self.node.create_client(SetParameters, f"{NODE}/set_parameters")
+        try:
+            assert client.wait_for_service(timeout_sec=STEP_TIMEOUT), "the node's set_parameters is not there"
+            request = SetParameters.Request(parameters=[ParameterMsg(name=name, value=ParameterValue(
+                type=ParameterType.PARAMETER_DOUBLE, double_value=float(value)))])
+            future = client.call_async(request)
+            deadline = time.monotonic() + STEP_TIMEOUT
+            while time.monotonic() < deadline and not future.done():
+                time.sleep(0.01)
+            assert future.done() and future.result().results[0].successful, f"cannot set {name}"
+        finally:
+            self.node.destroy_client(client)
+
+    def close(self) -> None:
+        self.executor.shutdown(timeout_sec=2.0)
+        self.node.destroy_node()
+        rclpy.try_shutdown(context=self.context)
+
+
+def stamp_of(k: int) -> TimeMsg:
+    return TimeMsg(sec=8000 + k, nanosec=250_000_000)
+
+
+@pytest.fixture(scope="module")
+def graph(tmp_path_factory, fixtures):
+    tmp = tmp_path_factory.mktemp("multi_camera_selector")
+    frames = {"front": real_frames(0, 2 + KEPT + DROPPED), "rear": real_frames(60, 2 + KEPT + DROPPED)}
+    params = {**NODE_PARAMS, "checkpoint": str(fixtures / "weights.safetensors"),
+              "model_config": str(fixtures / "config.json"), "output_directory": str(tmp / "out")}
+    node = start(["lingbot_map_ros.ros.node", "--ros-args", "--params-file",
+                  str(write_params_file(tmp / "multi.yaml", params)), "-r", "__node:=lingbot_map"], tmp / "node.log")
+    selector_args = [a for name, value in SELECTOR_PARAMS.items() for a in ("-p", f"{name}:={value}")]
+    selector = start(["lingbot_map_ros.ros.keyframe_selector", "--ros-args", *selector_args,
+                      "--log-level", "keyframe_selector:=debug"], tmp / "selector.log")
+    client = Client()
+    try:
+        deadline = time.monotonic() + START_TIMEOUT
+        while not all(p.get_subscription_count() >= 1 for p in client.images.values()):
+            for proc, log in ((node, "node.log"), (selector, "selector.log")):
+                assert proc.poll() is None, f"{log}: exited with {proc.returncode}:\n{(tmp / log).read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "the node did not subscribe to both cameras in time"
+            time.sleep(0.1)
+        # the selector in the graph: subscribed to front's frame info, a client of front's services
+        client.wait(lambda: client.node.count_subscribers(f"{NODE}/front/frame") >= 2
+                    and client.node.count_clients(f"{NODE}/front/commit_eviction") >= 1
+                    and client.node.count_clients(f"{NODE}/front/rollback_last_frame") >= 1,
+                    timeout=START_TIMEOUT, what="the selector on front's frame topic and services")
+        yield client, node, selector, frames, tmp
+    finally:
+        client.close()
+        stop(selector)
+        stop(node)
+
+
+# ------------------------------------------------------------------ tests
+def test_the_selector_decides_for_front_and_rear_streams_without_holds(graph):
+    client, node, selector, frames, tmp = graph
+    assert client.node.count_clients(f"{NODE}/rear/commit_eviction") == 0
+    assert client.node.count_clients(f"{NODE}/rear/rollback_last_frame") == 0
+    k = 0
+    for i in range(2 + KEPT):  # conf_threshold 0: valid fraction 1, every held frame kept
+        client.send("front", frames["front"][i], stamp_of(k))
+        client.send("rear", frames["rear"][i], stamp_of(k))
+        k += 1
+    client.wait(lambda: client.status("front").decisions_kept == KEPT, what=f"front: {KEPT} decisions kept")
+    client.set_param("conf_threshold", 1000.0)  # valid fraction 0: every held frame dropped
+    for i in range(2 + KEPT, 2 + KEPT + DROPPED):
+        client.send("front", frames["front"][i], stamp_of(k))
+        client.send("rear", frames["rear"][i], stamp_of(k))
+        k += 1
+    client.wait(lambda: client.status("front").decisions_dropped == DROPPED,
+                what=f"front: {DROPPED} decisions dropped")
+
+    front = client.status("front")
+    assert (front.decisions_kept, front.decisions_dropped) == (KEPT, DROPPED)
+    assert (front.decisions_timed_out, front.decisions_refused) == (0, 0)
+    assert not front.decision_pending
+    infos = client.msgs[f"{NODE}/front/frame"]
+    held = [m for m in infos if m.decision_pending]
+    # frames 1 and 2 (the scale frames) are stored without a hold; 3, 4, 5 kept; 6 dropped twice
+    assert [int(m.frame_index) for m in held] == [3, 4, 5, 6, 6], [int(m.frame_index) for m in infos]
+    assert all(m.valid_fraction > 0.5 for m in held[:KEPT]) and all(m.valid_fraction < 0.5 for m in held[KEPT:])
+    assert front.frame_index == 5 and front.frames_processed == 2 + KEPT + DROPPED  # both drops rolled back
+
+    rear_statuses = [s for s in client.msgs[f"{NODE}/rear/status"] if s.frames_processed > 0]
+    assert rear_statuses and not any(s.decision_pending for s in rear_statuses)
+    rear = client.status("rear")
+    assert (rear.decisions_kept, rear.decisions_dropped, rear.decisions_timed_out, rear.decisions_refused) == (0,) * 4
+    assert rear.frame_index == rear.frames_processed == 2 + KEPT + DROPPED
+    assert client.msgs[f"{NODE}/rear/frame"] and not any(m.decision_pending for m in client.msgs[f"{NODE}/rear/frame"])
+
+    assert stop(selector) == 0
+    log = (tmp / "selector.log").read_text()
+    assert f"deciding keyframes of {NODE}/front (the frames it holds)" in log
+    for index in (3, 4, 5):
+        assert f"frame {index}: keep done" in log, log[-3000:]
+    assert log.count("frame 6: drop done") == DROPPED, log[-3000:]
+    assert f"final summary: kept {KEPT}, dropped {DROPPED}, refused 0, unanswered 0, unavailable 0" in log
+    assert "ERROR" not in log and "Traceback" not in log
+    assert node.poll() is None
