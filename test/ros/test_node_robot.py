@@ -9,10 +9,7 @@ status 0 and no ERROR line.
 """
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -25,22 +22,19 @@ rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/b
 from builtin_interfaces.msg import Time  # noqa: E402
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus  # noqa: E402
 from geometry_msgs.msg import PoseStamped  # noqa: E402
-from rcl_interfaces.msg import Parameter as ParameterMsg, ParameterType, ParameterValue  # noqa: E402
-from rcl_interfaces.srv import DescribeParameters, GetParameters, ListParameters, SetParameters  # noqa: E402
-from rclpy.executors import MultiThreadedExecutor, SingleThreadedExecutor  # noqa: E402
-from rclpy.parameter import Parameter  # noqa: E402
+from rcl_interfaces.srv import DescribeParameters, GetParameters, ListParameters  # noqa: E402
 from rclpy.qos import QoSProfile  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
-from std_msgs.msg import Header  # noqa: E402
 from std_srvs.srv import Trigger  # noqa: E402
 
+from graph_helpers import (GraphClient, InProcessNode, fixture_params, generated_frames, image_msg,  # noqa: E402
+                           private_domain_id, start_node, stop_processes, write_node_params)
 from lingbot_map_ros.msg import Status  # noqa: E402
 from lingbot_map_ros.srv import CommitEviction, SaveMap  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
-DOMAIN_ID = 101 + (os.getpid() * 11 + 5) % 100  # 101..200: apart from the other graph modules
-os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+DOMAIN_ID = private_domain_id(__name__, 101, 100, 11, 5)  # 101..200: apart from the other graph modules
 NODE = "/robot_node"
 TIMEOUT = 30.0
 PARAMS = {"image_width": 98, "num_scale_frames": 2, "sliding_window": 3, "device": "cpu",
@@ -49,137 +43,35 @@ PARAMS = {"image_width": 98, "num_scale_frames": 2, "sliding_window": 3, "device
           "input_timeout": 1.5, "path_publish_rate": 10.0, "map_publish_rate": 5.0}
 
 
-def frames(n: int, seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    big = np.kron(rng.integers(0, 256, (40, 120, 3)).astype(np.float32), np.ones((8, 8, 1)))
-    return [big[10 + i: 304 + i, 20 + 7 * i: 538 + 7 * i].astype(np.uint8) for i in range(n)]
-
-
-def image_msg(rgb: np.ndarray, sec: int, nanosec: int = 0) -> Image:
-    from lingbot_map_ros.ros.conversions import rgb_to_image_msg
-
-    return rgb_to_image_msg(rgb, Header(stamp=Time(sec=sec, nanosec=nanosec), frame_id="cam_optical"))
-
-
-class InProcessNode:
-    """LingBotMapNode in its own context, spun like ``node.main``: one executor thread for the
-    node, a multi-threaded executor for its services."""
-
-    def __init__(self, params: dict) -> None:
-        from lingbot_map_ros.ros.node import SERVICE_THREADS, LingBotMapNode
-
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context, domain_id=DOMAIN_ID)
-        overrides = [Parameter(k, value=v) for k, v in params.items()]
-        self.node = LingBotMapNode(NODE.lstrip("/"), context=self.context, parameter_overrides=overrides)
-        self.executor = SingleThreadedExecutor(context=self.context)
-        self.executor.add_node(self.node)
-        self.services = MultiThreadedExecutor(num_threads=SERVICE_THREADS, context=self.context)
-        self.services.add_node(self.node.service_node)
-        self.threads = [threading.Thread(target=ex.spin, daemon=True) for ex in (self.executor, self.services)]
-        for t in self.threads:
-            t.start()
-
-    def close(self) -> None:
-        self.node.shutdown()
-        self.services.shutdown(timeout_sec=2.0)
-        self.executor.shutdown(timeout_sec=2.0)
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
-
-
-class Client:
+class Client(GraphClient):
     """Test node: publishes images, records ~/status, ~/pose and /diagnostics, calls services."""
 
     def __init__(self) -> None:
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context, domain_id=DOMAIN_ID)
-        self.node = rclpy.create_node("robot_test_client", context=self.context)
-        self.cond = threading.Condition()
-        self.msgs = {"status": [], "pose": [], "diagnostics": []}
-        qos = QoSProfile(depth=200)
-        self.node.create_subscription(Status, f"{NODE}/status", self._store("status"), qos)
-        self.node.create_subscription(PoseStamped, f"{NODE}/pose", self._store("pose"), qos)
-        self.node.create_subscription(DiagnosticArray, "/diagnostics", self._store("diagnostics"), qos)
+        super().__init__("robot_test_client", DOMAIN_ID, TIMEOUT)
+        self.record(Status, f"{NODE}/status", "status")
+        self.record(PoseStamped, f"{NODE}/pose", "pose")
+        self.record(DiagnosticArray, "/diagnostics", "diagnostics")
         self.pub = self.node.create_publisher(Image, "image", QoSProfile(depth=10))
-        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
-        self.executor.add_node(self.node)
-        threading.Thread(target=self.executor.spin, daemon=True).start()
-
-    def _store(self, key: str):
-        def store(msg) -> None:
-            with self.cond:
-                self.msgs[key].append(msg)
-                self.cond.notify_all()
-        return store
-
-    def wait(self, predicate, timeout: float = TIMEOUT, what: str = "a condition"):
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                value = predicate()
-                if value:
-                    return value
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-                self.cond.wait(0.1)
 
     def send(self, rgb: np.ndarray, sec: int, nanosec: int = 0) -> Status:
         """Publish a frame and wait for the node's status about it."""
-        with self.cond:
-            seen = len(self.msgs["status"])
-        self.pub.publish(image_msg(rgb, sec, nanosec))
+        seen = self.count("status")
+        self.pub.publish(image_msg(rgb, Time(sec=sec, nanosec=nanosec)))
         return self.wait(lambda: next((s for s in self.msgs["status"][seen:] if s.header.stamp.sec == sec
                                        and s.header.stamp.nanosec == nanosec), None), what=f"status of {sec}")
-
-    def call_async(self, srv_type, name: str, request):
-        client = self.node.create_client(srv_type, name)
-        assert client.wait_for_service(timeout_sec=TIMEOUT), f"service {name} not available"
-        return client.call_async(request)
-
-    def call(self, srv_type, name: str, request, timeout: float = TIMEOUT):
-        future = self.call_async(srv_type, name, request)
-        deadline = time.monotonic() + timeout
-        while not future.done() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert future.done(), f"{name} did not answer within {timeout} s"
-        return future.result()
-
-    def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
 
 
 @pytest.fixture(scope="module")
 def robot(fixtures, tmp_path_factory):
     out = tmp_path_factory.mktemp("robot_out")
-    params = {**PARAMS, "checkpoint": str(fixtures / "weights.safetensors"),
-              "model_config": str(fixtures / "config.json"), "output_directory": str(out),
-              "use_sim_time": True}
-    node = InProcessNode(params)
-    node.node.get_logger()  # the node is up once constructed (weights loaded)
+    params = {**fixture_params(fixtures, PARAMS), "output_directory": str(out), "use_sim_time": True}
+    node = InProcessNode(NODE.lstrip("/"), params, DOMAIN_ID).start()  # up once constructed (weights loaded)
     client = Client()
     try:
         yield node, client, out
     finally:
         client.close()
         node.close()
-
-
-def _value(v) -> ParameterValue:
-    if isinstance(v, bool):
-        return ParameterValue(type=ParameterType.PARAMETER_BOOL, bool_value=v)
-    if isinstance(v, int):
-        return ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=v)
-    if isinstance(v, float):
-        return ParameterValue(type=ParameterType.PARAMETER_DOUBLE, double_value=v)
-    return ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=v)
-
-
-def set_param(client: Client, name: str, value):
-    request = SetParameters.Request(parameters=[ParameterMsg(name=name, value=_value(value))])
-    return client.call(SetParameters, f"{NODE}/set_parameters", request).results[0]
 
 
 # ------------------------------------------------------------------ parameters
@@ -200,29 +92,28 @@ def test_parameter_services_list_get_describe_and_validate_sets(robot):
     assert {"conf_threshold", "point_stride", "deferred_eviction_timeout", "keyframe_decision_timeout",
             "publish_tf", "map_publish_rate"} <= DYNAMIC_PARAMETERS
 
-    ok = set_param(client, "conf_threshold", 2.0)
+    ok = client.set_parameter(NODE, "conf_threshold", 2.0)
     assert ok.successful, ok.reason
     assert node.node.settings.conf_threshold == 2.0 and node.node.engine.settings.conf_threshold == 2.0
-    refused = set_param(client, "device", "cuda")
+    refused = client.set_parameter(NODE, "device", "cuda")
     assert not refused.successful and "read-only" in refused.reason
-    refused = set_param(client, "point_stride", 0)
+    refused = client.set_parameter(NODE, "point_stride", 0)
     assert not refused.successful and refused.reason
-    refused = set_param(client, "keyframe_decision_default", "maybe")
+    refused = client.set_parameter(NODE, "keyframe_decision_default", "maybe")
     assert not refused.successful and "keep" in refused.reason and "drop" in refused.reason
     assert node.node.settings.keyframe_decision_default == "keep"  # unchanged
-    ok = set_param(client, "map_publish_rate", 0.0)
+    ok = client.set_parameter(NODE, "map_publish_rate", 0.0)
     assert ok.successful and "map" not in node.node._rate_timers
-    ok = set_param(client, "map_publish_rate", 2.0)
+    ok = client.set_parameter(NODE, "map_publish_rate", 2.0)
     assert ok.successful and "map" in node.node._rate_timers
-    assert set_param(client, "conf_threshold", 0.0).successful
+    assert client.set_parameter(NODE, "conf_threshold", 0.0).successful
 
 
 # ------------------------------------------------------------------ clock
 def test_without_clock_diagnostics_and_heartbeat_go_on_and_say_no_clock(robot):
     """use_sim_time with no /clock: the timers run on the steady clock and say why time stands still."""
     _, client, _ = robot
-    with client.cond:
-        start = len(client.msgs["diagnostics"])
+    start = client.count("diagnostics")
 
     def clock_warning():
         for arr in client.msgs["diagnostics"][start:]:
@@ -243,7 +134,7 @@ def test_deferred_eviction_without_a_commit_never_stops_tracking(robot):
     the cache filled was dropped as an error for good; now the pending eviction is committed
     after deferred_eviction_timeout (1 s) and tracking goes on."""
     _, client, _ = robot
-    imgs = frames(14)
+    imgs = generated_frames(14)
     last = None
     for i, rgb in enumerate(imgs):
         last = client.send(rgb, 2000 + i)
@@ -258,7 +149,7 @@ def test_deferred_eviction_without_a_commit_never_stops_tracking(robot):
 # ------------------------------------------------------------------ stamps
 def test_repeated_backwards_and_jumping_stamps(robot):
     _, client, _ = robot
-    imgs = frames(6, seed=1)
+    imgs = generated_frames(6, seed=1)
     first = client.send(imgs[0], 3000)
     repeated = client.send(imgs[1], 3000)
     assert "same stamp" in repeated.state_text
@@ -287,14 +178,13 @@ def test_a_save_that_blocks_holds_up_neither_frames_nor_diagnostics_nor_other_se
         return real(*args, **kwargs)
 
     monkeypatch.setattr(node_module, "write_map_files", stalled_disk)
-    imgs = frames(8, seed=2)
+    imgs = generated_frames(8, seed=2)
     for i in range(3):
         client.send(imgs[i], 4000 + i)
     save = client.call_async(SaveMap, f"{NODE}/save_map", SaveMap.Request(directory=str(out / "stalled")))
     assert entered.wait(TIMEOUT), "the save never reached its file writing"
     try:
-        with client.cond:
-            diag_before = len(client.msgs["diagnostics"])
+        diag_before = client.count("diagnostics")
         for i in range(3, 7):
             status = client.send(imgs[i], 4000 + i)
             assert status.state == Status.STATE_TRACKING, status.state_text
@@ -318,19 +208,12 @@ def test_reset_then_trigger_services_still_answer(robot):
 
 
 # ------------------------------------------------------------------ shutdown
-def _node_process(fixtures: Path, tmp: Path, name: str) -> tuple[subprocess.Popen, Path]:
-    from lingbot_map_ros.ros.params import write_params_file
-
-    params = write_params_file(tmp / f"{name}.yaml", {
-        **PARAMS, "checkpoint": str(fixtures / "weights.safetensors"), "model_config": str(fixtures / "config.json"),
-        "deferred_eviction": False, "output_directory": str(tmp)})
+def _node_process(fixtures: Path, tmp: Path, name: str):
+    """A node process ``name`` (deferral off) reading ``/<name>/image``; (process, its log)."""
+    params = write_node_params(tmp / f"{name}.yaml", fixtures, {**PARAMS, "deferred_eviction": False,
+                                                                 "output_directory": str(tmp)})
     log = tmp / f"{name}.log"
-    env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(DOMAIN_ID))
-    cmd = [sys.executable, "-m", "lingbot_map_ros.ros.node", "--ros-args", "--params-file", str(params),
-           "-r", f"__node:={name}", "-r", f"image:=/{name}/image"]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-    return proc, log
+    return start_node(name, params, log, DOMAIN_ID, {"image": f"/{name}/image"}), log
 
 
 def test_sigint_and_sigterm_mid_stream_exit_cleanly(robot, fixtures, tmp_path):
@@ -345,7 +228,7 @@ def test_sigint_and_sigterm_mid_stream_exit_cleanly(robot, fixtures, tmp_path):
         client.node.create_subscription(PoseStamped, f"/stop_{sig.name.lower()}/pose",
                                         lambda m, sig=sig: poses[sig].append(m), QoSProfile(depth=50))
     try:
-        imgs = frames(40, seed=3)
+        imgs = generated_frames(40, seed=3)
         deadline = time.monotonic() + 90.0
         i = 0
         while not all(len(p) >= 3 for p in poses.values()):  # streaming: poses come out of both
@@ -366,7 +249,4 @@ def test_sigint_and_sigterm_mid_stream_exit_cleanly(robot, fixtures, tmp_path):
             assert code == 0, f"{sig.name}: exit {code}\n{text[-3000:]}"
             assert "[ERROR]" not in text and "Traceback" not in text, f"{sig.name}:\n{text[-3000:]}"
     finally:
-        for proc, _ in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
+        stop_processes(*(proc for proc, _ in procs.values()))
