@@ -9,35 +9,27 @@ mid-run (the timeout's default decision applies and tracking goes on).
 """
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
 
-from builtin_interfaces.msg import Time  # noqa: E402
 from geometry_msgs.msg import PoseStamped  # noqa: E402
-from rcl_interfaces.msg import Parameter as ParameterMsg, ParameterType, ParameterValue  # noqa: E402
-from rcl_interfaces.srv import SetParameters  # noqa: E402
-from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 from rclpy.qos import QoSProfile  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
-from std_msgs.msg import Header  # noqa: E402
 from std_srvs.srv import Trigger  # noqa: E402
 
+from graph_helpers import (GraphClient, generated_frames, image_msg, private_domain_id, replay_session,  # noqa: E402
+                           start_node, start_ros_process, stop_processes, write_node_params)
 from lingbot_map_ros.msg import FrameInfo, Status  # noqa: E402
 from lingbot_map_ros.srv import CommitEviction, RollbackFrame  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
-DOMAIN_ID = 201 + (os.getpid() * 13 + 3) % 30  # 201..230
+DOMAIN_ID = private_domain_id(__name__, 201, 30, 13, 3)  # 201..230
 NODE = "/kf_node"
 TIMEOUT = 30.0
 WIDTH = 98
@@ -47,72 +39,19 @@ PARAMS = {"image_width": WIDTH, "num_scale_frames": 2, "sliding_window": 3, "dev
           "publish_depth": False, "accumulate_map": False}
 
 
-def frames(n: int, seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    big = np.kron(rng.integers(0, 256, (40, 120, 3)).astype(np.float32), np.ones((8, 8, 1)))
-    return [big[10 + i: 304 + i, 20 + 7 * i: 538 + 7 * i].astype(np.uint8) for i in range(n)]
+class Client(GraphClient):
+    """Test node: publishes images on the node's ~/image, records ~/frame, ~/pose and ~/status,
+    answers the keyframe decisions."""
 
-
-def image_msg(rgb: np.ndarray, sec: int) -> Image:
-    from lingbot_map_ros.ros.conversions import rgb_to_image_msg
-
-    return rgb_to_image_msg(rgb, Header(stamp=Time(sec=sec), frame_id="cam_optical"))
-
-
-class Client:
     def __init__(self) -> None:
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context, domain_id=DOMAIN_ID)
-        self.node = rclpy.create_node("kf_test_client", context=self.context)
-        self.cond = threading.Condition()
-        self.msgs = {"frame": [], "pose": [], "status": []}
-        qos = QoSProfile(depth=500)
-        self.node.create_subscription(FrameInfo, f"{NODE}/frame", self._store("frame"), qos)
-        self.node.create_subscription(PoseStamped, f"{NODE}/pose", self._store("pose"), qos)
-        self.node.create_subscription(Status, f"{NODE}/status", self._store("status"), qos)
+        super().__init__("kf_test_client", DOMAIN_ID, TIMEOUT)
+        for msg_type, key in ((FrameInfo, "frame"), (PoseStamped, "pose"), (Status, "status")):
+            self.record(msg_type, f"{NODE}/{key}", key, depth=500)
         self.pub = self.node.create_publisher(Image, f"{NODE}/image", QoSProfile(depth=10))
-        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
-        self.executor.add_node(self.node)
-        threading.Thread(target=self.executor.spin, daemon=True).start()
-
-    def _store(self, key):
-        def store(msg) -> None:
-            with self.cond:
-                self.msgs[key].append(msg)
-                self.cond.notify_all()
-        return store
-
-    def wait(self, predicate, timeout: float = TIMEOUT, what: str = "a condition"):
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                value = predicate()
-                if value:
-                    return value
-                if time.monotonic() > deadline:
-                    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-                self.cond.wait(0.1)
-
-    def count(self, key: str) -> int:
-        with self.cond:
-            return len(self.msgs[key])
 
     def status_for(self, sec: int, after: int) -> Status:
         return self.wait(lambda: next((s for s in self.msgs["status"][after:] if s.header.stamp.sec == sec), None),
                          what=f"the status of frame stamped {sec}")
-
-    def call(self, srv_type, name: str, request, timeout: float = TIMEOUT):
-        client = self.node.create_client(srv_type, name)
-        try:
-            assert client.wait_for_service(timeout_sec=timeout), f"{name} not available"
-            future = client.call_async(request)
-            deadline = time.monotonic() + timeout
-            while not future.done() and time.monotonic() < deadline:
-                time.sleep(0.005)
-            assert future.done(), f"{name} did not answer"
-            return future.result()
-        finally:
-            self.node.destroy_client(client)
 
     def keep(self, index: int):
         return self.call(CommitEviction, f"{NODE}/commit_eviction", CommitEviction.Request(expected_frame_index=index))
@@ -122,33 +61,16 @@ class Client:
                          RollbackFrame.Request(expected_frame_index=index))
 
     def set_param(self, name: str, value: float):
-        v = ParameterValue(type=ParameterType.PARAMETER_DOUBLE, double_value=value)
-        req = SetParameters.Request(parameters=[ParameterMsg(name=name, value=v)])
-        result = self.call(SetParameters, f"{NODE}/set_parameters", req).results[0]
+        result = self.set_parameter(NODE, name, float(value))
         assert result.successful, result.reason
-
-    def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
-
-
-def _env() -> dict:
-    return dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(DOMAIN_ID))
 
 
 @pytest.fixture(scope="module")
 def loop(fixtures, tmp_path_factory):
-    from lingbot_map_ros.ros.params import write_params_file
-
     tmp = tmp_path_factory.mktemp("kf")
-    params = write_params_file(tmp / "kf.yaml", {**PARAMS, "checkpoint": str(fixtures / "weights.safetensors"),
-                                                 "model_config": str(fixtures / "config.json")})
     log = tmp / "node.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "lingbot_map_ros.ros.node", "--ros-args", "--params-file",
-                                 str(params), "-r", f"__node:={NODE.lstrip('/')}", "-r", f"image:={NODE}/image"],
-                                env=_env(), stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    proc = start_node(NODE.lstrip("/"), write_node_params(tmp / "kf.yaml", fixtures, PARAMS), log, DOMAIN_ID,
+                      {"image": f"{NODE}/image"})
     client = Client()
     try:
         client.wait(lambda: client.msgs["status"], timeout=90.0, what="the node's first status")
@@ -157,17 +79,12 @@ def loop(fixtures, tmp_path_factory):
         yield client, proc, log, fixtures
     finally:
         client.close()
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(proc)
 
 
 def test_hold_with_a_client_keeping_every_third_frame_equals_a_replay(loop):
     client, proc, log, fixtures = loop
-    imgs = frames(14)
+    imgs = generated_frames(14)
     decisions, refused = [], []
     for k, rgb in enumerate(imgs):
         sec = 100 + k
@@ -196,21 +113,10 @@ def test_hold_with_a_client_keeping_every_third_frame_equals_a_replay(loop):
     assert final.decisions_dropped == sum(d is False for d in decisions)
 
     # in-process replay with the same pattern
-    import json
-
-    from lingbot_map_ros.config import ModelConfig
-    from lingbot_map_ros.io.checkpoint import load_model
     from lingbot_map_ros.ros.conversions import optical_pose_to_map
     from lingbot_map_ros.ros.engine import model_input
-    from lingbot_map_ros.ros.params import resolve_settings
 
-    settings = resolve_settings({**PARAMS, "model_config": str(fixtures / "config.json")})
-    model = load_model(ModelConfig.from_dict(json.loads((fixtures / "config.json").read_text())),
-                       fixtures / "weights.safetensors")
-    from lingbot_map_ros.stream.long_stream import LongStreamSession
-    from lingbot_map_ros.stream.session import StreamingSession
-
-    session = LongStreamSession(StreamingSession(model, settings.stream), settings.long_stream)
+    session = replay_session(fixtures, PARAMS)
     expected = {}
     pending = []
     for k, rgb in enumerate(imgs + [imgs[0]]):
@@ -241,7 +147,7 @@ def test_hold_with_a_client_keeping_every_third_frame_equals_a_replay(loop):
 def test_bad_decisions_are_refused_and_change_nothing(loop):
     client, *_ = loop
     seen = client.count("frame")
-    client.pub.publish(image_msg(frames(3, seed=5)[0], 2000))
+    client.pub.publish(image_msg(generated_frames(3, seed=5)[0], 2000))
     info = client.wait(lambda: next((m for m in client.msgs["frame"][seen:] if m.header.stamp.sec == 2000), None),
                        what="~/frame of the held frame")
     assert info.decision_pending
@@ -256,7 +162,7 @@ def test_bad_decisions_are_refused_and_change_nothing(loop):
     # a client that never answers: the default (keep) applies after the timeout
     client.set_param("keyframe_decision_timeout", 0.5)
     after = client.count("status")
-    client.pub.publish(image_msg(frames(3, seed=5)[1], 2001))
+    client.pub.publish(image_msg(generated_frames(3, seed=5)[1], 2001))
     client.wait(lambda: any(s.decisions_timed_out >= 1 for s in client.msgs["status"][after:]), timeout=10.0,
                 what="the timeout's default decision")
     late = client.keep(n + 1)
@@ -265,13 +171,13 @@ def test_bad_decisions_are_refused_and_change_nothing(loop):
     seen = client.count("frame")
     client.set_param("keyframe_decision_timeout", 20.0)
     for sec in (2002, 2003, 2004):  # two scale frames of the new sequence, then a held frame
-        client.pub.publish(image_msg(frames(5, seed=6)[sec - 2002], sec))
+        client.pub.publish(image_msg(generated_frames(5, seed=6)[sec - 2002], sec))
         time.sleep(0.3)
     client.wait(lambda: any(m.decision_pending for m in client.msgs["frame"][seen:]), what="a held frame")
     reset = client.call(Trigger, f"{NODE}/reset", Trigger.Request())
     assert reset.success, reset.message
     after = client.count("status")
-    client.pub.publish(image_msg(frames(3, seed=7)[0], 3000))
+    client.pub.publish(image_msg(generated_frames(3, seed=7)[0], 3000))
     status = client.status_for(3000, after)
     assert not status.decision_pending and status.frames_received == 1
 
@@ -281,12 +187,10 @@ def test_the_shipped_selector_decides_and_its_death_leaves_the_node_tracking(loo
     client.set_param("keyframe_decision_timeout", 1.0)
     client.call(Trigger, f"{NODE}/reset", Trigger.Request())
     sel_log = tmp_path / "selector.log"
-    with open(sel_log, "w") as f:
-        selector = subprocess.Popen([sys.executable, "-m", "lingbot_map_ros.ros.keyframe_selector", "--ros-args",
-                                     "-p", f"target_node:={NODE}", "--log-level", "debug"], env=_env(), stdout=f,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+    selector = start_ros_process("lingbot_map_ros.ros.keyframe_selector",
+                                 ["-p", f"target_node:={NODE}", "--log-level", "debug"], sel_log, DOMAIN_ID)
     try:
-        imgs = frames(30, seed=8)
+        imgs = generated_frames(30, seed=8)
         deadline = time.monotonic() + 60.0
         decided = None
         k = 0
@@ -311,6 +215,4 @@ def test_the_shipped_selector_decides_and_its_death_leaves_the_node_tracking(loo
                     what="poses after the selector died")
         assert proc.poll() is None
     finally:
-        if selector.poll() is None:
-            selector.kill()
-            selector.wait(10)
+        stop_processes(selector)
