@@ -11,12 +11,6 @@ since the odometry is the scaled map itself).
 """
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -28,22 +22,21 @@ tf2_ros = pytest.importorskip("tf2_ros", reason="tf2_ros not importable: install
 
 from builtin_interfaces.msg import Time as TimeMsg  # noqa: E402
 from geometry_msgs.msg import PoseStamped  # noqa: E402
-from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 from rclpy.qos import QoSProfile  # noqa: E402
-from rclpy.time import Time  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import Header  # noqa: E402
 from tf2_msgs.msg import TFMessage  # noqa: E402
 
+from graph_helpers import (GraphClient, generated_frames, image_msg, private_domain_id, replay_session,  # noqa: E402
+                           start_node, stop_processes, write_node_params)
 from lingbot_map_ros.msg import Status  # noqa: E402
 from lingbot_map_ros.robot.scale import apply_scale  # noqa: E402
-from lingbot_map_ros.ros.conversions import rgb_to_image_msg, transform_stamped  # noqa: E402
-from lingbot_map_ros.ros.params import write_params_file  # noqa: E402
+from lingbot_map_ros.ros.conversions import transform_stamped  # noqa: E402
 from lingbot_map_ros.ros.tf_tools import invert_rigid, transform_to_matrix  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
-DOMAIN_ID = 1 + (os.getpid() * 7 + 13 + 85) % 100  # not the other graph modules' offsets
+DOMAIN_ID = private_domain_id(__name__, 1, 100, 7, 13 + 85)  # not the other graph modules' offsets
 NAME = "lm_scale"
 IMAGE_TOPIC = "/scale_test/image"
 START_TIMEOUT = 90.0
@@ -61,26 +54,12 @@ T_BASE_CAM = np.eye(4)
 T_BASE_CAM[:3, :3], T_BASE_CAM[:3, 3] = R_OPTICAL_IN_BASE, [0.2, 0.05, 0.5]
 
 
-def generated_frames(n: int, seed: int = 0) -> list[np.ndarray]:
-    rng = np.random.default_rng(seed)
-    big = np.kron(rng.integers(0, 256, (40, 120, 3)).astype(np.float32), np.ones((8, 8, 1)))
-    return [big[10 + i: 304 + i, 20 + 7 * i: 538 + 7 * i].astype(np.uint8) for i in range(n)]
-
-
 def replay_poses(fixtures: Path, images: list[np.ndarray]) -> list[np.ndarray]:
     """``T_map_cam`` [4, 4] (model units) of each image, as the node computes them."""
-    from lingbot_map_ros.config import ModelConfig
     from lingbot_map_ros.geometry import optical_pose_to_map
-    from lingbot_map_ros.io.checkpoint import load_model
     from lingbot_map_ros.ros.engine import model_input
-    from lingbot_map_ros.ros.params import resolve_settings
-    from lingbot_map_ros.stream.long_stream import LongStreamSession
-    from lingbot_map_ros.stream.session import StreamingSession
 
-    settings = resolve_settings({**PARAMS, "model_config": str(fixtures / "config.json")})
-    model = load_model(ModelConfig.from_dict(json.loads((fixtures / "config.json").read_text())),
-                       fixtures / "weights.safetensors")
-    session = LongStreamSession(StreamingSession(model, settings.stream), settings.long_stream)
+    session = replay_session(fixtures, PARAMS)
     out = []
     for rgb in images:
         out += [optical_pose_to_map(r.c2w) for r in session.push(model_input(rgb, WIDTH))]
@@ -97,60 +76,24 @@ def graph(tmp_path_factory, fixtures):
     images = generated_frames(FRAMES)
     model_poses = replay_poses(fixtures, images)
     assert len(model_poses) == FRAMES
-    params = write_params_file(tmp / "p.yaml", {**PARAMS, "checkpoint": str(fixtures / "weights.safetensors"),
-                                                "model_config": str(fixtures / "config.json"),
-                                                "output_directory": str(tmp / "out")})
+    params = write_node_params(tmp / "p.yaml", fixtures, {**PARAMS, "output_directory": str(tmp / "out")})
     log = tmp / "node.log"
-    env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(DOMAIN_ID),
-               PYTHONUNBUFFERED="1")
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "lingbot_map_ros.ros.node", "--ros-args", "--params-file",
-                                 str(params), "-r", f"__node:={NAME}", "-r", f"image:={IMAGE_TOPIC}"],
-                                env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
-    context = rclpy.Context()
-    rclpy.init(context=context, domain_id=DOMAIN_ID)
-    node = rclpy.create_node("scale_graph_robot", context=context)
-    got = {"pose": {}, "status": [], "tf": []}
-    cond = threading.Condition()
-
-    def keep(kind):
-        def store(msg):
-            with cond:
-                if kind == "pose":
-                    got["pose"][msg.header.stamp.sec] = msg
-                elif kind == "tf":
-                    got["tf"] += [t for t in msg.transforms if t.header.frame_id == "map_s"]
-                else:
-                    got[kind].append(msg)
-                cond.notify_all()
-        return store
-
-    node.create_subscription(PoseStamped, f"/{NAME}/pose", keep("pose"), QoSProfile(depth=50))
-    node.create_subscription(Status, f"/{NAME}/status", keep("status"), QoSProfile(depth=200))
-    node.create_subscription(TFMessage, "/tf", keep("tf"), QoSProfile(depth=100))
-    images_pub = node.create_publisher(Image, IMAGE_TOPIC, QoSProfile(depth=10))
-    dynamic = tf2_ros.TransformBroadcaster(node)
-    static = tf2_ros.StaticTransformBroadcaster(node)
-    executor = MultiThreadedExecutor(num_threads=2, context=context)
-    executor.add_node(node)
-    thread = threading.Thread(target=executor.spin, daemon=True)
-    thread.start()
-
-    def wait(predicate, what, timeout=STEP_TIMEOUT):
-        deadline = time.monotonic() + timeout
-        with cond:
-            while not predicate():
-                assert proc.poll() is None, f"the node ended early:\n{log.read_text()[-3000:]}"
-                remaining = deadline - time.monotonic()
-                assert remaining > 0, f"timed out after {timeout} s waiting for {what}:\n{log.read_text()[-2000:]}"
-                cond.wait(min(remaining, 0.1))
-
+    proc = start_node(NAME, params, log, DOMAIN_ID, {"image": IMAGE_TOPIC})
+    client = GraphClient("scale_graph_robot", DOMAIN_ID, STEP_TIMEOUT)
+    client.watch(proc, log)
+    got = client.msgs
+    client.record_by_sec(PoseStamped, f"/{NAME}/pose", "pose", depth=50)
+    client.record(Status, f"/{NAME}/status", "status", depth=200)
+    tf = got["tf"] = []
+    client.subscribe(TFMessage, "/tf", lambda msg: tf.extend(t for t in msg.transforms if t.header.frame_id == "map_s"),
+                     depth=100)
+    images_pub = client.node.create_publisher(Image, IMAGE_TOPIC, QoSProfile(depth=10))
+    dynamic = tf2_ros.TransformBroadcaster(client.node)
+    static = tf2_ros.StaticTransformBroadcaster(client.node)
     try:
         static.sendTransform(transform_stamped(T_BASE_CAM, Header(frame_id="base_s"), "cam_s"))
-        wait(lambda: images_pub.get_subscription_count() >= 1, "the node to subscribe", START_TIMEOUT)
-        wait(lambda: dynamic.pub_tf.get_subscription_count() >= 1, "the node's TF listener")
+        client.wait(lambda: images_pub.get_subscription_count() >= 1, "the node to subscribe", START_TIMEOUT)
+        client.wait(lambda: dynamic.pub_tf.get_subscription_count() >= 1, "the node's TF listener")
         time.sleep(0.5)  # the latched extrinsic reaches the node's listener
         for k, rgb in enumerate(images):
             T_odom_cam = apply_scale(model_poses[k], SCALE)
@@ -158,22 +101,14 @@ def graph(tmp_path_factory, fixtures):
             dynamic.sendTransform(transform_stamped(T_odom_base, Header(stamp=stamp_of(k), frame_id="odom_s"),
                                                     "base_s"))
             time.sleep(0.1)  # odometry runs ahead of the camera
-            images_pub.publish(rgb_to_image_msg(rgb, Header(stamp=stamp_of(k), frame_id="unused"), "rgb8"))
+            images_pub.publish(image_msg(rgb, stamp_of(k), "unused"))
             if k >= 1:  # the two scale frames come out together with the second image
-                wait(lambda: stamp_of(k).sec in got["pose"], f"the pose of frame {k}")
+                client.wait(lambda: stamp_of(k).sec in got["pose"], f"the pose of frame {k}")
         time.sleep(0.3)
         yield got, model_poses, log
     finally:
-        executor.shutdown()
-        node.destroy_node()
-        rclpy.shutdown(context=context)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        client.close()
+        stop_processes(proc)
 
 
 def _converged_from(got) -> int:
