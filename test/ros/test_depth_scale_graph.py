@@ -11,12 +11,6 @@ and publish ~/pose translations equal to the replay's times the status scale onc
 """
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
 from pathlib import Path
 
@@ -27,18 +21,20 @@ rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/b
 
 from builtin_interfaces.msg import Time as TimeMsg  # noqa: E402
 from geometry_msgs.msg import PoseStamped  # noqa: E402
-from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 from rclpy.qos import QoSProfile  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import Header  # noqa: E402
 
+from graph_helpers import (GraphClient, generated_frames, image_msg, private_domain_id, replay_session,  # noqa: E402
+                           start_node, stop_processes, write_node_params)
 from lingbot_map_ros.msg import Status  # noqa: E402
-from lingbot_map_ros.ros.conversions import depth_to_image_msg, rgb_to_image_msg  # noqa: E402
-from lingbot_map_ros.ros.params import write_params_file  # noqa: E402
+from lingbot_map_ros.ros.conversions import depth_to_image_msg  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
-DOMAIN_ID = 41 + (os.getpid() * 3 + 29) % 50  # 41..90, not the other graph modules' formulas
+# 1..100 with the multiplier of test_node_graph (+13), test_tf_graph (+46), test_keyframe_selector (+63),
+# test_health_graph (+64), test_launch (+79) and test_scale_graph (+98): never theirs in the same process
+DOMAIN_ID = private_domain_id(__name__, 1, 100, 7, 29)
 NAME = "lm_dscale"
 IMAGE_TOPIC = "/dscale_test/image"
 DEPTH_TOPIC = "/dscale_test/depth"
@@ -54,28 +50,13 @@ PARAMS = {"image_width": WIDTH, "num_scale_frames": 2, "sliding_window": 3, "dev
           "scale_source": "depth"}
 
 
-def generated_frames(n: int, seed: int = 0) -> list[np.ndarray]:
-    """``n`` rgb8 frames [294, 518, 3] of one blocky random scene, panning right 7 px a frame."""
-    rng = np.random.default_rng(seed)
-    big = np.kron(rng.integers(0, 256, (40, 120, 3)).astype(np.float32), np.ones((8, 8, 1)))
-    return [big[10 + i: 304 + i, 20 + 7 * i: 538 + 7 * i].astype(np.uint8) for i in range(n)]
-
-
 def replay(fixtures: Path, images: list[np.ndarray]) -> tuple[list[np.ndarray], list[np.ndarray]]:
     """(``T_map_cam`` [4, 4] model units, model depth [H, W] model units) of each image, as the node
     computes them."""
-    from lingbot_map_ros.config import ModelConfig
     from lingbot_map_ros.geometry import optical_pose_to_map
-    from lingbot_map_ros.io.checkpoint import load_model
     from lingbot_map_ros.ros.engine import model_input
-    from lingbot_map_ros.ros.params import resolve_settings
-    from lingbot_map_ros.stream.long_stream import LongStreamSession
-    from lingbot_map_ros.stream.session import StreamingSession
 
-    settings = resolve_settings({**PARAMS, "model_config": str(fixtures / "config.json")})
-    model = load_model(ModelConfig.from_dict(json.loads((fixtures / "config.json").read_text())),
-                       fixtures / "weights.safetensors")
-    session = LongStreamSession(StreamingSession(model, settings.stream), settings.long_stream)
+    session = replay_session(fixtures, PARAMS)
     poses, depths = [], []
     for rgb in images:
         for r in session.push(model_input(rgb, WIDTH)):
@@ -94,56 +75,20 @@ def graph(tmp_path_factory, fixtures):
     images = generated_frames(FRAMES)
     model_poses, model_depths = replay(fixtures, images)
     assert len(model_poses) == len(model_depths) == FRAMES
-    params = write_params_file(tmp / "p.yaml", {**PARAMS, "checkpoint": str(fixtures / "weights.safetensors"),
-                                                "model_config": str(fixtures / "config.json"),
-                                                "output_directory": str(tmp / "out")})
+    params = write_node_params(tmp / "p.yaml", fixtures, {**PARAMS, "output_directory": str(tmp / "out")})
     log = tmp / "node.log"
-    env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(DOMAIN_ID),
-               PYTHONUNBUFFERED="1")
-    with open(log, "w") as f:
-        proc = subprocess.Popen([sys.executable, "-m", "lingbot_map_ros.ros.node", "--ros-args", "--params-file",
-                                 str(params), "-r", f"__node:={NAME}", "-r", f"image:={IMAGE_TOPIC}",
-                                 "-r", f"depth:={DEPTH_TOPIC}"],
-                                env=env, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-    os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
-    context = rclpy.Context()
-    rclpy.init(context=context, domain_id=DOMAIN_ID)
-    node = rclpy.create_node("depth_scale_graph_robot", context=context)
-    got = {"pose": {}, "status": []}
-    cond = threading.Condition()
-
-    def on_pose(msg: PoseStamped) -> None:
-        with cond:
-            got["pose"][msg.header.stamp.sec] = msg
-            cond.notify_all()
-
-    def on_status(msg: Status) -> None:
-        with cond:
-            got["status"].append(msg)
-            cond.notify_all()
-
-    node.create_subscription(PoseStamped, f"/{NAME}/pose", on_pose, QoSProfile(depth=50))
-    node.create_subscription(Status, f"/{NAME}/status", on_status, QoSProfile(depth=200))
-    images_pub = node.create_publisher(Image, IMAGE_TOPIC, QoSProfile(depth=10))
-    depth_pub = node.create_publisher(Image, DEPTH_TOPIC, QoSProfile(depth=10))
-    executor = MultiThreadedExecutor(num_threads=2, context=context)
-    executor.add_node(node)
-    thread = threading.Thread(target=executor.spin, daemon=True)
-    thread.start()
-
-    def wait(predicate, what, timeout=STEP_TIMEOUT):
-        deadline = time.monotonic() + timeout
-        with cond:
-            while not predicate():
-                assert proc.poll() is None, f"the node ended early:\n{log.read_text()[-3000:]}"
-                remaining = deadline - time.monotonic()
-                assert remaining > 0, f"timed out after {timeout} s waiting for {what}:\n{log.read_text()[-2000:]}"
-                cond.wait(min(remaining, 0.1))
-
+    proc = start_node(NAME, params, log, DOMAIN_ID, {"image": IMAGE_TOPIC, "depth": DEPTH_TOPIC})
+    client = GraphClient("depth_scale_graph_robot", DOMAIN_ID, STEP_TIMEOUT)
+    client.watch(proc, log)
+    got = client.msgs
+    client.record_by_sec(PoseStamped, f"/{NAME}/pose", "pose", depth=50)
+    client.record(Status, f"/{NAME}/status", "status", depth=200)
+    images_pub = client.node.create_publisher(Image, IMAGE_TOPIC, QoSProfile(depth=10))
+    depth_pub = client.node.create_publisher(Image, DEPTH_TOPIC, QoSProfile(depth=10))
     try:
-        wait(lambda: images_pub.get_subscription_count() >= 1, "the node to subscribe to images", START_TIMEOUT)
-        wait(lambda: depth_pub.get_subscription_count() >= 1, "the node to subscribe to depth")
+        client.wait(lambda: images_pub.get_subscription_count() >= 1, "the node to subscribe to images",
+                    START_TIMEOUT)
+        client.wait(lambda: depth_pub.get_subscription_count() >= 1, "the node to subscribe to depth")
         time.sleep(0.3)
         for k, rgb in enumerate(images):
             sensor = depth_to_image_msg(SCALE * model_depths[k], Header(stamp=stamp_of(k), frame_id="cam_d"))
@@ -151,23 +96,15 @@ def graph(tmp_path_factory, fixtures):
                 depth_pub.publish(sensor)
                 time.sleep(0.05)
             time.sleep(0.05)  # the depth image is cached before the colour image arrives
-            images_pub.publish(rgb_to_image_msg(rgb, Header(stamp=stamp_of(k), frame_id="cam_d"), "rgb8"))
+            images_pub.publish(image_msg(rgb, stamp_of(k), "cam_d"))
             if k >= 1:  # the two scale frames come out together with the second image
-                wait(lambda: stamp_of(k).sec in got["pose"], f"the pose of frame {k}")
-        wait(lambda: any(s.header.stamp.sec == stamp_of(FRAMES - 1).sec for s in got["status"]),
-             "the last frame's status")
+                client.wait(lambda: stamp_of(k).sec in got["pose"], f"the pose of frame {k}")
+        client.wait(lambda: any(s.header.stamp.sec == stamp_of(FRAMES - 1).sec for s in got["status"]),
+                    "the last frame's status")
         yield got, model_poses, log
     finally:
-        executor.shutdown()
-        node.destroy_node()
-        rclpy.shutdown(context=context)
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(15)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(10)
+        client.close()
+        stop_processes(proc)
 
 
 def _frame_statuses(got) -> dict[int, Status]:
