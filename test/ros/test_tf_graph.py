@@ -14,13 +14,7 @@ extrinsic and odometry.
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -31,20 +25,20 @@ tf2_ros = pytest.importorskip("tf2_ros", reason="tf2_ros not importable: install
 
 from builtin_interfaces.msg import Time as TimeMsg  # noqa: E402
 from geometry_msgs.msg import PoseStamped  # noqa: E402
-from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 from rclpy.qos import QoSProfile  # noqa: E402
 from rclpy.time import Time  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import Header  # noqa: E402
 
+from graph_helpers import (GraphClient, generated_frames, image_msg, pose_matrix, private_domain_id,  # noqa: E402
+                           start_node, stop_processes, write_node_params)
 from lingbot_map_ros.geometry import quaternion_to_matrix  # noqa: E402
-from lingbot_map_ros.ros.conversions import rgb_to_image_msg, transform_stamped  # noqa: E402
-from lingbot_map_ros.ros.params import write_params_file  # noqa: E402
+from lingbot_map_ros.ros.conversions import transform_stamped  # noqa: E402
 from lingbot_map_ros.ros.tf_tools import invert_rigid, parents_from_yaml, transform_to_matrix  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
-DOMAIN_ID = 1 + (os.getpid() * 7 + 13 + 33) % 100  # not test_node_graph's (+0) nor test_launch's (+66)
+DOMAIN_ID = private_domain_id(__name__, 1, 100, 7, 13 + 33)  # not test_node_graph's (+0) nor test_launch's (+66)
 IMAGE_TOPIC = "/tf_test/image"
 START_TIMEOUT = 90.0
 STEP_TIMEOUT = 40.0
@@ -93,71 +87,23 @@ def odometry(k: int, key: str) -> np.ndarray:
     return rigid(rotation([0, 0, 1], 20.0 * k + 30.0 * phase), [0.4 * k + phase, 0.1 * k - phase, 0.0])
 
 
-def generated_frames(n: int, seed: int = 0) -> list[np.ndarray]:
-    """n RGB frames [294, 518, 3] uint8 of a sliding blocky texture."""
-    rng = np.random.default_rng(seed)
-    big = np.kron(rng.integers(0, 256, (40, 120, 3)).astype(np.float32), np.ones((8, 8, 1)))
-    return [big[10 + i: 304 + i, 20 + 7 * i: 538 + 7 * i].astype(np.uint8) for i in range(n)]
-
-
-def pose_matrix(msg: PoseStamped) -> np.ndarray:
-    p, q = msg.pose.position, msg.pose.orientation
-    return rigid(quaternion_to_matrix(np.array([q.x, q.y, q.z, q.w])), [p.x, p.y, p.z])
-
-
 def stamp_of(k: int) -> TimeMsg:
     return TimeMsg(sec=5000 + k, nanosec=250_000_000)
 
 
-def start_node(name: str, params: Path, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(DOMAIN_ID),
-               PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "lingbot_map_ros.ros.node", "--ros-args", "--params-file", str(params),
-           "-r", f"__node:={name}", "-r", f"image:={IMAGE_TOPIC}"]
-    with open(log, "w") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
-class Robot:
+class Robot(GraphClient):
     """The test's side of the graph: image publisher, TF broadcasters, a TF listener, pose recorders."""
 
     def __init__(self) -> None:
-        os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"  # read by rcl: loopback only
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context, domain_id=DOMAIN_ID)
-        self.node = rclpy.create_node("tf_graph_robot", context=self.context)
-        self.poses: dict[str, dict[int, PoseStamped]] = {name: {} for name in NODES}
-        self._cond = threading.Condition()
-        for name in NODES:
-            self.node.create_subscription(PoseStamped, f"/{name}/pose", self._recorder(name), QoSProfile(depth=50))
+        super().__init__("tf_graph_robot", DOMAIN_ID, STEP_TIMEOUT)
+        self.poses: dict[str, dict[int, PoseStamped]] = {
+            name: self.record_by_sec(PoseStamped, f"/{name}/pose", name, depth=50) for name in NODES}
         self.images = self.node.create_publisher(Image, IMAGE_TOPIC, QoSProfile(depth=10))
         self.buffer = tf2_ros.Buffer()
         self.listener = tf2_ros.TransformListener(self.buffer, self.node)
         self.dynamic = tf2_ros.TransformBroadcaster(self.node)
         self.urdf = tf2_ros.StaticTransformBroadcaster(self.node)
         self.urdf_late: tf2_ros.StaticTransformBroadcaster | None = None
-        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
-        self.executor.add_node(self.node)
-        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
-        self._thread.start()
-
-    def _recorder(self, name: str):
-        def store(msg: PoseStamped) -> None:
-            with self._cond:
-                self.poses[name][msg.header.stamp.sec] = msg
-                self._cond.notify_all()
-        return store
 
     def send_extrinsics(self, keys: str, late: bool = False) -> None:
         msgs = [transform_stamped(EXTRINSICS[k], Header(frame_id=f"base_{k}"), f"cam_{k}") for k in keys]
@@ -180,19 +126,7 @@ class Robot:
         self.dynamic.sendTransform([transform_stamped(odometry(k, key), Header(stamp=stamp, frame_id=f"odom_{key}"),
                                                       f"base_{key}") for key in ("o", "a")])
         time.sleep(0.05)
-        self.images.publish(rgb_to_image_msg(rgb, Header(stamp=stamp, frame_id="header_frame_unused"), "rgb8"))
-
-    def wait(self, predicate, timeout: float = STEP_TIMEOUT, what: str = "condition"):
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                value = predicate()
-                if value:
-                    return value
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-                self._cond.wait(min(remaining, 0.05))
+        self.images.publish(image_msg(rgb, stamp, "header_frame_unused"))
 
     def wait_poses(self, ks: range) -> None:
         self.wait(lambda: all(stamp_of(k).sec in self.poses[name] for name in NODES for k in ks),
@@ -207,34 +141,25 @@ class Robot:
     def T_map_cam(self, name: str, k: int) -> np.ndarray:
         return pose_matrix(self.poses[name][stamp_of(k).sec])
 
-    def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
-
 
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory, fixtures):
     root = fixtures  # skips with a message when the tiny fixture set is absent
     tmp = tmp_path_factory.mktemp("tf_graph")
-    common = {"checkpoint": str(root / "weights.safetensors"), "model_config": str(root / "config.json"),
-              "image_width": 98, "num_scale_frames": 2, "sliding_window": 3, "device": "cpu",
+    common = {"image_width": 98, "num_scale_frames": 2, "sliding_window": 3, "device": "cpu",
               "publish_points": False, "publish_depth": False, "publish_map": False, "accumulate_map": False,
               "publish_path": False, "output_directory": str(tmp / "out")}
     logs = {name: tmp / f"{name}.log" for name in NODES}
-    procs = {name: start_node(name, write_params_file(tmp / f"{name}.yaml", {**common, **params}), logs[name])
+    procs = {name: start_node(name, write_node_params(tmp / f"{name}.yaml", root, {**common, **params}), logs[name],
+                              DOMAIN_ID, {"image": IMAGE_TOPIC})
              for name, params in NODES.items()}
     robot = Robot()
+    for name, proc in procs.items():
+        robot.watch(proc, logs[name])
     try:
         robot.send_extrinsics("oca")  # lm_base's comes later
-        deadline = time.monotonic() + START_TIMEOUT
-        while robot.images.get_subscription_count() < len(NODES):
-            for name, proc in procs.items():
-                assert proc.poll() is None, f"{name} ended early:\n{logs[name].read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "the nodes did not all subscribe within " \
-                                                f"{START_TIMEOUT} s:\n" + "\n".join(logs[n].read_text()[-1500:]
-                                                                                  for n in NODES)
-            time.sleep(0.2)
+        robot.wait(lambda: robot.images.get_subscription_count() >= len(NODES), "the nodes all to subscribe",
+                   START_TIMEOUT)
         robot.wait_matched(robot.dynamic.pub_tf, "the odometry publisher")
         robot.wait_matched(robot.urdf.pub_tf, "the /tf_static publisher")
         frames = generated_frames(EARLY_FRAMES + LATE_FRAMES)
@@ -248,11 +173,7 @@ def graph(tmp_path_factory, fixtures):
             robot.wait_poses(range(k, k + 1))  # one frame at a time: each node has a pose for every stamp
         yield robot, logs
     finally:
-        for proc in procs.values():
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)  # all at once: they stop in parallel
-        for proc in procs.values():
-            stop_process(proc)
+        stop_processes(*procs.values())  # all at once: they stop in parallel
         robot.close()
 
 
