@@ -11,7 +11,6 @@ test loosens ``health_max_rotation_deg`` and ``health_jump_factor`` (node parame
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 
@@ -23,20 +22,19 @@ pytest.importorskip("tf2_ros", reason="tf2_ros not importable: install ../shared
 
 from builtin_interfaces.msg import Time  # noqa: E402
 from geometry_msgs.msg import PoseStamped  # noqa: E402
-from rclpy.executors import MultiThreadedExecutor, SingleThreadedExecutor  # noqa: E402
 from rclpy.parameter import Parameter  # noqa: E402
 from rclpy.qos import QoSProfile  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import Header  # noqa: E402
 
-from lingbot_map_ros.geometry import quaternion_to_matrix  # noqa: E402
+from graph_helpers import (GraphClient, InProcessNode, fixture_params, generated_frames, image_msg,  # noqa: E402
+                           pose_matrix, private_domain_id)
 from lingbot_map_ros.msg import Status  # noqa: E402
-from lingbot_map_ros.ros.conversions import rgb_to_image_msg, transform_stamped  # noqa: E402
+from lingbot_map_ros.ros.conversions import transform_stamped  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
-DOMAIN_ID = 201 + (os.getpid() * 13 + 17) % 30  # 201..230, not test_keyframe_loop's (+3) in the same process
-os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
+DOMAIN_ID = private_domain_id(__name__, 201, 30, 13, 17)  # 201..230, not test_keyframe_loop's (+3) in the same process
 NODE = "lm_lost"
 CAMERA = "cam_optical"
 TIMEOUT = 30.0
@@ -46,13 +44,6 @@ PARAMS = {"image_width": 98, "num_scale_frames": 2, "sliding_window": 3, "device
           "publish_path": False, "publish_tf": True, "odom_frame": "odom", "on_lost": "continue",
           "health_max_rotation_deg": 180.0, "health_jump_factor": 1e6, "service_timeout": 20.0}
 T_BASE_CAM = np.array([[0.0, 0.0, 1.0, 0.2], [-1.0, 0.0, 0.0, 0.0], [0.0, -1.0, 0.0, 0.5], [0.0, 0.0, 0.0, 1.0]])
-
-
-def frames(n: int, seed: int = 0) -> list[np.ndarray]:
-    """n RGB frames [294, 518, 3] uint8 of a sliding blocky texture."""
-    rng = np.random.default_rng(seed)
-    big = np.kron(rng.integers(0, 256, (40, 120, 3)).astype(np.float32), np.ones((8, 8, 1)))
-    return [big[10 + i: 304 + i, 20 + 7 * i: 538 + 7 * i].astype(np.uint8) for i in range(n)]
 
 
 def odom_base(k: int) -> np.ndarray:
@@ -66,14 +57,6 @@ def odom_base(k: int) -> np.ndarray:
 
 def stamp_of(k: int) -> Time:
     return Time(sec=100 + k, nanosec=0)
-
-
-def pose_matrix(msg: PoseStamped) -> np.ndarray:
-    p, q = msg.pose.position, msg.pose.orientation
-    T = np.eye(4)
-    T[:3, :3] = quaternion_to_matrix(np.array([q.x, q.y, q.z, q.w]))
-    T[:3, 3] = (p.x, p.y, p.z)
-    return T
 
 
 class Poison:
@@ -103,69 +86,18 @@ class Poison:
         return results
 
 
-class InProcessNode:
-    """LingBotMapNode in its own context: one executor thread for it, a multi-threaded one for its services."""
-
-    def __init__(self, params: dict) -> None:
-        from lingbot_map_ros.ros.node import SERVICE_THREADS, LingBotMapNode
-
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context, domain_id=DOMAIN_ID)
-        overrides = [Parameter(k, value=v) for k, v in params.items()]
-        self.node = LingBotMapNode(NODE, context=self.context, parameter_overrides=overrides)
-        self.session = self.node.engine.session = Poison(self.node.engine.session)  # before any image
-        self.executor = SingleThreadedExecutor(context=self.context)
-        self.executor.add_node(self.node)
-        self.services = MultiThreadedExecutor(num_threads=SERVICE_THREADS, context=self.context)
-        self.services.add_node(self.node.service_node)
-        for ex in (self.executor, self.services):
-            threading.Thread(target=ex.spin, daemon=True).start()
-
-    def close(self) -> None:
-        self.node.shutdown()
-        self.services.shutdown(timeout_sec=2.0)
-        self.executor.shutdown(timeout_sec=2.0)
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
-
-
-class Robot:
+class Robot(GraphClient):
     """Client node (own context): images, TF (static extrinsic + odometry), records ~/status and ~/pose."""
 
     def __init__(self) -> None:
         import tf2_ros
 
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context, domain_id=DOMAIN_ID)
-        self.node = rclpy.create_node("lost_graph_robot", context=self.context)
-        self.cond = threading.Condition()
-        self.msgs = {"status": [], "pose": []}
-        self.node.create_subscription(Status, f"/{NODE}/status", self._store("status"), QoSProfile(depth=500))
-        self.node.create_subscription(PoseStamped, f"/{NODE}/pose", self._store("pose"), QoSProfile(depth=500))
+        super().__init__("lost_graph_robot", DOMAIN_ID, TIMEOUT)
+        self.record(Status, f"/{NODE}/status", "status", depth=500)
+        self.record(PoseStamped, f"/{NODE}/pose", "pose", depth=500)
         self.images = self.node.create_publisher(Image, "image", QoSProfile(depth=10))
         self.tf = tf2_ros.TransformBroadcaster(self.node)
         self.static = tf2_ros.StaticTransformBroadcaster(self.node)
-        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
-        self.executor.add_node(self.node)
-        threading.Thread(target=self.executor.spin, daemon=True).start()
-
-    def _store(self, key: str):
-        def store(msg) -> None:
-            with self.cond:
-                self.msgs[key].append(msg)
-                self.cond.notify_all()
-        return store
-
-    def wait(self, predicate, what: str, timeout: float = TIMEOUT):
-        deadline = time.monotonic() + timeout
-        with self.cond:
-            while True:
-                value = predicate()
-                if value:
-                    return value
-                remaining = deadline - time.monotonic()
-                assert remaining > 0, f"timed out after {timeout} s waiting for {what}"
-                self.cond.wait(min(remaining, 0.1))
 
     def statuses(self, k: int) -> list[Status]:
         s = stamp_of(k)
@@ -184,13 +116,8 @@ class Robot:
         while node.node.outputs.tf.camera_pose(stamp_of(k), CAMERA) is None:
             assert time.monotonic() < deadline, f"odometry of frame {k} never reached the node's TF buffer"
             time.sleep(0.02)
-        self.images.publish(rgb_to_image_msg(rgb, Header(stamp=stamp_of(k), frame_id=CAMERA), "rgb8"))
+        self.images.publish(image_msg(rgb, stamp_of(k), CAMERA))
         self.wait(lambda: self.statuses(k), f"a status of frame {k}")
-
-    def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
 
 
 def last_state(robot: Robot, k: int) -> str:
@@ -201,22 +128,23 @@ def last_state(robot: Robot, k: int) -> str:
 @pytest.fixture(scope="module")
 def run(fixtures):
     """Frames 0-9 with on_lost continue (NaN at 6), then on_lost reset, frames 10-15 (NaN at 12)."""
-    node = InProcessNode({**PARAMS, "checkpoint": str(fixtures / "weights.safetensors"),
-                          "model_config": str(fixtures / "config.json")})
+    node = InProcessNode(NODE, fixture_params(fixtures, PARAMS), DOMAIN_ID)
+    session = node.node.engine.session = Poison(node.node.engine.session)  # before any image
+    node.start()
     robot = Robot()
     try:
         robot.static.sendTransform(transform_stamped(T_BASE_CAM, Header(stamp=stamp_of(0), frame_id="base_link"),
                                                      CAMERA))
         robot.wait(lambda: robot.images.get_subscription_count() >= 1, "the node to subscribe")
-        imgs = frames(16)
+        imgs = generated_frames(16)
         for k in range(10):
             if k == 6:
-                node.session.arm(1)
+                session.arm(1)
             robot.send(node, k, imgs[k])
         node.node.set_parameters([Parameter("on_lost", value="reset")])
         for k in range(10, 16):
             if k == 12:
-                node.session.arm(1)
+                session.arm(1)
             robot.send(node, k, imgs[k])
         robot.wait(lambda: robot.statuses(15) and len(robot.msgs["pose"]) >= 14, "the last frame's pose")
         yield node, robot
