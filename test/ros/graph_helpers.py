@@ -59,8 +59,11 @@ def _take(domain_id: int) -> bool:
     """Hold ``domain_id``'s lock file (one per id, in the system temp folder); False when another
     process of this machine, or another owner in this one, holds it."""
     folder = Path(tempfile.gettempdir()) / "lingbot_map_ros_test_domains"
-    folder.mkdir(exist_ok=True)
-    handle = open(folder / f"{domain_id}.lock", "w")
+    try:
+        folder.mkdir(exist_ok=True)
+        handle = open(folder / f"{domain_id}.lock", "w")
+    except OSError:  # a temp folder we may not write (another user's lock files): the formula alone
+        return True
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
