@@ -27,8 +27,8 @@ from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import Header  # noqa: E402
 from tf2_msgs.msg import TFMessage  # noqa: E402
 
-from graph_helpers import (GraphClient, generated_frames, image_msg, private_domain_id, replay_session,  # noqa: E402
-                           start_node, stop_processes, write_node_params)
+from graph_helpers import (GraphClient, generated_frames, image_msg, pose_matrix, private_domain_id,  # noqa: E402
+                           replay_session, start_node, stop_processes, write_node_params)
 from lingbot_map_ros.msg import Status  # noqa: E402
 from lingbot_map_ros.robot.scale import apply_scale  # noqa: E402
 from lingbot_map_ros.ros.conversions import transform_stamped  # noqa: E402
@@ -88,6 +88,9 @@ def graph(tmp_path_factory, fixtures):
     client.subscribe(TFMessage, "/tf", lambda msg: tf.extend(t for t in msg.transforms if t.header.frame_id == "map_s"),
                      depth=100)
     images_pub = client.node.create_publisher(Image, IMAGE_TOPIC, QoSProfile(depth=10))
+    # the robot's own view of the tree: map -> base_s through the node's map -> odom and the odometry
+    got["tf_buffer"] = tf2_ros.Buffer()
+    listener = tf2_ros.TransformListener(got["tf_buffer"], client.node)  # noqa: F841 (kept alive by the fixture)
     dynamic = tf2_ros.TransformBroadcaster(client.node)
     static = tf2_ros.StaticTransformBroadcaster(client.node)
     try:
@@ -152,3 +155,26 @@ def test_map_to_odom_waits_for_the_scale_then_is_about_identity(graph):
         assert np.linalg.norm(T[:3, 3]) < 0.05 * SCALE, (k, T[:3, 3])
     assert "waits for the metric scale" in log.read_text()
     assert "[ERROR]" not in log.read_text()
+
+
+def test_map_to_base_looked_up_through_tf2_is_the_scaled_pose_and_the_extrinsic(graph):
+    """A robot's tf2_ros lookup of map -> base at a converged frame's stamp (the node's map -> odom
+    composed with the odometry) puts the base where the published pose and the URDF extrinsic say:
+    T_map_base = T_map_cam · inv(T_base_cam), metric, and (odometry being the scaled map) close to
+    the odometry itself."""
+    from rclpy.time import Time
+
+    got, model_poses, _ = graph
+    buffer = got["tf_buffer"]
+    checked = 0
+    for k in range(_converged_from(got), FRAMES):
+        stamp = Time(seconds=stamp_of(k).sec, nanoseconds=stamp_of(k).nanosec)
+        if not buffer.can_transform("map_s", "base_s", stamp):
+            continue
+        T_map_base = transform_to_matrix(buffer.lookup_transform("map_s", "base_s", stamp))
+        T_map_cam = pose_matrix(got["pose"][stamp_of(k).sec])
+        np.testing.assert_allclose(T_map_base, T_map_cam @ invert_rigid(T_BASE_CAM), atol=1e-4, err_msg=f"frame {k}")
+        T_odom_base = apply_scale(model_poses[k], SCALE) @ invert_rigid(T_BASE_CAM)
+        assert np.linalg.norm(T_map_base[:3, 3] - T_odom_base[:3, 3]) < 0.05 * SCALE, k
+        checked += 1
+    assert checked >= 3, f"map -> base_s was looked up at only {checked} converged frame(s)"
