@@ -41,7 +41,7 @@ NODE = "/lingbot_map"
 IMAGE_TOPIC = "/launch_cam/image"
 START_TIMEOUT = 90.0
 STEP_TIMEOUT = 30.0
-CLI_TIMEOUT = 60.0
+CLI_TIMEOUT = 30.0
 DOMAIN_ID = 1 + (os.getpid() * 7 + 13 + 66) % 100  # not test_node_graph's (+0) nor test_tf_graph's (+33)
 CLI = ["--no-daemon", "--spin-time", "3"]  # no daemon outliving the test; 3 s to discover the node
 
@@ -83,24 +83,31 @@ def ros2(*args: str) -> subprocess.Popen:
 
 def param_verbs(commands: dict[str, tuple[str, ...]], attempts: int = 3) -> dict[str, str]:
     """Run ``ros2 param <args>`` for every entry at once; the output by key. A command that
-    answers "Node not found" (discovery slower than --spin-time on a loaded machine) is
-    run again, at most ``attempts`` times in all."""
+    answers "Node not found" (discovery slower than --spin-time on a loaded machine) or does
+    not finish within CLI_TIMEOUT is run again, at most ``attempts`` times in all. (The CLI
+    waits for a service response without a time limit; a request sent before DDS matched the
+    server's reply writer to the CLI's reader is answered into the void, and the CLI hangs.
+    Sets here are idempotent, so running one again is harmless.)"""
     result: dict[str, str] = {}
+    hung: dict[str, str] = {}
     pending = dict(commands)
     for _ in range(attempts):
         procs = {key: ros2("param", *args, *CLI) for key, args in pending.items()}
         for key, proc in procs.items():
             try:
                 out, _ = proc.communicate(timeout=CLI_TIMEOUT)
+                hung.pop(key, None)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 out, _ = proc.communicate()
-                raise AssertionError(f"`ros2 param {' '.join(pending[key])}` did not finish within {CLI_TIMEOUT} s: "
-                                     f"{out[-2000:]}")
+                hung[key] = out
             result[key] = out
-        pending = {key: args for key, args in pending.items() if "Node not found" in result[key]}
+        pending = {key: args for key, args in pending.items() if key in hung or "Node not found" in result[key]}
         if not pending:
             break
+    for key, out in hung.items():
+        raise AssertionError(f"`ros2 param {' '.join(commands[key])}` did not finish within {CLI_TIMEOUT} s, "
+                             f"{attempts} times: {out[-2000:]}")
     return result
 
 
