@@ -1129,21 +1129,28 @@ class SaveSnapshot:
     scale: float = 1.0  # metres per model unit applied to both files (1 = model units)
     offset: np.ndarray | None = None  # [4, 4] map offset T_map_seq applied after the scale (None = identity)
 
+    def output(self, timeout: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(points [M, 3] float32, colors [M, 3] uint8, poses [N, 4, 4]) as they leave the node:
+        the map once the output thread has taken it (SaveError after ``timeout`` s or on its
+        error), both through the scale and the map offset."""
+        if not self.map.wait(timeout):
+            raise SaveError("the output thread did not catch up in time; try again")
+        if self.map.error is not None:
+            raise SaveError(f"cannot take the map: {self.map.error}")
+        points, colors, _ = self.map.result
+        poses = self.poses
+        transform = OutputTransform(self.scale, self.offset)
+        if not transform.identity:
+            points, poses = transform.points(points).astype(np.float32), transform.pose(poses)
+        return points, colors, poses
+
 
 def write_map_files(snapshot: SaveSnapshot, directory: str, output_directory: str,
                     timeout: float) -> tuple[Path, Path]:
     """Write ``snapshot`` as one crash-safe PLY + TUM pair (``io.map_save.save_map_pair``): ``directory``
     empty = ``output_directory``, relative = under it (may not leave it), absolute = as given; an empty
     map is refused and existing files stay as they were (any thread; see ``save_snapshot``)."""
-    if not snapshot.map.wait(timeout):
-        raise SaveError("the output thread did not catch up in time; try again")
-    if snapshot.map.error is not None:
-        raise SaveError(f"cannot take the map: {snapshot.map.error}")
-    points, colors, _ = snapshot.map.result
-    poses = snapshot.poses
-    transform = OutputTransform(snapshot.scale, snapshot.offset)
-    if not transform.identity:
-        points, poses = transform.points(points).astype(np.float32), transform.pose(poses)
+    points, colors, poses = snapshot.output(timeout)
     try:
         return save_map_pair(directory, output_directory, points, colors, snapshot.stamps, poses,
                              map_name=MAP_FILE, trajectory_name=TRAJECTORY_FILE)

@@ -563,16 +563,11 @@ class LingBotMapNode(Node):
         timeout = self.settings.service_timeout
         maps = []
         for name, snap in snapshots.items():
-            if not snap.map.wait(timeout):
-                raise SaveError(f"camera {name}: the output thread did not catch up in time; try again")
-            if snap.map.error is not None:
-                raise SaveError(f"camera {name}: cannot take the map: {snap.map.error}")
-            points, colors, _ = snap.map.result
-            poses = snap.poses
-            output = OutputTransform(snap.scale, snap.offset)
-            if not output.identity:
-                points, poses = output.points(points).astype(np.float32), output.pose(poses)
-            placed = self.channels[name].outputs.placement(output)
+            try:
+                points, colors, poses = snap.output(timeout)
+            except SaveError as exc:
+                raise SaveError(f"camera {name}: {exc}") from None
+            placed = self.channels[name].outputs.placement(OutputTransform(snap.scale, snap.offset))
             maps.append(CameraMap(name, placed.frame, snap.stamps, transform_poses(placed.transform, poses),
                                   transform_points(placed.transform, points).astype(np.float32), colors))
         return save_camera_maps(directory, self.settings.output_directory, maps, self.settings.map_frame)
