@@ -19,6 +19,8 @@ from lingbot_map_ros.ros.engine import InferenceEngine, InputFrame, SaveError, S
 from lingbot_map_ros.ros.params import resolve_settings
 from lingbot_map_ros.stream.session import SessionError, StreamingSession
 
+from engine_fakes import Log, Sink  # test/ is on sys.path (conftest.py)
+
 
 WIDTH = 98
 SETTINGS = dict(image_width=WIDTH, num_scale_frames=2, sliding_window=3, backend="sdpa", point_stride=1,
@@ -54,46 +56,6 @@ def frames(n: int, seed: int = 0) -> list[np.ndarray]:
     base = rng.integers(0, 256, (40, 120, 3)).astype(np.float32)
     big = np.kron(base, np.ones((8, 8, 1)))  # blocky texture 320x960
     return [big[10 + i: 10 + i + 294, 20 + 7 * i: 20 + 7 * i + 518].astype(np.uint8) for i in range(n)]
-
-
-class Sink:
-    def __init__(self, wants=("points", "depth")) -> None:
-        self.frames, self.statuses, self.paths = [], [], []
-        self._wants = set(wants)
-
-    def wants(self, output):
-        return output in self._wants
-
-    def publish_frame(self, out):
-        self.frames.append(out)
-
-    def publish_clouds(self, out):  # fill in the clouds of the frame published before
-        match = [i for i, o in enumerate(self.frames) if o.frame_index == out.frame_index and o.stamp == out.stamp]
-        assert match, "clouds of a frame whose pose was not published"
-        self.frames[match[-1]] = out
-
-    def publish_path(self, entries):
-        self.paths.append([e.frame_index for e in entries])
-
-    def publish_status(self, status, stamp):
-        self.statuses.append((status, stamp))
-
-
-class Log:
-    def __init__(self) -> None:
-        self.lines = []
-
-    def debug(self, m):
-        self.lines.append(("debug", m))
-
-    def info(self, m):
-        self.lines.append(("info", m))
-
-    def warning(self, m):
-        self.lines.append(("warning", m))
-
-    def error(self, m):
-        self.lines.append(("error", m))
 
 
 class Faulty:

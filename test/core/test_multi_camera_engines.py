@@ -16,6 +16,8 @@ from lingbot_map_ros.ros.scheduler import CameraScheduler
 from lingbot_map_ros.stream.multi import CameraSessions
 from lingbot_map_ros.stream.session import StreamingSession
 
+from engine_fakes import Log, Sink  # test/ is on sys.path (conftest.py)
+
 WIDTH = 98
 SETTINGS = dict(image_width=WIDTH, num_scale_frames=2, sliding_window=3, backend="sdpa", point_stride=1,
                 conf_threshold=0.0, map_voxel_size=0.0, device="cpu")
@@ -32,40 +34,10 @@ def frames(n: int, seed: int) -> list[np.ndarray]:
     return [big[10 + i: 304 + i, 20 + 7 * i: 538 + 7 * i].astype(np.uint8) for i in range(n)]
 
 
-class Sink:
-    def __init__(self) -> None:
-        self.frames = []
-
-    def wants(self, output):
-        return False
-
-    def publish_frame(self, out):
-        self.frames.append(out)
-
-    def publish_clouds(self, out):
-        pass
-
-    def publish_path(self, entries):
-        pass
-
-    def publish_status(self, status, stamp):
-        pass
-
-    def publish_frame_info(self, info, out):
-        pass
-
-
-class Log:
-    def debug(self, m):
-        pass
-
-    info = warning = error = debug
-
-
 def cameras(model, **per_camera):
     settings = {name: resolve_settings({**SETTINGS, **own}) for name, own in per_camera.items()}
     sessions = CameraSessions(model, {name: (s.stream, None) for name, s in settings.items()})
-    sinks = {name: Sink() for name in settings}
+    sinks = {name: Sink(wants=()) for name in settings}
     engines = {name: InferenceEngine(sessions.sessions[name], s, sinks[name], Log(), now=lambda: 1000.0)
                for name, s in settings.items()}
     return CameraScheduler(engines), engines, sinks

@@ -19,6 +19,8 @@ from lingbot_map_ros.ros.engine import InferenceEngine, InputFrame
 from lingbot_map_ros.ros.params import resolve_settings
 from lingbot_map_ros.stream.session import StreamingSession
 
+from engine_fakes import Log, Sink  # test/ is on sys.path (conftest.py)
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 
@@ -87,36 +89,6 @@ class Recording:
         return self._s.push(image, keyframe)
 
 
-class Sink:
-    def __init__(self) -> None:
-        self.frames = []
-
-    def wants(self, output):
-        return False
-
-    def publish_frame(self, out):
-        self.frames.append(out)
-
-    def publish_clouds(self, out):
-        pass
-
-    def publish_path(self, entries):
-        pass
-
-    def publish_status(self, status, stamp):
-        pass
-
-    def publish_frame_info(self, info, out):
-        pass
-
-
-class Log:
-    def debug(self, m):
-        pass
-
-    info = warning = error = debug
-
-
 def test_engine_undistorts_on_the_cuda_session_device():
     """A CUDA session: distorted frames are pushed as float tensors already on the GPU, the poses
     are finite and equal the same session type's on those tensors."""
@@ -124,7 +96,7 @@ def test_engine_undistorts_on_the_cuda_session_device():
                                  "dtype": "fp32", "backend": "sdpa", "cuda_graphs": False, "accumulate_map": False})
     model = load_model(ModelConfig.preset("tiny"), None, device="cuda", seed=3)
     session = Recording(StreamingSession(model, settings.stream))
-    sink = Sink()
+    sink = Sink(wants=())
     engine = InferenceEngine(session, settings, sink, Log(), now=lambda: 1000.0)
     cam = camera(640, 360)
     for i in range(4):

@@ -1,0 +1,51 @@
+"""Stand-ins for what the node hands an ``InferenceEngine``: a recording output ``Sink`` and a
+recording ``Log`` (not a test module; test/ is on sys.path, see conftest.py)."""
+from __future__ import annotations
+
+
+class Sink:
+    """Records published frames (clouds filled into the frame they belong to), paths and statuses;
+    ``wants`` names the optional outputs it listens to."""
+
+    def __init__(self, wants=("points", "depth")) -> None:
+        self.frames, self.statuses, self.paths = [], [], []
+        self._wants = set(wants)
+
+    def wants(self, output):
+        return output in self._wants
+
+    def publish_frame(self, out):
+        self.frames.append(out)
+
+    def publish_clouds(self, out):  # fill in the clouds of the frame published before
+        match = [i for i, o in enumerate(self.frames) if o.frame_index == out.frame_index and o.stamp == out.stamp]
+        assert match, "clouds of a frame whose pose was not published"
+        self.frames[match[-1]] = out
+
+    def publish_path(self, entries):
+        self.paths.append([e.frame_index for e in entries])
+
+    def publish_status(self, status, stamp):
+        self.statuses.append((status, stamp))
+
+    def publish_frame_info(self, info, out):
+        pass
+
+
+class Log:
+    """Records (level, message) lines."""
+
+    def __init__(self) -> None:
+        self.lines = []
+
+    def debug(self, m):
+        self.lines.append(("debug", m))
+
+    def info(self, m):
+        self.lines.append(("info", m))
+
+    def warning(self, m):
+        self.lines.append(("warning", m))
+
+    def error(self, m):
+        self.lines.append(("error", m))
