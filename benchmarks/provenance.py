@@ -48,3 +48,21 @@ def run_record(argv: list[str] | None = None, device: str | None = None) -> dict
             "device": device or device_name(),
             "command": " ".join(["python", os.path.relpath(args[0], REPO)] + list(args[1:])),
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")}
+
+
+RESULTS = REPO / "benchmarks" / "results"
+
+
+def write_result(result: dict, out: Path | None, device_name: str, suffix: str = "") -> Path:
+    """Print ``result`` as JSON and write it to ``out``, or to ``results/<device name><suffix>.json``
+    (the name lower-cased, non-alphanumerics as ``_``); returns the path."""
+    import json
+    import re
+
+    text = json.dumps(result, indent=2)
+    print(text)
+    path = out or RESULTS / f"{re.sub(r'[^A-Za-z0-9]+', '_', device_name).strip('_').lower()}{suffix}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+    print(f"wrote {path}", file=sys.stderr)
+    return path

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 import time
@@ -36,12 +35,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
-from provenance import run_record  # noqa: E402
+from provenance import run_record, write_result  # noqa: E402
 from lingbot_map_ros.config import ModelConfig, StreamConfig  # noqa: E402
 from lingbot_map_ros.io.checkpoint import load_model  # noqa: E402
 from lingbot_map_ros.stream.multi import CameraSessions  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 NAMES = ("cam0", "cam1", "cam2", "cam3", "cam4", "cam5", "cam6", "cam7")
 
 
@@ -227,12 +225,7 @@ def main(argv=None):
                           "weights": f"random (seed {args.seed})"},
               "runs": runs,
               "run": run_record([__file__] + list(sys.argv[1:] if argv is None else argv))}
-    text = json.dumps(result, indent=2)
-    print(text)
-    out = args.out or RESULTS / f"{re.sub(r'[^A-Za-z0-9]+', '_', gpu).strip('_').lower()}_multi_camera.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    write_result(result, args.out, gpu, "_multi_camera")
     return 0
 
 

@@ -19,9 +19,7 @@ fp32 run on the same frames. Writes JSON to ``benchmarks/results/<gpu>.json``
 from __future__ import annotations
 
 import argparse
-import json
 import platform
-import re
 import statistics
 import sys
 import time
@@ -31,12 +29,11 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: provenance.py
-from provenance import run_record  # noqa: E402
+from provenance import run_record, write_result  # noqa: E402
 from lingbot_map_ros.config import FA3_TILES, ModelConfig, StreamConfig, parse_fa3_tiles  # noqa: E402
 from lingbot_map_ros.io.checkpoint import load_model  # noqa: E402
 from lingbot_map_ros.stream.session import StreamingSession  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 def parse_args(argv=None):
@@ -381,12 +378,7 @@ def main(argv=None):
         "command": "python benchmarks/stream/stream_fps.py " + " ".join(sys.argv[1:] if argv is None else argv),
         "run": run_record([__file__] + list(sys.argv[1:] if argv is None else argv)),
     }
-    text = json.dumps(result, indent=2)
-    print(text)
-    out = args.out or RESULTS / f"{re.sub(r'[^A-Za-z0-9]+', '_', gpu).strip('_').lower()}{args.tag}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(text + "\n")
-    print(f"wrote {out}", file=sys.stderr)
+    write_result(result, args.out, gpu, args.tag)
     return 0
 
 
