@@ -249,6 +249,11 @@ class FlashInferBackend:
         self._planned = False
         self.splits = 1  # of the current step
 
+    @property
+    def workspace(self) -> Tensor:
+        """FlashInfer's float workspace (shareable by backends whose runs are ordered on one stream)."""
+        return self._workspace
+
     def begin_step(self, plan: DevicePlan) -> None:
         self._step = plan
         self._planned = False

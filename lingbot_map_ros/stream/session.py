@@ -126,7 +126,7 @@ class StreamingSession:
                                                fa3_tiles=cfg.fa3_tiles, fused_merge=triton,
                                                workspace=None if shared is None else shared.workspace)
         # what sessions on one storage share besides the weights (None: a session on its own)
-        self._shared = shared or (_SharedGpuState(getattr(self.backend, "_workspace", None))
+        self._shared = shared or (_SharedGpuState(getattr(self.backend, "workspace", None))
                                   if storage is not None else None)
         # how every step runs, eager or graphed (a test may replace it before the first frame)
         self.step_options = share_from.step_options if share_from is not None else \
