@@ -12,12 +12,6 @@ expected in ``map`` through the extrinsics. Two more node processes check that a
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -33,16 +27,17 @@ from geometry_msgs.msg import PoseStamped  # noqa: E402
 from nav_msgs.msg import Odometry  # noqa: E402
 from rcl_interfaces.msg import Parameter as ParameterMsg, ParameterType, ParameterValue  # noqa: E402
 from rcl_interfaces.srv import GetParameters, SetParameters  # noqa: E402
-from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy  # noqa: E402
 from sensor_msgs.msg import CameraInfo, Image, PointCloud2  # noqa: E402
 from std_msgs.msg import Header  # noqa: E402
 from std_srvs.srv import SetBool, Trigger  # noqa: E402
 from tf2_msgs.msg import TFMessage  # noqa: E402
 
-from lingbot_map_ros.geometry import OPTICAL_TO_REP103, quaternion_to_matrix  # noqa: E402
+from graph_helpers import (GraphClient, image_msg, pose_matrix, private_domain_id, start_node,  # noqa: E402
+                           stop_processes, write_node_params)
+from lingbot_map_ros.geometry import OPTICAL_TO_REP103  # noqa: E402
 from lingbot_map_ros.msg import Status  # noqa: E402
-from lingbot_map_ros.ros.conversions import rgb_to_image_msg, transform_stamped  # noqa: E402
+from lingbot_map_ros.ros.conversions import transform_stamped  # noqa: E402
 from lingbot_map_ros.ros.params import write_params_file  # noqa: E402
 from lingbot_map_ros.srv import CommitEviction, RollbackFrame, SaveMap  # noqa: E402
 
@@ -50,7 +45,7 @@ pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
-DOMAIN_ID = 101 + (os.getpid() * 11 + 55) % 100  # 101..200, never test_node_robot's (+5) in the same process
+DOMAIN_ID = private_domain_id(__name__, 101, 100, 11, 55)  # 101..200: apart from the other graph modules
 NODE = "/lingbot_map"
 CAMERAS = ("front", "rear")
 WIDTH = {"front": 98, "rear": 112}
@@ -66,6 +61,7 @@ NODE_PARAMS = {"num_scale_frames": 2, "sliding_window": 3, "keyframe_interval": 
 
 
 def rigid(R: np.ndarray, t) -> np.ndarray:
+    """The [4, 4] transform of rotation ``R`` [3, 3] and translation ``t`` (m)."""
     T = np.eye(4)
     T[:3, :3], T[:3, 3] = R, t
     return T
@@ -89,89 +85,46 @@ def real_frames(first: int, n: int) -> list[np.ndarray]:
 FRONT_FIRST, REAR_FIRST = 0, 60  # the two cameras see different parts of the loop
 
 
-def pose_matrix(msg) -> np.ndarray:
-    p, q = msg.pose.position, msg.pose.orientation
-    return rigid(quaternion_to_matrix(np.array([q.x, q.y, q.z, q.w])), (p.x, p.y, p.z))
-
-
-def start_node(name: str, params: Path, log: Path) -> subprocess.Popen:
-    env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(DOMAIN_ID),
-               PYTHONUNBUFFERED="1")
-    cmd = [sys.executable, "-m", "lingbot_map_ros.ros.node", "--ros-args", "--params-file", str(params),
-           "-r", f"__node:={name}"]
-    with open(log, "w") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-
-
-def stop_process(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-
-
-class Client:
-    """The test's side: URDF on /tf_static, image publishers, recorders of every output, services."""
+class Client(GraphClient):
+    """The test's side: URDF on /tf_static, image publishers, recorders of every output (``msgs``
+    keyed by topic), services."""
 
     def __init__(self) -> None:
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context, domain_id=DOMAIN_ID)
-        self.node = rclpy.create_node("multi_camera_test_client", context=self.context)
-        self._cond = threading.Condition()
-        self.msgs: dict[str, list] = {}
-        reliable = QoSProfile(depth=200)
-        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
-                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
-        topics = [("/diagnostics", DiagnosticArray, reliable), ("/tf", TFMessage, reliable),
-                  (f"{NODE}/map_points", PointCloud2, latched)]
+        super().__init__("multi_camera_test_client", DOMAIN_ID, STEP_TIMEOUT)
+        self.record(DiagnosticArray, "/diagnostics", "/diagnostics")
+        self.record(TFMessage, "/tf", "/tf")
         for c in CAMERAS:
-            topics += [(f"{NODE}/{c}/pose", PoseStamped, reliable), (f"{NODE}/{c}/odometry", Odometry, reliable),
-                       (f"{NODE}/{c}/status", Status, reliable)]
-        for topic, kind, qos in topics:
-            self.msgs[topic] = []
-            self.node.create_subscription(kind, topic, self._recorder(topic), qos)
+            for topic, kind in ((f"{NODE}/{c}/pose", PoseStamped), (f"{NODE}/{c}/odometry", Odometry),
+                                (f"{NODE}/{c}/status", Status)):
+                self.record(kind, topic, topic)
+        self._record_latched(PointCloud2, f"{NODE}/map_points")
         self.images = {c: self.node.create_publisher(Image, f"/{c}/image", QoSProfile(depth=10)) for c in CAMERAS}
         self.infos = {c: self.node.create_publisher(CameraInfo, f"/{c}/camera_info", QoSProfile(depth=10))
                       for c in CAMERAS}
         self.urdf = tf2_ros.StaticTransformBroadcaster(self.node)
         self.urdf.sendTransform([transform_stamped(T, Header(frame_id="base_link"), child)
                                  for child, T in EXTRINSICS.items()])
-        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
-        self.executor.add_node(self.node)
-        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
-        self._thread.start()
 
-    def _recorder(self, topic: str):
-        def store(msg) -> None:
-            with self._cond:
-                self.msgs[topic].append(msg)
-                self._cond.notify_all()
-        return store
+    def _record_latched(self, msg_type: type, topic: str) -> None:
+        """Every message on latched ``topic`` (reliable, transient local, depth 1) in ``msgs[topic]``."""
+        store = self.msgs.setdefault(topic, [])
 
-    def wait(self, predicate, timeout: float = STEP_TIMEOUT, what: str = "condition"):
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                value = predicate()
-                if value:
-                    return value
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-                self._cond.wait(min(remaining, 0.05))
+        def callback(msg) -> None:
+            with self.cond:
+                store.append(msg)
+                self.cond.notify_all()
+        latched = QoSProfile(depth=1, reliability=ReliabilityPolicy.RELIABLE,
+                             durability=DurabilityPolicy.TRANSIENT_LOCAL)
+        self.node.create_subscription(msg_type, topic, callback, latched)
 
     def latest(self, topic: str):
-        with self._cond:
+        with self.cond:
             return self.msgs[topic][-1] if self.msgs[topic] else None
 
     def send(self, camera: str, rgb: np.ndarray, stamp: TimeMsg) -> Status:
         """Publish a frame to ``camera`` and wait for the node's status about it."""
         frame_id = "front_optical" if camera == "front" else ""  # rear: camera.rear.camera_frame
-        self.images[camera].publish(rgb_to_image_msg(rgb, Header(stamp=stamp, frame_id=frame_id), "rgb8"))
+        self.images[camera].publish(image_msg(rgb, stamp, frame_id))
         topic = f"{NODE}/{camera}/status"
         return self.wait(lambda: next((s for s in self.msgs[topic] if s.header.stamp == stamp
                                        and not s.state_text.startswith("ready")), None),
@@ -181,34 +134,6 @@ class Client:
         topic = f"{NODE}/{camera}/pose"
         return self.wait(lambda: next((p for p in self.msgs[topic] if p.header.stamp == stamp), None),
                          what=f"the pose of {camera} at {stamp.sec}")
-
-    def call(self, srv_type, name: str, request, timeout: float = STEP_TIMEOUT):
-        client = self.node.create_client(srv_type, name)
-        try:
-            assert client.wait_for_service(timeout_sec=timeout), f"service {name} not available"
-            future = client.call_async(request)
-            deadline = time.monotonic() + timeout
-            while time.monotonic() < deadline and not future.done():
-                time.sleep(0.01)
-            assert future.done(), f"service {name} did not answer within {timeout} s"
-            return future.result()
-        finally:
-            self.node.destroy_client(client)
-
-    def set_param(self, name: str, value):
-        if isinstance(value, bool):
-            v = ParameterValue(type=ParameterType.PARAMETER_BOOL, bool_value=value)
-        elif isinstance(value, int):
-            v = ParameterValue(type=ParameterType.PARAMETER_INTEGER, integer_value=value)
-        else:
-            v = ParameterValue(type=ParameterType.PARAMETER_STRING, string_value=value)
-        request = SetParameters.Request(parameters=[ParameterMsg(name=name, value=v)])
-        return self.call(SetParameters, f"{NODE}/set_parameters", request).results[0]
-
-    def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
 
 
 def node_subscriptions(node, topic: str, name: str = "lingbot_map") -> int:
@@ -223,21 +148,15 @@ def stamp_of(k: int) -> TimeMsg:
 
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory, fixtures):
-    root = fixtures  # skips with a message when the tiny fixture set is absent
     tmp = tmp_path_factory.mktemp("multi_camera")
     frames = {"front": real_frames(FRONT_FIRST, FRAMES + 2), "rear": real_frames(REAR_FIRST, FRAMES + 2)}
-    params = {**NODE_PARAMS, "checkpoint": str(root / "weights.safetensors"),
-              "model_config": str(root / "config.json"), "output_directory": str(tmp / "out")}
-    os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
-    proc = start_node("lingbot_map", write_params_file(tmp / "multi.yaml", params), tmp / "node.log")
+    params = write_node_params(tmp / "multi.yaml", fixtures, {**NODE_PARAMS, "output_directory": str(tmp / "out")})
+    proc = start_node("lingbot_map", params, tmp / "node.log", DOMAIN_ID)
     client = Client()
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while not all(p.get_subscription_count() >= 1 for p in client.images.values()):
-            assert proc.poll() is None, f"the node exited with {proc.returncode}:\n" \
-                                        f"{(tmp / 'node.log').read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "the node did not subscribe to both cameras in time"
-            time.sleep(0.1)
+        client.watch(proc, tmp / "node.log")
+        client.wait(lambda: all(p.get_subscription_count() >= 1 for p in client.images.values()),
+                    timeout=START_TIMEOUT, what="the node to subscribe to both cameras")
         # the node's TF listener (one for every camera's TF output and the extrinsics) has the URDF
         client.wait(lambda: node_subscriptions(client.node, "/tf_static") >= 1, what="the node's /tf_static listener")
         # frames in pairs of equal stamps; each waits for its status, so front's first poses (after its two
@@ -248,7 +167,7 @@ def graph(tmp_path_factory, fixtures):
         yield client, proc, frames, tmp
     finally:
         client.close()
-        stop_process(proc)
+        stop_processes(proc)
 
 
 @pytest.fixture(scope="module")
@@ -419,18 +338,18 @@ def test_per_camera_parameters_at_run_time(graph):
     refused = client.call(SetParameters, f"{NODE}/set_parameters", SetParameters.Request(parameters=[ParameterMsg(
         name="cameras", value=ParameterValue(type=ParameterType.PARAMETER_STRING_ARRAY, string_array_value=["x"]))]))
     assert not refused.results[0].successful  # read-only
-    refused = client.set_param("camera.rear.keyframe_decision_default", "maybe")
+    refused = client.set_parameter(NODE, "camera.rear.keyframe_decision_default", "maybe")
     assert not refused.successful and "camera.rear.keyframe_decision_default" in refused.reason
-    refused = client.set_param("deferred_eviction", True)
+    refused = client.set_parameter(NODE, "deferred_eviction", True)
     assert not refused.successful and "camera.front.deferred_eviction" in refused.reason
-    refused = client.set_param("camera.front.image_width", 112)
+    refused = client.set_parameter(NODE, "camera.front.image_width", 112)
     assert not refused.successful and refused.reason
-    refused = client.set_param("camera.side.image_width", 98)
+    refused = client.set_parameter(NODE, "camera.side.image_width", 98)
     assert not refused.successful
-    ok = client.set_param("camera.rear.deferred_eviction", True)
+    ok = client.set_parameter(NODE, "camera.rear.deferred_eviction", True)
     assert ok.successful, ok.reason
     client.wait(lambda: client.latest(f"{NODE}/rear/status").deferred_eviction, what="rear deferred by parameter")
-    assert client.set_param("camera.rear.deferred_eviction", False).successful
+    assert client.set_parameter(NODE, "camera.rear.deferred_eviction", False).successful
 
 
 @pytest.mark.parametrize("bad, reason", [
@@ -439,11 +358,11 @@ def test_per_camera_parameters_at_run_time(graph):
 ])
 def test_a_bad_camera_parameter_stops_the_node_at_start(graph, tmp_path, bad, reason):
     params = write_params_file(tmp_path / "bad.yaml", {**NODE_PARAMS, **bad})
-    proc = start_node("lingbot_map_bad", params, tmp_path / "bad.log")
+    proc = start_node("lingbot_map_bad", params, tmp_path / "bad.log", DOMAIN_ID)
     try:
         proc.wait(START_TIMEOUT)
     finally:
-        stop_process(proc)
+        stop_processes(proc)
     log = (tmp_path / "bad.log").read_text()
     assert proc.returncode == 1, log
     assert "cannot start" in log and reason in log, log

@@ -14,12 +14,6 @@ selector never calls rear's services.
 """
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -28,22 +22,19 @@ import pytest
 rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
 
 from builtin_interfaces.msg import Time as TimeMsg  # noqa: E402
-from rcl_interfaces.msg import Parameter as ParameterMsg, ParameterType, ParameterValue  # noqa: E402
-from rcl_interfaces.srv import SetParameters  # noqa: E402
-from rclpy.executors import MultiThreadedExecutor  # noqa: E402
 from rclpy.qos import QoSProfile  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
-from std_msgs.msg import Header  # noqa: E402
 
+from graph_helpers import (GraphClient, image_msg, private_domain_id, start_node, start_ros_process,  # noqa: E402
+                           stop_processes, write_node_params)
 from lingbot_map_ros.msg import FrameInfo, Status  # noqa: E402
-from lingbot_map_ros.ros.conversions import rgb_to_image_msg  # noqa: E402
-from lingbot_map_ros.ros.params import write_params_file  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
 SHARED = REPO.parent / "shared"
-DOMAIN_ID = 231 + os.getpid() % 2  # 231..232: no other graph module's range (Fast DDS: at most 232)
+DOMAIN_ID = private_domain_id(__name__, 231, 2, 1, 0)  # 231..232: no other graph module's range (Fast DDS max)
+SELECTOR_MODULE = "lingbot_map_ros.ros.keyframe_selector"
 NODE = "/lingbot_map"
 CAMERAS = ("front", "rear")
 START_TIMEOUT = 90.0
@@ -68,98 +59,29 @@ def real_frames(first: int, n: int) -> list[np.ndarray]:
     return [np.asarray(PILImage.open(p).convert("RGB")) for p in sorted(folder.glob("*.jpg"))[first:first + n]]
 
 
-def ros_env() -> dict[str, str]:
-    return dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(DOMAIN_ID),
-                PYTHONUNBUFFERED="1")
-
-
-def start(args: list[str], log: Path) -> subprocess.Popen:
-    with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", *args], env=ros_env(), cwd=REPO, stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-
-
-def stop(proc: subprocess.Popen) -> int:
-    """SIGINT (Ctrl-C), then kill after 10 s; the exit status."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
-    return proc.returncode
-
-
-class Client:
-    """The test's side: image publishers, recorders of each camera's status and frame info."""
+class Client(GraphClient):
+    """The test's side: image publishers, recorders of each camera's status and frame info
+    (``msgs`` keyed by topic)."""
 
     def __init__(self) -> None:
-        self.context = rclpy.Context()
-        rclpy.init(context=self.context, domain_id=DOMAIN_ID)
-        self.node = rclpy.create_node("multi_camera_selector_test", context=self.context)
-        self._cond = threading.Condition()
-        self.msgs: dict[str, list] = {}
+        super().__init__("multi_camera_selector_test", DOMAIN_ID, STEP_TIMEOUT)
         for c in CAMERAS:
-            for topic, kind in ((f"{NODE}/{c}/status", Status), (f"{NODE}/{c}/frame", FrameInfo)):
-                self.msgs[topic] = []
-                self.node.create_subscription(kind, topic, self._recorder(topic), QoSProfile(depth=200))
+            self.record(Status, f"{NODE}/{c}/status", f"{NODE}/{c}/status")
+            self.record(FrameInfo, f"{NODE}/{c}/frame", f"{NODE}/{c}/frame")
         self.images = {c: self.node.create_publisher(Image, f"/{c}/image", QoSProfile(depth=10)) for c in CAMERAS}
-        self.executor = MultiThreadedExecutor(num_threads=2, context=self.context)
-        self.executor.add_node(self.node)
-        self._thread = threading.Thread(target=self.executor.spin, daemon=True)
-        self._thread.start()
-
-    def _recorder(self, topic: str):
-        def store(msg) -> None:
-            with self._cond:
-                self.msgs[topic].append(msg)
-                self._cond.notify_all()
-        return store
-
-    def wait(self, predicate, timeout: float = STEP_TIMEOUT, what: str = "condition"):
-        deadline = time.monotonic() + timeout
-        with self._cond:
-            while True:
-                value = predicate()
-                if value:
-                    return value
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-                self._cond.wait(min(remaining, 0.05))
 
     def status(self, camera: str) -> Status:
-        with self._cond:
+        with self.cond:
             return self.msgs[f"{NODE}/{camera}/status"][-1]
 
     def send(self, camera: str, rgb: np.ndarray, stamp: TimeMsg) -> Status:
         """Publish a frame to ``camera`` and wait for the node's status about it (a frame behind a
         held one waits for that one's decision)."""
-        self.images[camera].publish(rgb_to_image_msg(rgb, Header(stamp=stamp, frame_id=f"{camera}_optical"), "rgb8"))
+        self.images[camera].publish(image_msg(rgb, stamp, f"{camera}_optical"))
         topic = f"{NODE}/{camera}/status"
         return self.wait(lambda: next((s for s in self.msgs[topic] if s.header.stamp == stamp
                                        and not s.state_text.startswith("ready")), None),
                          what=f"a status of {camera} for stamp {stamp.sec}")
-
-    def set_param(self, name: str, value: float) -> None:
-        client = self.node.create_client(SetParameters, f"{NODE}/set_parameters")
-        try:
-            assert client.wait_for_service(timeout_sec=STEP_TIMEOUT), "the node's set_parameters is not there"
-            request = SetParameters.Request(parameters=[ParameterMsg(name=name, value=ParameterValue(
-                type=ParameterType.PARAMETER_DOUBLE, double_value=float(value)))])
-            future = client.call_async(request)
-            deadline = time.monotonic() + STEP_TIMEOUT
-            while time.monotonic() < deadline and not future.done():
-                time.sleep(0.01)
-            assert future.done() and future.result().results[0].successful, f"cannot set {name}"
-        finally:
-            self.node.destroy_client(client)
-
-    def close(self) -> None:
-        self.executor.shutdown(timeout_sec=2.0)
-        self.node.destroy_node()
-        rclpy.try_shutdown(context=self.context)
 
 
 def stamp_of(k: int) -> TimeMsg:
@@ -170,21 +92,17 @@ def stamp_of(k: int) -> TimeMsg:
 def graph(tmp_path_factory, fixtures):
     tmp = tmp_path_factory.mktemp("multi_camera_selector")
     frames = {"front": real_frames(0, 2 + KEPT + DROPPED), "rear": real_frames(60, 2 + KEPT + DROPPED)}
-    params = {**NODE_PARAMS, "checkpoint": str(fixtures / "weights.safetensors"),
-              "model_config": str(fixtures / "config.json"), "output_directory": str(tmp / "out")}
-    node = start(["lingbot_map_ros.ros.node", "--ros-args", "--params-file",
-                  str(write_params_file(tmp / "multi.yaml", params)), "-r", "__node:=lingbot_map"], tmp / "node.log")
+    params = write_node_params(tmp / "multi.yaml", fixtures, {**NODE_PARAMS, "output_directory": str(tmp / "out")})
+    node = start_node("lingbot_map", params, tmp / "node.log", DOMAIN_ID)
     selector_args = [a for name, value in SELECTOR_PARAMS.items() for a in ("-p", f"{name}:={value}")]
-    selector = start(["lingbot_map_ros.ros.keyframe_selector", "--ros-args", *selector_args,
-                      "--log-level", "keyframe_selector:=debug"], tmp / "selector.log")
+    selector = start_ros_process(SELECTOR_MODULE, [*selector_args, "--log-level", "keyframe_selector:=debug"],
+                                 tmp / "selector.log", DOMAIN_ID)
     client = Client()
     try:
-        deadline = time.monotonic() + START_TIMEOUT
-        while not all(p.get_subscription_count() >= 1 for p in client.images.values()):
-            for proc, log in ((node, "node.log"), (selector, "selector.log")):
-                assert proc.poll() is None, f"{log}: exited with {proc.returncode}:\n{(tmp / log).read_text()[-3000:]}"
-            assert time.monotonic() < deadline, "the node did not subscribe to both cameras in time"
-            time.sleep(0.1)
+        client.watch(node, tmp / "node.log")
+        client.watch(selector, tmp / "selector.log")
+        client.wait(lambda: all(p.get_subscription_count() >= 1 for p in client.images.values()),
+                    timeout=START_TIMEOUT, what="the node to subscribe to both cameras")
         # the selector in the graph: subscribed to front's frame info, a client of front's services
         client.wait(lambda: client.node.count_subscribers(f"{NODE}/front/frame") >= 2
                     and client.node.count_clients(f"{NODE}/front/commit_eviction") >= 1
@@ -193,8 +111,8 @@ def graph(tmp_path_factory, fixtures):
         yield client, node, selector, frames, tmp
     finally:
         client.close()
-        stop(selector)
-        stop(node)
+        stop_processes(selector)  # first: it calls front's services until it ends
+        stop_processes(node)
 
 
 # ------------------------------------------------------------------ tests
@@ -208,7 +126,8 @@ def test_the_selector_decides_for_front_and_rear_streams_without_holds(graph):
         client.send("rear", frames["rear"][i], stamp_of(k))
         k += 1
     client.wait(lambda: client.status("front").decisions_kept == KEPT, what=f"front: {KEPT} decisions kept")
-    client.set_param("conf_threshold", 1000.0)  # valid fraction 0: every held frame dropped
+    result = client.set_parameter(NODE, "conf_threshold", 1000.0)  # valid fraction 0: every held frame dropped
+    assert result.successful, f"cannot set conf_threshold: {result.reason}"
     for i in range(2 + KEPT, 2 + KEPT + DROPPED):
         client.send("front", frames["front"][i], stamp_of(k))
         client.send("rear", frames["rear"][i], stamp_of(k))
@@ -234,7 +153,8 @@ def test_the_selector_decides_for_front_and_rear_streams_without_holds(graph):
     assert rear.frame_index == rear.frames_processed == 2 + KEPT + DROPPED
     assert client.msgs[f"{NODE}/rear/frame"] and not any(m.decision_pending for m in client.msgs[f"{NODE}/rear/frame"])
 
-    assert stop(selector) == 0
+    stop_processes(selector)
+    assert selector.returncode == 0
     log = (tmp / "selector.log").read_text()
     assert f"deciding keyframes of {NODE}/front (the frames it holds)" in log
     for index in (3, 4, 5):
