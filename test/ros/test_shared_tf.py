@@ -11,6 +11,7 @@ import pytest
 from lingbot_map_ros.ros.conversions import OPTICAL_TO_REP103, transform_stamped
 from lingbot_map_ros.ros.params import resolve_settings
 from lingbot_map_ros.ros.tf_tools import SharedTf, TfOutput, transform_to_matrix
+from test_ros_tf_and_files import FakeNode  # a fake rclpy node recording what tf2_ros creates on it
 
 pytestmark = pytest.mark.ros
 pytest.importorskip("tf2_ros", reason="tf2_ros not importable: install ../shared/ros_extras "
@@ -30,39 +31,6 @@ def rigid(R: np.ndarray, t) -> np.ndarray:
 T_BASE_FRONT = rigid(R_OPT, (0.2, 0.0, 0.5))
 T_BASE_REAR = rigid(np.diag([-1.0, -1.0, 1.0]) @ R_OPT, (-0.3, 0.05, 0.5))
 T_ODOM_BASE = rigid(np.eye(3), (3.0, 1.0, 0.0))
-
-
-class FakeNode:
-    """Enough of an rclpy node for tf2_ros' broadcaster and listener: records the publishers and
-    subscriptions made on it, what is sent and the info lines."""
-
-    def __init__(self) -> None:
-        self.sent: list = []
-        self.publishers: list[str] = []
-        self.subscriptions: list[str] = []
-        self.infos: list[str] = []
-
-    def create_publisher(self, msg_type, topic, qos, **kwargs):
-        self.publishers.append(topic)
-        node = self
-
-        class Pub:
-            def publish(self, msg) -> None:
-                node.sent.extend(msg.transforms)
-        return Pub()
-
-    def create_subscription(self, msg_type, topic, callback, qos, **kwargs):
-        self.subscriptions.append(topic)
-        return topic
-
-    def destroy_subscription(self, sub) -> None:
-        pass
-
-    def get_logger(self):
-        return self
-
-    def info(self, text: str) -> None:
-        self.infos.append(text)
 
 
 def stamp(sec: int):
