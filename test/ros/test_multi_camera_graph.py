@@ -53,6 +53,8 @@ START_TIMEOUT = 90.0
 STEP_TIMEOUT = 30.0
 FRAMES = 4
 NODE_PARAMS = {"num_scale_frames": 2, "sliding_window": 3, "keyframe_interval": 1, "camera_iterations": 4,
+               # reliable input: a best-effort reader may miss a frame sent right after discovery
+               "input_qos": "reliable",
                "device": "cpu", "image_width": WIDTH["front"], "map_publish_rate": 10.0, "input_timeout": 30.0,
                "conf_threshold": 1.0, "point_stride": 1, "map_voxel_size": 0.0, "service_timeout": 20.0,
                "path_publish_rate": 20.0, "publish_depth": False, "cameras": list(CAMERAS),

@@ -42,6 +42,8 @@ STEP_TIMEOUT = 30.0
 DECISION_TIMEOUT = 10.0  # front's hold: far longer than the selector needs (a timeout would fail the test)
 KEPT, DROPPED = 3, 2  # front's held frames the selector keeps, then drops
 NODE_PARAMS = {"num_scale_frames": 2, "sliding_window": 3, "keyframe_interval": 1, "camera_iterations": 4,
+               # reliable input: a best-effort reader may miss a frame sent right after discovery
+               "input_qos": "reliable",
                "device": "cpu", "image_width": 98, "input_timeout": 30.0, "conf_threshold": 0.0,
                "service_timeout": 20.0, "publish_depth": False, "publish_points": False, "publish_map": False,
                "publish_tf": False, "cameras": list(CAMERAS), "camera.rear.camera_frame": "rear_optical",
