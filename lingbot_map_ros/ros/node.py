@@ -710,6 +710,7 @@ def _spin_quietly(executor) -> None:
 
 
 SERVICE_THREADS = 4  # concurrent service calls (a slow ~/save_map does not block ~/reset)
+THREAD_JOIN_S = 10.0  # s; how long shutdown waits for the service thread to leave rclpy
 SPIN_PERIOD = 0.2  # s; the main loop's longest wait, so SIGINT/SIGTERM are handled promptly
 GIL_SWITCH_ENV = "LINGBOT_GIL_SWITCH_MS"
 GIL_SWITCH_MS = 0.5
@@ -735,6 +736,17 @@ def set_gil_switch_interval(environ=os.environ) -> float:
     if ms > 0:
         sys.setswitchinterval(ms / 1e3)
     return sys.getswitchinterval()
+
+
+def _join_threads(extra: list[threading.Thread], timeout: float) -> list[str]:
+    """Join ``extra`` and every live thread named ``lingbot_map*`` within ``timeout`` seconds in all;
+    returns the names of those still alive."""
+    deadline = time.monotonic() + timeout
+    threads = {t for t in threading.enumerate() if t.name.startswith("lingbot_map")} | set(extra)
+    threads.discard(threading.current_thread())
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    return sorted(t.name for t in threads if t.is_alive())
 
 
 def _interrupt(signum, frame) -> None:
@@ -791,6 +803,17 @@ def main(args: list[str] | None = None) -> int:
         executor.shutdown(timeout_sec=1.0)
         node.destroy_node()
         rclpy.try_shutdown()
+        # A thread of ours may still be returning from rclpy's (or torch's) C++ code: if the
+        # interpreter finalized under it, CPython would end it with pthread_exit, whose unwinding
+        # through a noexcept C++ frame aborts the process ("terminate called without an active
+        # exception"). So wait for them; one that never returns is left behind by a hard exit.
+        left = _join_threads([service_thread], THREAD_JOIN_S)
+        if left:
+            rclpy.logging.get_logger(NODE_NAME).warning(
+                f"threads {', '.join(left)} did not stop within {THREAD_JOIN_S:.0f} s; exiting without them")
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(0)
     return 0
 
 

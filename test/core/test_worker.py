@@ -208,3 +208,31 @@ def test_gil_switch_interval_is_shortened_and_can_be_kept_or_overridden(capsys):
         assert "ignoring" in capsys.readouterr().err
     finally:
         sys.setswitchinterval(before)
+
+
+def test_shutdown_joins_our_threads_and_names_one_that_hangs():
+    """The node's exit waits for its threads (a thread still in C++ code when the interpreter
+    finalizes aborts the process); one that never returns is named, within the time given."""
+    import threading
+    import time
+
+    pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
+    from lingbot_map_ros.ros.node import _join_threads
+
+    release = threading.Event()
+    slow = threading.Thread(target=lambda: time.sleep(0.3), name="lingbot_map_slow", daemon=True)
+    stuck = threading.Thread(target=release.wait, name="lingbot_map_stuck", daemon=True)
+    unnamed = threading.Thread(target=lambda: time.sleep(0.2), name="services", daemon=True)
+    for thread in (slow, stuck, unnamed):
+        thread.start()
+    try:
+        start = time.monotonic()
+        left = _join_threads([unnamed], timeout=1.0)
+        took = time.monotonic() - start
+        assert left == ["lingbot_map_stuck"]
+        assert not slow.is_alive() and not unnamed.is_alive()
+        assert took < 5.0  # bounded by the timeout, not by the stuck thread
+    finally:
+        release.set()
+        stuck.join(5)
+    assert _join_threads([], timeout=1.0) == []
