@@ -171,6 +171,26 @@ class PoolAttention:
         return self.backend.attend(q, self.pool.k[layer], self.pool.v[layer])
 
 
+class FramewiseAttention:
+    """Global attention of a step whose frames belong to different caches (several cameras'
+    frames in one trunk pass): frame i writes and reads only through ``parts[i]`` (a
+    ``PoolAttention`` of its camera). The aggregator's fused path asks ``parts`` itself;
+    called with q, k, v of all frames' tokens ([S*P, H, D], frame-major) it splits them."""
+
+    def __init__(self, parts: list[PoolAttention]) -> None:
+        if not parts:
+            raise ValueError("FramewiseAttention needs at least one frame")
+        self.parts = list(parts)
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        n = q.shape[0]
+        if n % len(self.parts):
+            raise ValueError(f"{n} tokens do not split into {len(self.parts)} frames")
+        p = n // len(self.parts)
+        return torch.cat([part(layer, q[i * p:(i + 1) * p], k[i * p:(i + 1) * p], v[i * p:(i + 1) * p])
+                          for i, part in enumerate(self.parts)])
+
+
 class PoolFullError(RuntimeError):
     """A ``SharedKVStorage`` lease does not fit; nothing changed."""
 

@@ -22,6 +22,8 @@ from .rope import Rope3DTables, apply_rope2d, apply_rope3d_complex, rope2d_table
 # With the fused kernels the aggregator also uses, where the object has them,
 # ``destinations(layer, n, heads, dim) -> (q_out, k_rows, v_rows, slots)`` (where the
 # kernel writes rotated q and the K/V rows) and ``attend_written(layer, q_out) -> out``.
+# An object with ``parts`` (``cache.pool.FramewiseAttention``, one per frame of the step)
+# makes each frame attend over its own cache: several cameras' frames in one step.
 GlobalAttend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
 
 
@@ -140,7 +142,11 @@ class Aggregator(nn.Module):
             residual = fused_residual
 
             cos2h, sin2h = ropes.halves()
-        global_fusable = fused and hasattr(global_attend, "destinations")
+        # a FramewiseAttention: frame i attends over its own cache through ``framewise[i]``
+        framewise = getattr(global_attend, "parts", None)
+        if framewise is not None and len(framewise) != s:
+            raise ValueError(f"{len(framewise)} per-frame attentions for a step of {s} frames")
+        global_fusable = fused and (framewise is not None or hasattr(global_attend, "destinations"))
         if global_fusable:
             cos3i, sin3i = (t.reshape(-1, t.shape[-1]) for t in tables_interleaved(cos3, sin3))
         else:
@@ -181,6 +187,16 @@ class Aggregator(nn.Module):
 
             def global_fused(qkv: Tensor, attn: nn.Module, layer: int = layer) -> Tensor:
                 n = s * tokens
+                if framewise is not None:  # each frame over its own cache (several cameras in one step)
+                    rows_of = qkv.reshape(n, -1)
+                    outs = []
+                    for i, part in enumerate(framewise):
+                        rows = slice(i * tokens, (i + 1) * tokens)
+                        q, k_rows, v_rows, slots = part.destinations(layer, tokens, heads, head_dim)
+                        qk_norm_rope(rows_of[rows], heads, attn.q_norm, attn.k_norm, cos3i[rows], sin3i[rows],
+                                     XOR_INTERLEAVED, q, k_rows, v_rows, slots)
+                        outs.append(part.attend_written(layer, q))
+                    return torch.cat(outs).unsqueeze(0)
                 q, k_rows, v_rows, slots = global_attend.destinations(layer, n, heads, head_dim)
                 qk_norm_rope(qkv.reshape(n, -1), heads, attn.q_norm, attn.k_norm, cos3i, sin3i, XOR_INTERLEAVED,
                              q, k_rows, v_rows, slots)

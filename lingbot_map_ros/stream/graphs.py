@@ -39,7 +39,7 @@ import torch
 from torch import Tensor
 
 from ..cache.flashinfer_backend import FlashInferBackend
-from ..cache.pool import CameraKVCache, DevicePlan, KVPool, PoolAttention
+from ..cache.pool import CameraKVCache, DevicePlan, FramewiseAttention, KVPool, PoolAttention
 from ..config import FA3_TILES
 from ..model.lingbot import LingBotMap, StepOptions, StepOutput
 
@@ -192,6 +192,109 @@ class GraphedStep:
                  self.resolution[0])
 
 
+class BatchedTrunk:
+    """The trunks of several cameras' one-frame steps in one pass: one CUDA graph for this
+    set of cameras (their GraphedSteps, in this order), then each camera's own heads graph.
+
+    Dense layers (DINO, the frame blocks, every projection and MLP) run on all frames at
+    once, where the matrix products fill the GPU better than one frame's ~1000 rows do;
+    global attention stays per camera (``FramewiseAttention``: frame i writes and reads
+    only its camera's pool, through that camera's FlashInfer plan, which
+    ``GraphedStep.prepare`` loaded). After the replay, each camera's levels and position are
+    handed to its own heads graph on the shared output stream, so a camera's outputs, its
+    camera-head cache and its landing are those of its own ``GraphedStep``.
+
+    The steps must share the model, resolution, step options and output stream, and each
+    must have captured its own graphs (its heads graph is replayed here). ``capture=False``
+    runs the same computation eagerly (CPU tests of the batched maths).
+    """
+
+    def __init__(self, steps: list[GraphedStep], *, capture: bool = True, trunk_pool=None) -> None:
+        if len(steps) < 2:
+            raise ValueError("a batched trunk needs at least two cameras' steps")
+        first = steps[0]
+        for st in steps[1:]:
+            if st.model is not first.model or st.resolution != first.resolution or st.options is not first.options:
+                raise ValueError("batched steps must share the model, the resolution and the step options")
+            if st.output_stream is not first.output_stream:
+                raise ValueError("batched steps must share their output stream")
+        if capture and any(st.heads_graph is None for st in steps):
+            raise ValueError("every step must have captured its own graphs before it joins a batch")
+        self.steps = list(steps)
+        self.model, self.options, self.resolution = first.model, first.options, first.resolution
+        self.capture, self.trunk_pool = capture, trunk_pool
+        device = first.image.device
+        h, w = first.resolution
+        self.image = torch.zeros(len(steps), 3, h, w, dtype=torch.float32, device=device)
+        self.positions = torch.zeros(len(steps), dtype=torch.long, device=device)
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self._levels: list[Tensor] | None = None
+        self._handed = torch.cuda.Event() if capture else None
+        self._handed_once = False
+        self.replays = 0
+
+    def launch(self, frames: list[Tensor], dplans: list[DevicePlan]) -> list[StepOutput]:
+        """frames[i] [1, 3, H, W] float32 of camera i; dplans[i] its one-frame phase-2 plan (loaded
+        into its step by ``prepare`` here unless already). Returns each camera's outputs (its
+        heads graph's static tensors), complete in the order of the output stream."""
+        if len(frames) != len(self.steps) or len(dplans) != len(self.steps):
+            raise ValueError(f"a batch of {len(self.steps)} cameras takes {len(self.steps)} frames and plans")
+        for step, dplan in zip(self.steps, dplans):
+            if step._prepared is not dplan.plan:
+                step.prepare(dplan)
+        current = torch.cuda.current_stream(self.image.device) if self.capture else None
+        if self._handed_once:  # the previous heads have taken their inputs
+            current.wait_event(self._handed)
+        for i, (frame, dplan) in enumerate(zip(frames, dplans)):
+            self.image[i].copy_(frame.reshape(self.image.shape[1:]), non_blocking=True)
+            self.positions[i].fill_(dplan.plan.first_position)
+        for step in self.steps:
+            step._prepared = None
+        if not self.capture:
+            levels = self._trunk()
+            return [step._heads([lv[i:i + 1] for lv in levels], self.positions[i:i + 1])
+                    for i, step in enumerate(self.steps)]
+        if self.graph is None:
+            self._capture()
+        self.graph.replay()
+        heads = self.steps[0].output_stream
+        heads.wait_stream(current)
+        with torch.cuda.stream(heads):
+            for i, step in enumerate(self.steps):
+                for dst, src in zip(step._head_levels, self._levels):
+                    dst.copy_(src[i:i + 1])
+                step.head_positions.copy_(self.positions[i:i + 1])
+            self._handed.record(heads)
+            for step in self.steps:
+                step.heads_graph.replay()
+                step.replays += 1
+        self._handed_once = True
+        self.replays += 1
+        return [step._out for step in self.steps]
+
+    def _trunk(self) -> list[Tensor]:
+        attend = FramewiseAttention([PoolAttention(st.pool, st.backend, st.write_slots) for st in self.steps])
+        return self.model.trunk(self.image, self.positions, attend, phase1=False, sequence_start=False,
+                                options=self.options)
+
+    def _capture(self) -> None:
+        # as GraphedStep._capture: a warm-up on a side stream, then the capture; both write the
+        # same K/V into the same slots as the replay that follows
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream()
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            levels = self._trunk()
+        current.wait_stream(side)
+        del levels
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.trunk_pool, capture_error_mode="thread_local"):
+            levels = self._trunk()
+        self.graph, self._levels = graph, levels
+        log.info("captured the trunk of %d cameras' steps at %dx%d in one CUDA graph", len(self.steps),
+                 self.resolution[1], self.resolution[0])
+
+
 def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, num_pages: int,
                       resolution: tuple[int, int], variant: str, dtype: torch.dtype, options: StepOptions, *,
                       kv_splits: int | None = None, min_pages: int = 1, fa3_tiles: tuple[int, int, int] = FA3_TILES,
@@ -209,4 +312,4 @@ def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, nu
                        heads_pool=heads_pool, output_stream=output_stream)
 
 
-__all__ = ["GraphedStep", "make_graphed_step"]
+__all__ = ["GraphedStep", "BatchedTrunk", "make_graphed_step"]

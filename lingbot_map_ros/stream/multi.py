@@ -82,6 +82,32 @@ class CameraSessions:
     def names(self) -> list[str]:
         return list(self.sessions)
 
+    def submit_many(self, frames: Mapping[str, object], keyframes: Mapping[str, bool | None] | None = None
+                    ) -> dict[str, object]:
+        """One frame for each named camera: those whose steps can go together run in one batched
+        trunk (``session.submit_batch``), the others on their own. Returns per camera its
+        ``PendingResults`` or the exception its ``submit`` raised. Cameras with windowed
+        restarts (a ``LongStreamSession``) are submitted on their own."""
+        from .session import submit_batch
+
+        keyframes = keyframes or {}
+        unknown = [c for c in frames if c not in self.sessions]
+        if unknown:
+            raise KeyError(f"unknown cameras {unknown}; cameras: {self.names}")
+        batchable = [c for c in frames if self.sessions[c] is self.inner[c]]
+        out: dict[str, object] = {}
+        if batchable:
+            results = submit_batch([self.inner[c] for c in batchable], [frames[c] for c in batchable],
+                                   [keyframes.get(c) for c in batchable])
+            out.update(zip(batchable, results))
+        for c in frames:
+            if c not in out:
+                try:
+                    out[c] = self.sessions[c].submit(frames[c], keyframes.get(c))
+                except Exception as exc:
+                    out[c] = exc
+        return {c: out[c] for c in frames}
+
     def wait(self) -> None:
         """Take every camera's in-flight results onto the host (the GPU is idle afterwards)."""
         for inner in self.inner.values():

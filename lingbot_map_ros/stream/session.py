@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -34,7 +35,7 @@ from ..config import SPECIAL_TOKENS, StreamConfig
 from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
 from ..model.lingbot import LingBotMap, StepOptions
 from .errors import FrameMismatchError, InvalidFrameError, SessionError
-from .graphs import GraphedStep, make_graphed_step
+from .graphs import BatchedTrunk, GraphedStep, make_graphed_step
 from .landing import LandingRing
 from .results import FrameResult
 
@@ -71,6 +72,17 @@ class PendingResults:
         return self._results
 
 
+@dataclass
+class _PlannedStep:
+    """A step planned but not launched (``StreamingSession._plan_run``)."""
+
+    plan: StepPlan
+    dplan: object  # DevicePlan
+    prepared: bool  # dplan is already loaded into ``graphed`` (speculated)
+    tokens: int  # per frame
+    graphed: GraphedStep | None  # the graphed step that may run it (None: eager)
+
+
 class _SharedGpuState:
     """Device memory that sessions on one ``SharedKVStorage`` share because their steps run in
     turn: FlashInfer's float workspace (128 MiB per backend otherwise; each session has an
@@ -82,6 +94,18 @@ class _SharedGpuState:
     def __init__(self, workspace: Tensor | None) -> None:
         self.workspace = workspace
         self._graphs: dict | None = None
+        # batched trunks (several cameras' steps in one pass) by their cameras' GraphedSteps
+        self.batches: dict[tuple[str, ...], BatchedTrunk] = {}
+
+    def batch_for(self, owners: tuple[str, ...], steps: list[GraphedStep]) -> BatchedTrunk:
+        """The batched trunk of these cameras' current steps (made on first use; remade when a
+        camera's step was rebuilt: a new resolution or a moved storage)."""
+        batch = self.batches.get(owners)
+        if batch is None or any(a is not b for a, b in zip(batch.steps, steps)):
+            capture = steps[0].capture
+            pool = self.graph_kwargs()["trunk_pool"] if capture else None
+            batch = self.batches[owners] = BatchedTrunk(steps, capture=capture, trunk_pool=pool)
+        return batch
 
     def graph_kwargs(self) -> dict:
         if self._graphs is None:
@@ -143,6 +167,10 @@ class StreamingSession:
         self._last_stored_frame: int | None = None
         self._graphed: GraphedStep | None = None  # the one-frame step as a CUDA graph (see graphs.py)
         self.graph_fallbacks = 0  # one-frame steps that ran without their graph (UngraphableStep)
+        self.batched_steps = 0  # one-frame steps that ran in a batched trunk with other cameras' (submit_batch)
+        # tests on the CPU: run the graphed steps' static-shape path eagerly (no capture), each
+        # with a backend of its own, so batched steps (submit_batch) run there too
+        self.static_steps_on_cpu = False
         # the next graphed step, planned and loaded while the GPU ran the current one
         self._next: tuple[StepPlan, object] | None = None
         self._landing: LandingRing | None = None  # page-locked landing buffers of the outputs (CUDA)
@@ -300,8 +328,7 @@ class StreamingSession:
                 return self._run(frames, hosts, store=True)
             finally:
                 self._pending.clear()
-        store = self.is_keyframe_index(self._frames_pushed) if keyframe is None else bool(keyframe)
-        return self._run(frame[None], [host], store=store)
+        return self._run(frame[None], [host], store=self._store_decision(keyframe))
 
     def wait(self) -> None:
         """Take the results of every submitted step onto the host (they stay with their
@@ -398,12 +425,21 @@ class StreamingSession:
     @torch.inference_mode()
     def _run(self, frames: Tensor, hosts: list[Tensor], store: bool) -> PendingResults:
         t0 = time.perf_counter()
+        step = self._plan_run(frames, store)
+        self._make_room()
+        return self._launch_planned(frames, hosts, step, t0)
+
+    def _plan_run(self, frames: Tensor, store: bool) -> _PlannedStep:
+        """Everything of a step before its launch: the cache for the frames' size, the page
+        plan (checked against the camera's extent), its device tensors (the speculated ones
+        when the plan matches) and the graphed step that may run it. Changes no cache state
+        (``PageTable.apply`` comes after the launch); raises CacheFullError when it cannot be
+        stored."""
         s, _, h, w = frames.shape
         self._ensure_cache(h, w)
         if self._storage is not None and self._storage.generation != self._pool_generation:
             self._rebind_storage()
-        pages, pool, camera = self._pages, self._pool, self._camera
-        plan: StepPlan = pages.plan_step(s, store)
+        plan: StepPlan = self._pages.plan_step(s, store)
         if self._storage is not None:  # never a page of another camera's extent
             self._storage.check_pages(self._owner, plan.read_pages + plan.frame_pages, max(plan.special_slots))
         tokens = SPECIAL_TOKENS + plan.page_size
@@ -411,32 +447,58 @@ class StreamingSession:
         prepared = speculated is not None and speculated[0] == plan
         dplan = speculated[1] if prepared else make_device_plan(plan, tokens, self.device)
         graphed = self._graphed_step() if s == 1 and not plan.phase1 else None
-        self._make_room()
+        return _PlannedStep(plan, dplan, prepared, tokens, graphed)
+
+    def _launch_planned(self, frames: Tensor, hosts: list[Tensor], step: _PlannedStep, t0: float) -> PendingResults:
+        plan, dplan, graphed = step.plan, step.dplan, step.graphed
         out = None
         if graphed is not None:
             try:
-                out = graphed.launch(frames, dplan, prepared=prepared)
+                out = graphed.launch(frames, dplan, prepared=step.prepared)
             except UngraphableStep as exc:  # nothing ran yet: this step goes without the graph
-                self.graph_fallbacks += 1
-                if self.graph_fallbacks == 1 or self.graph_fallbacks % 1000 == 0:
-                    log.warning("step without its CUDA graph (%d so far): %s", self.graph_fallbacks, exc)
+                self._note_graph_fallback(exc)
                 graphed = None
         if out is None:
             if self._graphed is not None and self._graphed.output_stream is not None:
                 # heads of graphed steps still in flight write the camera cache: they go first
                 torch.cuda.current_stream(self.device).wait_stream(self._graphed.output_stream)
-            out = self._eager_step(frames, plan, dplan, pool, camera)
-        pages.apply(plan)  # only now does the step become part of the cache
+            out = self._eager_step(frames, plan, dplan, self._pool, self._camera)
+        return self._complete(frames, hosts, out, step, t0, graphed)
 
+    def _note_graph_fallback(self, exc: Exception) -> None:
+        self.graph_fallbacks += 1
+        if self.graph_fallbacks == 1 or self.graph_fallbacks % 1000 == 0:
+            log.warning("step without its CUDA graph (%d so far): %s", self.graph_fallbacks, exc)
+
+    def _complete(self, frames: Tensor, hosts: list[Tensor], out, step: _PlannedStep, t0: float,
+                  graphed: GraphedStep | None) -> PendingResults:
+        """After the launch: the step becomes part of the cache, its outputs start landing, and
+        the next step is speculated (graphed steps)."""
+        plan = step.plan
+        s = frames.shape[0]
+        self._pages.apply(plan)  # only now does the step become part of the cache
         first_frame = 0 if plan.phase1 else self._frames_pushed
         self._frames_pushed = first_frame + s
-        if store:
+        if plan.store:
             self._last_stored_frame = first_frame + s - 1
         pending = self._land(frames, hosts, out, plan, first_frame, t0,
                              graphed.output_stream if graphed is not None else None)
         if graphed is not None:
-            self._speculate(graphed, tokens)
+            self._speculate(graphed, step.tokens)
         return pending
+
+    # ------------------------------------------------------------------ batched steps (several cameras)
+    def _batchable(self, host: Tensor) -> bool:
+        """Whether this checked frame can join a batched step now: its one-frame phase-2 step
+        at the running resolution has a captured CUDA graph on the current storage."""
+        g = self._graphed
+        return (g is not None and (g.graph is not None or not g.capture) and not self._pending
+                and self._pages is not None and not self._pages.in_phase1
+                and self._storage is not None and self._storage.generation == self._pool_generation
+                and tuple(host.shape[:2] if host.dtype == torch.uint8 else host.shape[-2:]) == self._resolution)
+
+    def _store_decision(self, keyframe: bool | None) -> bool:
+        return self.is_keyframe_index(self._frames_pushed) if keyframe is None else bool(keyframe)
 
     def _rebind_storage(self) -> None:
         """The shared storage moved (it grew for another owner): view the new allocation (the
@@ -484,6 +546,11 @@ class StreamingSession:
 
     def _graphed_step(self) -> GraphedStep | None:
         """The CUDA-graph step for the current pool, made on first use; None where graphs do not apply."""
+        if self.static_steps_on_cpu and self.device.type == "cpu":
+            if self._graphed is None:
+                self._graphed = GraphedStep(self.model, self._pool, self._camera, make_backend(self.cfg.backend, self.device),
+                                            self._resolution, self.step_options, capture=False)
+            return self._graphed
         if not self.cfg.cuda_graphs or self.device.type != "cuda" or not self.backend.name.startswith("flashinfer"):
             return None
         if self._graphed is None:
@@ -574,5 +641,93 @@ class StreamingSession:
         return results
 
 
-__all__ = ["StreamingSession", "FrameResult", "PendingResults", "SessionError", "FrameMismatchError",
+@torch.inference_mode()
+def submit_batch(sessions: list[StreamingSession], images: list, keyframes: list[bool | None] | None = None
+                 ) -> list[PendingResults | Exception]:
+    """Submit one frame to each of several cameras' sessions (on one ``SharedKVStorage``, driven
+    from one thread), running the frames that can go together in one batched trunk
+    (``graphs.BatchedTrunk``): each camera's frame attends over its own cache only, and each
+    camera gets exactly what ``sessions[i].submit(images[i], keyframes[i])`` would give.
+
+    A frame joins the batch when its camera's one-frame step has a captured CUDA graph at the
+    running resolution (phase 2, storage unchanged); the others (scale frames, a first frame
+    at a new size, eager backends) are submitted on their own, as are the batch's frames when
+    fewer than two can go together. Returns per camera its ``PendingResults``, or the
+    exception its ``submit`` would have raised (an invalid frame, a full cache); a failing
+    camera changes nothing of its own state and nothing of the others'.
+    """
+    n = len(sessions)
+    if len(images) != n or (keyframes is not None and len(keyframes) != n):
+        raise ValueError(f"submit_batch: {n} sessions, {len(images)} images, "
+                         f"{n if keyframes is None else len(keyframes)} keyframe decisions")
+    if len({id(x) for x in sessions}) != n:
+        raise ValueError("submit_batch: a session appears twice (one frame per camera and batch)")
+    keyframes = list(keyframes) if keyframes is not None else [None] * n
+    results: list[PendingResults | Exception | None] = [None] * n
+    single: list[int] = []
+    groups: dict[tuple, list[int]] = {}
+    for i, session in enumerate(sessions):
+        try:
+            host = session.check_frame(images[i])
+        except Exception as exc:  # InvalidFrameError: as submit would raise it
+            results[i] = exc
+            continue
+        shared = session._shared
+        if shared is None or not session._batchable(host):
+            single.append(i)
+        else:
+            groups.setdefault((id(shared), session._resolution), []).append(i)
+    for members in groups.values():
+        if len(members) < 2:
+            single.extend(members)
+            continue
+        t0 = time.perf_counter()
+        planned, frames, hosts = [], [], []
+        for i in members:
+            session = sessions[i]
+            host = session.check_frame(images[i])
+            frame = session._device_frame(host)[None]
+            try:
+                step = session._plan_run(frame, session._store_decision(keyframes[i]))
+                if not step.prepared:
+                    step.graphed.prepare(step.dplan)
+                    step.prepared = True
+            except UngraphableStep as exc:
+                session._note_graph_fallback(exc)
+                single.append(i)
+                continue
+            except Exception as exc:  # CacheFullError, CrossedExtentError: nothing changed
+                results[i] = exc
+                continue
+            session._make_room()
+            planned.append((i, step))
+            frames.append(frame)
+            hosts.append(host)
+        if len(planned) == 1:  # the others dropped out: this one goes on its own
+            (i, step), = planned
+            results[i] = sessions[i]._launch_planned(frames[0], [hosts[0]], step, t0)
+            continue
+        if not planned:
+            continue
+        owners = tuple(sessions[i]._owner for i, _ in planned)
+        batch = sessions[planned[0][0]]._shared.batch_for(owners, [step.graphed for _, step in planned])
+        try:
+            outs = batch.launch(frames, [step.dplan for _, step in planned])
+        except Exception as exc:  # nothing was applied: every camera of the batch keeps its state
+            for i, _ in planned:
+                results[i] = exc
+            continue
+        for (i, step), frame, host, out in zip(planned, frames, hosts, outs):
+            session = sessions[i]
+            session.batched_steps += 1
+            results[i] = session._complete(frame, [host], out, step, t0, step.graphed)
+    for i in single:
+        try:
+            results[i] = sessions[i].submit(images[i], keyframes[i])
+        except Exception as exc:
+            results[i] = exc
+    return results
+
+
+__all__ = ["StreamingSession", "submit_batch", "FrameResult", "PendingResults", "SessionError", "FrameMismatchError",
            "InvalidFrameError", "CacheError", "CacheFullError"]

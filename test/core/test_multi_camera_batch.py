@@ -1,0 +1,236 @@
+"""Several cameras' frames in one batched trunk (``stream.session.submit_batch``, issue 20).
+
+On the CPU the graphed steps' static-shape path runs eagerly (``static_steps_on_cpu``), so
+the batched trunk (``graphs.BatchedTrunk`` with ``capture=False``) and all the bookkeeping
+around it (plans, speculation, landing, per-camera heads) run here; the GPU test
+(``test/gpu/test_multi_camera_gpu.py``) replays the same through CUDA graphs. Per camera the
+outputs must equal a separate single-camera replay (fp32, <= 1e-4), whatever subsets of
+cameras arrive together; a camera that fails in a batch changes nothing of the others.
+"""
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from lingbot_map_ros.cache.pool import FramewiseAttention, KVPool, PoolAttention, make_device_plan
+from lingbot_map_ros.cache.pages import PageTable
+from lingbot_map_ros.cache.attention import make_backend
+from lingbot_map_ros.config import StreamConfig
+from lingbot_map_ros.stream.errors import InvalidFrameError
+from lingbot_map_ros.stream.graphs import BatchedTrunk
+from lingbot_map_ros.stream.multi import CameraSessions
+from lingbot_map_ros.stream.session import StreamingSession, submit_batch
+
+TOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def images(fixtures):
+    return torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])
+
+
+def cfg(fixture_config, **kw) -> StreamConfig:
+    return StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa", **kw)
+
+
+def sequences(images, n: int) -> list[list[torch.Tensor]]:
+    frames = list(images)
+    out = [frames, frames[::-1], frames[5:] + frames[:5], frames[3:] + frames[:3]]
+    return out[:n]
+
+
+def replay(model, config: StreamConfig, frames, keyframes=None) -> list:
+    s = StreamingSession(model, config)
+    out = []
+    for i, f in enumerate(frames):
+        out += s.push(f, None if keyframes is None else keyframes[i])
+    return out
+
+
+def assert_same(results, reference) -> None:
+    assert [r.frame_index for r in results] == [r.frame_index for r in reference]
+    assert [r.is_keyframe for r in results] == [r.is_keyframe for r in reference]
+    for a, b in zip(results, reference):
+        for name in ("pose_enc", "depth", "confidence"):
+            d = float(np.abs(getattr(a, name) - getattr(b, name)).max())
+            assert d <= TOL, f"{name} of frame {a.frame_index}: {d}"
+
+
+def batched_cameras(model, fixture_config, n: int, **kw) -> CameraSessions:
+    cams = CameraSessions(model, {f"cam{i}": (cfg(fixture_config, **kw), None) for i in range(n)})
+    for inner in cams.inner.values():
+        inner.static_steps_on_cpu = True
+    return cams
+
+
+def collect(pending, name, sink) -> None:
+    if isinstance(pending, Exception):
+        raise AssertionError(f"{name}: {type(pending).__name__}: {pending}")
+    sink[name] += pending.result()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_batched_cameras_equal_their_single_camera_replays_in_any_arrival_pattern(tiny_model, fixture_config,
+                                                                                 images, seed):
+    config = cfg(fixture_config)
+    cams = batched_cameras(tiny_model, fixture_config, 3)
+    seqs = dict(zip(cams.names, sequences(images, 3)))
+    nxt = {c: 0 for c in cams.names}
+    results = {c: [] for c in cams.names}
+    rng = random.Random(seed)
+    sizes = []
+    while any(nxt[c] < len(seqs[c]) for c in cams.names):
+        left = [c for c in cams.names if nxt[c] < len(seqs[c])]
+        arriving = rng.sample(left, rng.randint(1, len(left)))  # any subset arrives together
+        out = cams.submit_many({c: seqs[c][nxt[c]] for c in arriving})
+        sizes.append(len(arriving))
+        for c in arriving:
+            nxt[c] += 1
+        for c, pending in out.items():
+            collect(pending, c, results)
+    for c in cams.names:
+        assert_same(results[c], replay(tiny_model, config, seqs[c]))
+    batched = {c: cams.inner[c].batched_steps for c in cams.names}
+    assert sum(batched.values()) >= 4, (batched, sizes)  # the batched trunk really ran
+    assert all(isinstance(b, BatchedTrunk) for b in cams.inner["cam0"]._shared.batches.values())
+
+
+def test_forced_keyframe_decisions_in_a_batch_match_the_replay(tiny_model, fixture_config, images):
+    config = cfg(fixture_config)
+    cams = batched_cameras(tiny_model, fixture_config, 2)
+    seqs = dict(zip(cams.names, sequences(images, 2)))
+    s0 = config.num_scale_frames
+    pattern = {"cam0": [None] * s0 + [i % 3 == 0 for i in range(12 - s0)],
+               "cam1": [None] * s0 + [i % 2 == 1 for i in range(12 - s0)]}
+    results = {c: [] for c in cams.names}
+    for i in range(12):
+        out = cams.submit_many({c: seqs[c][i] for c in cams.names}, {c: pattern[c][i] for c in cams.names})
+        for c, pending in out.items():
+            collect(pending, c, results)
+    for c in cams.names:
+        assert_same(results[c], replay(tiny_model, config, seqs[c], pattern[c]))
+        # the scale frames go together in phase 1 and the next frame captures (here: makes) each
+        # camera's own one-frame step; every later frame ran in the batch
+        assert cams.inner[c].batched_steps == 12 - s0 - 1
+
+
+def test_a_bad_frame_in_a_batch_fails_alone_and_the_others_run(tiny_model, fixture_config, images):
+    config = cfg(fixture_config)
+    cams = batched_cameras(tiny_model, fixture_config, 3)
+    seqs = dict(zip(cams.names, sequences(images, 3)))
+    results = {c: [] for c in cams.names}
+    for i in range(10):
+        out = cams.submit_many({c: seqs[c][i] for c in cams.names})
+        for c, pending in out.items():
+            collect(pending, c, results)
+    small = seqs["cam1"][10][:, :28, :]  # another size than cam1's sequence
+    before = cams.inner["cam1"].frames_pushed, cams.inner["cam1"].stats()
+    out = cams.submit_many({"cam0": seqs["cam0"][10], "cam1": small, "cam2": seqs["cam2"][10]})
+    assert isinstance(out["cam1"], InvalidFrameError) and "size changed" in str(out["cam1"])
+    assert (cams.inner["cam1"].frames_pushed, cams.inner["cam1"].stats()) == before
+    for c in ("cam0", "cam2"):
+        collect(out[c], c, results)
+    out = cams.submit_many({c: seqs[c][i] for c in cams.names for i in [10 if c == "cam1" else 11]})
+    for c, pending in out.items():
+        collect(pending, c, results)
+    for c in cams.names:
+        n = 11 if c == "cam1" else 12
+        assert_same(results[c], replay(tiny_model, config, seqs[c][:n]))
+    s0 = config.num_scale_frames
+    assert cams.inner["cam0"].batched_steps == 12 - s0 - 1
+    assert cams.inner["cam1"].batched_steps == 11 - s0 - 1  # its refused frame never ran
+
+
+def test_a_camera_still_collecting_scale_frames_goes_alone_while_the_others_batch(tiny_model, fixture_config,
+                                                                                  images):
+    config = cfg(fixture_config)
+    cams = batched_cameras(tiny_model, fixture_config, 3)
+    seqs = dict(zip(cams.names, sequences(images, 3)))
+    results = {c: [] for c in cams.names}
+    late = 4  # cam2 starts 4 frames later
+    for i in range(12 + late):
+        frames = {c: seqs[c][i] for c in ("cam0", "cam1") if i < 12}
+        if i >= late:
+            frames["cam2"] = seqs["cam2"][i - late]
+        out = cams.submit_many(frames)
+        for c, pending in out.items():
+            collect(pending, c, results)
+    for c in cams.names:
+        assert_same(results[c], replay(tiny_model, config, seqs[c]))
+    assert cams.inner["cam2"].batched_steps > 0 and cams.inner["cam0"].batched_steps > 0
+
+
+def test_reset_and_rollback_of_one_camera_between_batches(tiny_model, fixture_config, images):
+    config = cfg(fixture_config)
+    cams = batched_cameras(tiny_model, fixture_config, 2)
+    seqs = dict(zip(cams.names, sequences(images, 2)))
+    results = {c: [] for c in cams.names}
+    for i in range(10):
+        for c, pending in cams.submit_many({c: seqs[c][i] for c in cams.names}).items():
+            collect(pending, c, results)
+    cams.sessions["cam1"].wait()
+    assert cams.sessions["cam1"].rollback_last_frame() == 9
+    cams.sessions["cam0"].reset()
+    for i in range(10, 12):
+        for c, pending in cams.submit_many({c: seqs[c][i] for c in cams.names}).items():
+            collect(pending, c, results)
+    # cam1: frame 10 published, then rolled back; frames 11, 12 get indices 9, 10. cam0: a new
+    # sequence, whose first frames are scale frames again
+    expect1 = replay(tiny_model, config, seqs["cam1"][:10]) + _replay_with_rollback(tiny_model, config, seqs["cam1"])
+    assert_same(results["cam1"], expect1)
+    assert_same(results["cam0"][10:], replay(tiny_model, config, seqs["cam0"][10:12]))
+
+
+def _replay_with_rollback(model, config, frames) -> list:
+    s = StreamingSession(model, config)
+    for f in frames[:10]:
+        s.push(f)
+    s.rollback_last_frame()
+    return s.push(frames[10]) + s.push(frames[11])
+
+
+def test_framewise_attention_is_each_frame_over_its_own_pool():
+    torch.manual_seed(0)
+    ps, heads, dim = 8, 2, 8
+    parts, qs, ks, vs, plans = [], [], [], [], []
+    for cam in range(3):
+        table = PageTable(ps, 2, 4, 64, 4)
+        pool = KVPool(1, table.num_pages, ps, heads, dim, torch.float32, torch.device("cpu"))
+        plan = table.plan_step(2, True)
+        table.apply(plan)
+        plan = table.plan_step(1, True)
+        dplan = make_device_plan(plan, ps + 6, torch.device("cpu"))
+        backend = make_backend("sdpa", torch.device("cpu"))
+        backend.begin_step(dplan)
+        pool.k.normal_()
+        pool.v.normal_()
+        parts.append(PoolAttention(pool, backend, dplan.write_slots))
+        qs.append(torch.randn(ps + 6, heads, dim))
+        ks.append(torch.randn(ps + 6, heads, dim))
+        vs.append(torch.randn(ps + 6, heads, dim))
+    snapshot = [(p.pool.k.clone(), p.pool.v.clone()) for p in parts]
+    out = FramewiseAttention(parts)(0, torch.cat(qs), torch.cat(ks), torch.cat(vs))
+    after = [(p.pool.k.clone(), p.pool.v.clone()) for p in parts]
+    for p, (k0, v0) in zip(parts, snapshot):  # back to before, then each frame alone
+        p.pool.k.copy_(k0)
+        p.pool.v.copy_(v0)
+    alone = torch.cat([p(0, q, k, v) for p, q, k, v in zip(parts, qs, ks, vs)])
+    assert torch.equal(out, alone)
+    for p, (k1, v1) in zip(parts, after):
+        assert torch.equal(p.pool.k, k1) and torch.equal(p.pool.v, v1)
+    with pytest.raises(ValueError, match="do not split"):
+        FramewiseAttention(parts)(0, qs[0][:7], ks[0][:7], vs[0][:7])
+
+
+def test_submit_batch_refuses_mismatched_arguments(tiny_model, fixture_config, images):
+    cams = batched_cameras(tiny_model, fixture_config, 2)
+    inner = list(cams.inner.values())
+    with pytest.raises(ValueError, match="appears twice"):
+        submit_batch([inner[0], inner[0]], [images[0], images[1]])
+    with pytest.raises(ValueError, match="2 sessions, 1 images"):
+        submit_batch(inner, [images[0]])
+    with pytest.raises(KeyError, match="unknown cameras"):
+        cams.submit_many({"rear": images[0]})
