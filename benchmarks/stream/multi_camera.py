@@ -14,6 +14,8 @@ graphs, full window, random weights):
   cameras round-robin with ``push`` (as the node's inference thread does). Latency =
   results on the host minus the frame's arrival; per camera median/p95, processed,
   dropped.
+* schedules: ``turn`` (one camera's step at a time) and ``batch`` (the ready cameras' frames
+  in one batched trunk, ``CameraSessions.submit_many``), each on fresh sessions.
 * memory: peak GPU memory allocated from building the sessions to the end, and what one
   camera's cache is (its extent of the shared K/V storage + its camera-head cache), so
   that peak(N) can be compared with peak(1) + (N-1) x one camera's cache.
@@ -56,6 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--seconds", type=float, default=20.0, help="length of the real-time part per camera count")
     p.add_argument("--preset", default="lingbot-map")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--schedule", nargs="+", choices=("turn", "batch"), default=["turn", "batch"],
+                   help="turn: one camera's step at a time; batch: the ready cameras' frames in one batched "
+                        "trunk (CameraSessions.submit_many); each on fresh sessions")
     p.add_argument("--out", type=Path)
     return p.parse_args(argv)
 
@@ -108,8 +113,35 @@ def saturated(cams: CameraSessions, frames: dict, start: int, rounds: int) -> di
             "round_median_ms": round(statistics.median(per_round), 3)}
 
 
-def real_time(cams: CameraSessions, frames: dict, start: int, rate: float, seconds: float) -> dict:
-    """Cameras deliver at ``rate`` Hz; latest-frame slot per camera; round-robin ``push``."""
+def saturated_batch(cams: CameraSessions, frames: dict, start: int, rounds: int) -> dict:
+    """Every camera's frame in one ``submit_many`` per round; a round's results are taken after
+    the next round was launched."""
+    names = list(cams.sessions)
+    pending = None
+    per_round = []
+    torch.cuda.synchronize()
+    t_all = time.perf_counter()
+    for r in range(rounds):
+        t0 = time.perf_counter()
+        out = cams.submit_many({c: frames[c][(start + r) % len(frames[c])] for c in names})
+        if pending is not None:
+            for p in pending.values():
+                p.result()
+        pending = out
+        per_round.append((time.perf_counter() - t0) * 1e3)
+    for p in pending.values():
+        p.result()
+    total = time.perf_counter() - t_all
+    frames_done = rounds * len(names)
+    return {"frames": frames_done, "aggregate_fps": round(frames_done / total, 2),
+            "ms_per_frame": round(total * 1e3 / frames_done, 3),
+            "round_median_ms": round(statistics.median(per_round), 3)}
+
+
+def real_time(cams: CameraSessions, frames: dict, start: int, rate: float, seconds: float,
+              batch: bool = False) -> dict:
+    """Cameras deliver at ``rate`` Hz; latest-frame slot per camera; round-robin ``push`` (or,
+    ``batch``, every ready camera's frame in one ``submit_many``, results taken at once)."""
     names = list(cams.sessions)
     n = len(names)
     period = 1.0 / rate
@@ -142,6 +174,17 @@ def real_time(cams: CameraSessions, frames: dict, start: int, rate: float, secon
             nxt = min(t0 + next_k[c] * period + i * period / n for i, c in enumerate(names)
                       if next_k[c] < total_per_camera)
             time.sleep(max(0.0, min(nxt - time.perf_counter(), 0.005)))
+            continue
+        if batch:
+            taken = {c: slot[c] for c in ready}
+            for c in ready:
+                slot[c] = None
+            out = cams.submit_many({c: frames[c][(start + k) % len(frames[c])] for c, (_, k) in taken.items()})
+            for c, p in out.items():
+                if isinstance(p, Exception):
+                    raise p
+                p.result()
+                lat[c].append((time.perf_counter() - taken[c][0]) * 1e3)
             continue
         c = ready[0]
         turn = (names.index(c) + 1) % n
@@ -187,29 +230,34 @@ def main(argv=None):
 
     runs = []
     for n in args.cameras:
-        names = NAMES[:n]
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated()
-        cams = CameraSessions(model, {c: (cfg, None) for c in names})
-        frames = {c: pool[c] for c in names}
-        start = fill_windows(cams, frames, args)
-        sat = saturated(cams, frames, start, args.saturated_rounds)
-        rt = real_time(cams, frames, start + args.saturated_rounds, args.rate, args.seconds)
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
-        status = cams.pool_status()
-        run = {"cameras": n, "saturated": sat, "real_time": rt,
-               "peak_gpu_memory_gib": round(peak / 2**30, 3),
-               "peak_above_weights_gib": round((peak - base) / 2**30, 3),
-               "one_camera_cache_gib": round(camera_cache_bytes(cams, names[0]) / 2**30, 3),
-               "storage": {"capacity_tokens": status.capacity_tokens, "leased_tokens": status.leased_tokens,
-                           "gib": round(status.nbytes / 2**30, 3), "generation": cams.storage.generation},
-               "graph_fallbacks": sum(s.graph_fallbacks for s in cams.inner.values())}
-        runs.append(run)
-        print(json.dumps(run), flush=True)
-        del cams
+        for schedule in args.schedule:
+            if schedule == "batch" and n == 1:
+                continue  # one camera: nothing to batch
+            names = NAMES[:n]
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            cams = CameraSessions(model, {c: (cfg, None) for c in names})
+            frames = {c: pool[c] for c in names}
+            start = fill_windows(cams, frames, args)
+            batch = schedule == "batch"
+            sat = (saturated_batch if batch else saturated)(cams, frames, start, args.saturated_rounds)
+            rt = real_time(cams, frames, start + args.saturated_rounds, args.rate, args.seconds, batch=batch)
+            torch.cuda.synchronize()
+            peak = torch.cuda.max_memory_allocated()
+            status = cams.pool_status()
+            run = {"cameras": n, "schedule": schedule, "saturated": sat, "real_time": rt,
+                   "peak_gpu_memory_gib": round(peak / 2**30, 3),
+                   "peak_above_weights_gib": round((peak - base) / 2**30, 3),
+                   "one_camera_cache_gib": round(camera_cache_bytes(cams, names[0]) / 2**30, 3),
+                   "storage": {"capacity_tokens": status.capacity_tokens, "leased_tokens": status.leased_tokens,
+                               "gib": round(status.nbytes / 2**30, 3), "generation": cams.storage.generation},
+                   "graph_fallbacks": sum(s.graph_fallbacks for s in cams.inner.values()),
+                   "batched_steps": sum(s.batched_steps for s in cams.inner.values())}
+            runs.append(run)
+            print(json.dumps(run), flush=True)
+            del cams
     single = next((r for r in runs if r["cameras"] == 1), None)
     for r in runs:
         if single is not None:
@@ -221,7 +269,7 @@ def main(argv=None):
               "setting": {"resolution": [args.height, args.width], "backend": args.backend, "dtype": "bf16",
                           "num_scale_frames": args.num_scale_frames, "sliding_window": args.sliding_window,
                           "rate_hz": args.rate, "seconds": args.seconds, "saturated_rounds": args.saturated_rounds,
-                          "input": "uint8 host frames", "scheduling": "cameras in turn, one step each",
+                          "input": "uint8 host frames", "schedules": args.schedule,
                           "weights": f"random (seed {args.seed})"},
               "runs": runs,
               "run": run_record([__file__] + list(sys.argv[1:] if argv is None else argv))}
