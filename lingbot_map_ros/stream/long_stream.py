@@ -78,7 +78,7 @@ from ..io.preprocess import input_size
 from .alignment import AlignmentFit, Sim3, estimate_window_sim3, rotation_angle_deg
 from .errors import FrameMismatchError, SessionError
 from .results import FrameResult
-from .session import StreamingSession
+from .session import PendingResults, StreamingSession
 
 log = logging.getLogger(__name__)
 
@@ -300,20 +300,31 @@ class LongStreamSession:
         results takes them first, oldest first: the motion policy's decision (the latest
         pose), a restart (the kept keyframes), ``rollback_last_frame``. Bad input raises
         InvalidFrameError here and changes nothing."""
+        store = self.before_inner_submit(image, keyframe)
+        return self.after_inner_submit(self.inner.submit(image, keyframe=store))
+
+    def before_inner_submit(self, image: Tensor | np.ndarray, keyframe: bool | None = None) -> bool | None:
+        """The first half of ``submit``: check the frame, decide whether it is stored, restart the
+        window when it is full; returns the decision to hand the inner session with the frame
+        (None: a scale frame, the inner session's own). The caller then submits the frame to
+        ``inner`` (alone, or batched with other cameras' frames: ``stream.session.submit_batch``)
+        and hands the result to ``after_inner_submit``."""
         self.check_frame(image)
         stats = self.inner.stats()
         if self._window_index == 0 and not self._restart_pending and (stats is None or stats.temporal_index == 0):
-            inner = self.inner.submit(image)  # the sequence's scale frames, collected by the inner session
-        else:
-            if keyframe is None and self.long_cfg.keyframe_policy == "motion":
-                self._settle()  # the decision reads the latest pose
-            store = self._decide(keyframe)
-            if self._restart_pending or (store and stats.temporal_index >= self.long_cfg.window_frames):
-                if self.long_cfg.auto_restart or self._restart_pending:
-                    self.restart()
-                else:
-                    store = self._window_full()
-            inner = self.inner.submit(image, keyframe=store)
+            return None  # the sequence's scale frames, collected by the inner session
+        if keyframe is None and self.long_cfg.keyframe_policy == "motion":
+            self._settle()  # the decision reads the latest pose
+        store = self._decide(keyframe)
+        if self._restart_pending or (store and stats.temporal_index >= self.long_cfg.window_frames):
+            if self.long_cfg.auto_restart or self._restart_pending:
+                self.restart()
+            else:
+                store = self._window_full()
+        return store
+
+    def after_inner_submit(self, inner: PendingResults) -> LongPendingResults:
+        """The second half of ``submit``: the inner session's pending results as global ones."""
         self._frames_pushed = self._global_index(self.inner.frames_pushed)
         pending = LongPendingResults(self, inner, self._alignment, self._global_index(0))
         self._unsettled.append(pending)

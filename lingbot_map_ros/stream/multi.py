@@ -84,28 +84,36 @@ class CameraSessions:
 
     def submit_many(self, frames: Mapping[str, object], keyframes: Mapping[str, bool | None] | None = None
                     ) -> dict[str, object]:
-        """One frame for each named camera: those whose steps can go together run in one batched
-        trunk (``session.submit_batch``), the others on their own. Returns per camera its
-        ``PendingResults`` or the exception its ``submit`` raised. Cameras with windowed
-        restarts (a ``LongStreamSession``) are submitted on their own."""
+        """One frame for each named camera, as each camera's ``submit`` would take it, but the
+        frames whose steps can go together run in one batched trunk (``session.submit_batch``:
+        phase-2 one-frame steps with captured CUDA graphs). Returns per camera its pending
+        results, or the exception its ``submit`` raised (that camera is unchanged; the others
+        are not affected). Cameras with windowed restarts decide and restart first, as in
+        ``LongStreamSession.submit``."""
         from .session import submit_batch
 
         keyframes = keyframes or {}
         unknown = [c for c in frames if c not in self.sessions]
         if unknown:
             raise KeyError(f"unknown cameras {unknown}; cameras: {self.names}")
-        batchable = [c for c in frames if self.sessions[c] is self.inner[c]]
         out: dict[str, object] = {}
-        if batchable:
-            results = submit_batch([self.inner[c] for c in batchable], [frames[c] for c in batchable],
-                                   [keyframes.get(c) for c in batchable])
-            out.update(zip(batchable, results))
+        names, stores = [], []
         for c in frames:
-            if c not in out:
+            session = self.sessions[c]
+            if session is self.inner[c]:
+                stores.append(keyframes.get(c))
+            else:  # LongStreamSession: its decision (and restart) before the inner step
                 try:
-                    out[c] = self.sessions[c].submit(frames[c], keyframes.get(c))
+                    stores.append(session.before_inner_submit(frames[c], keyframes.get(c)))
                 except Exception as exc:
                     out[c] = exc
+                    continue
+            names.append(c)
+        results = submit_batch([self.inner[c] for c in names], [frames[c] for c in names], stores) if names else []
+        for c, result in zip(names, results):
+            session = self.sessions[c]
+            out[c] = result if isinstance(result, Exception) or session is self.inner[c] \
+                else session.after_inner_submit(result)
         return {c: out[c] for c in frames}
 
     def wait(self) -> None:

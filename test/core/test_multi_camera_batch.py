@@ -234,3 +234,31 @@ def test_submit_batch_refuses_mismatched_arguments(tiny_model, fixture_config, i
         submit_batch(inner, [images[0]])
     with pytest.raises(KeyError, match="unknown cameras"):
         cams.submit_many({"rear": images[0]})
+
+
+def test_long_stream_cameras_batch_and_restart_their_windows_like_their_own_sessions(tiny_model, fixture_config,
+                                                                                     images):
+    """Windowed restarts (LongStreamSession) decide and restart before the batched step; per
+    camera the results equal a LongStreamSession of its own fed the same frames."""
+    from lingbot_map_ros.config import LongStreamConfig
+    from lingbot_map_ros.stream.long_stream import LongStreamSession
+
+    config = cfg(fixture_config)
+    long_cfg = LongStreamConfig(window_frames=6, overlap_frames=2)
+    cams = CameraSessions(tiny_model, {c: (config, long_cfg) for c in ("cam0", "cam1")})
+    for inner in cams.inner.values():
+        inner.static_steps_on_cpu = True
+    seqs = dict(zip(cams.names, sequences(images, 2)))
+    frames = {c: seqs[c] + seqs[c][::-1] for c in cams.names}  # 24 frames: several windows
+    results = {c: [] for c in cams.names}
+    for i in range(24):
+        for c, pending in cams.submit_many({c: frames[c][i] for c in cams.names}).items():
+            collect(pending, c, results)
+    for c in cams.names:
+        own = LongStreamSession(StreamingSession(tiny_model, config), long_cfg)
+        ref = []
+        for f in frames[c]:
+            ref += own.push(f)
+        assert_same(results[c], ref)
+        assert cams.sessions[c].window_index >= 2  # restarted at least twice
+        assert cams.inner[c].batched_steps > 0
