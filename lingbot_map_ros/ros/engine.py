@@ -403,36 +403,84 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ frames
     def _process(self, frame: InputFrame) -> None:
+        image = self._admit(frame)
+        if image is None:
+            return
+        try:
+            results = self.session.push(image)
+        except Exception as exc:
+            return self._push_failed(frame, exc)
+        self._pushed(frame, results)
+
+    # the two halves of ``_process`` around the session's step, so that a scheduler can run
+    # several cameras' steps together (``CameraScheduler(batch=...)``): ``take_batch_frame``,
+    # ``admit``, the batched submit, then ``complete`` with each camera's outcome
+    def take_batch_frame(self) -> InputFrame | None:
+        """The waiting frame, taken, when this camera's next item is a frame that may run now
+        (no keep/drop decision held, no command queued); else None and nothing is taken."""
+        self._check_hold_deadline()
+        if self._hold is not None:
+            return None
+        return self.queue.take_frame()
+
+    def admit(self, frame: InputFrame) -> Any | None:
+        """The checks and preprocessing of ``frame`` before its step: the image to submit, or
+        None when the frame was dropped (too old, a stamp out of order, an invalid image: each
+        counted and reported as for a frame run alone)."""
+        try:
+            return self._admit(frame)
+        except Exception as exc:  # never let the inference thread die
+            self.log.error(f"unexpected error while handling a frame: {type(exc).__name__}: {exc}")
+            return None
+
+    def complete(self, frame: InputFrame, outcome: Any) -> None:
+        """Handle the outcome of ``frame``'s step (its pending results, or the exception its
+        submit raised) as ``_process`` handles a push's."""
+        try:
+            try:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+                results = outcome.result()
+            except Exception as exc:
+                return self._push_failed(frame, exc)
+            self._pushed(frame, results)
+        except Exception as exc:  # never let the inference thread die
+            self.log.error(f"unexpected error while handling a frame: {type(exc).__name__}: {exc}")
+
+    def _admit(self, frame: InputFrame) -> Any | None:
         s = self.settings
         if s.max_frame_age > 0 and self.now() - frame.stamp_s > s.max_frame_age:
             self.counters.add("frames_dropped_stale")
             self.throttle.emit(self.log.warning, f"dropped a frame older than max_frame_age={s.max_frame_age} s "
                                                  f"(age {self.now() - frame.stamp_s:.2f} s)", kind="too old")
-            return
+            return None
         if not self._stamp_ok(frame):
-            return
+            return None
         self._check_deferral_deadline()
         t0 = time.perf_counter()
         try:
             image = self._model_image(frame)
         except ValueError as exc:
-            return self._drop_invalid(frame.stamp, str(exc))
+            self._drop_invalid(frame.stamp, str(exc))
+            return None
         try:
             self.session.check_frame(image)
         except InvalidFrameError as exc:  # layout, size, too few patches, another resolution than the sequence's
-            return self._drop_invalid(frame.stamp, f"image {frame.rgb.shape[1]}x{frame.rgb.shape[0]}: {exc}")
+            self._drop_invalid(frame.stamp, f"image {frame.rgb.shape[1]}x{frame.rgb.shape[0]}: {exc}")
+            return None
         frame.preprocess_ms = frame.convert_ms + (time.perf_counter() - t0) * 1e3
         self._last_stamp, self._last_stamp_s = frame.stamp, frame.stamp_s
         self._collected.append(frame)
-        try:
-            results = self.session.push(image)
-        except CacheFullError as exc:
+        return image
+
+    def _push_failed(self, frame: InputFrame, exc: Exception) -> None:
+        if isinstance(exc, CacheFullError):
             stats = self.session.stats()
             if self.session.deferred_eviction and stats is not None and stats.pending_evictions > 0:
                 return self._drop_while_deferred(frame, exc)  # the caller's deferral filled the cache
-            return self._on_inference_error(exc)  # e.g. the model's horizon: a new sequence starts
-        except Exception as exc:
-            return self._on_inference_error(exc)
+        return self._on_inference_error(exc)  # e.g. the model's horizon: a new sequence starts
+
+    def _pushed(self, frame: InputFrame, results: list[FrameResult]) -> None:
         if not results:
             n, total = len(self._collected), self.session.cfg.num_scale_frames
             self._set_state(State.INITIALIZING, f"collecting scale frames {n}/{total}")

@@ -269,7 +269,11 @@ class LingBotMapNode(Node):
             channel.attach(self.sessions.sessions[name], self._now)
         self.engine = self.channels[reference].engine  # the reference camera's (in-process use)
         self.outputs = self.channels[reference].outputs
-        self.scheduler = CameraScheduler({name: ch.engine for name, ch in self.channels.items()})
+        batch = self.sessions.submit_many if s.camera_batching else None
+        self.scheduler = CameraScheduler({name: ch.engine for name, ch in self.channels.items()}, batch=batch)
+        if s.camera_batching:
+            self.get_logger().info("camera_batching: the waiting frames of several cameras run in one batched "
+                                   "step where their CUDA graphs allow (bf16, FlashInfer), else in turn")
         self._warn_about_alignment()
 
     def _read_parameters(self) -> NodeSettings:

@@ -216,6 +216,10 @@ PARAMETERS: tuple[Param, ...] = (
           "`image`/`camera_info` with outputs directly under the node. Each name c subscribes c/image (or "
           "c/image/compressed) and c/camera_info, publishes under ~/c/ and takes camera.c.<name> parameters "
           "for the per-camera ones (" + ", ".join(CAMERA_PARAMETERS) + ")"),
+    Param("camera_batching", False, "Several cameras: run the waiting frames of two or more cameras in one "
+          "batched step (one trunk pass; each camera still attends over its own cache) instead of one after "
+          "another. Needs CUDA graphs (bf16, FlashInfer); elsewhere the frames run in turn. Not yet measured "
+          "on a GPU: off by default"),
 )
 
 PARAMETER_NAMES = tuple(p.name for p in PARAMETERS)
@@ -285,6 +289,7 @@ class NodeSettings:
     health_translation_std: float = 0.02
     health_rotation_std_deg: float = 1.0
     cameras: tuple[str, ...] = ()  # empty = one camera, today's names
+    camera_batching: bool = False  # several cameras: batched steps (ros.scheduler)
 
     def __post_init__(self) -> None:
         health_config_from(self)  # the health thresholds together (ConfigError names the parameters)
@@ -379,8 +384,8 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
     return settings
 
 
-_PLAIN_FIELDS = ("seed", "image_width", "input_transport", "input_qos", "max_frame_age", "input_timeout",
-                 "service_timeout", "conf_threshold", "point_stride", "accumulate_map", "map_voxel_size",
+_PLAIN_FIELDS = ("camera_batching", "seed", "image_width", "input_transport", "input_qos", "max_frame_age",
+                 "input_timeout", "service_timeout", "conf_threshold", "point_stride", "accumulate_map", "map_voxel_size",
                  "map_max_points", "map_publish_rate", "path_max_length", "path_publish_rate",
                  "publish_odometry", "publish_pose", "publish_path", "publish_points", "publish_map",
                  "publish_depth", "output_directory", "publish_tf", "tf_mode", "map_frame", "odom_frame",

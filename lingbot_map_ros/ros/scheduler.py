@@ -19,6 +19,14 @@ scheduler is that thread:
   engine counts the old one in its own ``frames_dropped_stale``. The scheduler counts
   per camera the items it ran (``served``).
 
+- Batched steps (``batch``, the node's ``camera_batching``): at the start of a turn, when
+  two or more cameras have a frame waiting as their next item (no command queued, no
+  decision held), their frames are taken together, each checked and preprocessed by its
+  engine (``admit``), submitted in one call (``stream.multi.CameraSessions.submit_many``:
+  one batched trunk where their steps can go together, else one after another) and each
+  outcome handed back to its engine (``complete``). Every camera with a frame then gets
+  its step in that turn; commands and held cameras go through the round-robin as before.
+
 The engines are duck-typed (``Engine``): the node passes ``ros.engine.InferenceEngine``s,
 the unit tests small fakes.
 """
@@ -26,7 +34,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Mapping, Protocol
+from typing import Any, Callable, Mapping, Protocol
 
 from .worker import WorkQueue
 
@@ -44,13 +52,21 @@ class Engine(Protocol):
 
     def run_once(self, timeout: float = 0.0) -> bool: ...
     def stop(self, timeout: float = 5.0) -> None: ...
+    # batched steps only
+    def take_batch_frame(self) -> Any | None: ...
+    def admit(self, frame: Any) -> Any | None: ...
+    def complete(self, frame: Any, outcome: Any) -> None: ...
+
+
+# images by camera -> per camera the pending results or the exception of its submit
+BatchSubmit = Callable[[Mapping[str, Any]], Mapping[str, Any]]
 
 
 class CameraScheduler:
     """Drives ``engines`` (name -> engine, in turn order) from one thread; see the module docstring."""
 
     def __init__(self, engines: Mapping[str, Engine], idle_wait: float = IDLE_WAIT_S,
-                 name: str = "lingbot_map_inference") -> None:
+                 name: str = "lingbot_map_inference", batch: BatchSubmit | None = None) -> None:
         if not engines:
             raise ValueError("CameraScheduler needs at least one camera")
         if not idle_wait > 0:
@@ -60,6 +76,8 @@ class CameraScheduler:
         self.idle_wait = idle_wait
         self.served = {name: 0 for name in self.order}  # items run per camera (inference thread writes)
         self.idle_waits = 0  # passes that found no work and waited on the event
+        self.batch = batch
+        self.batches = 0  # batched submits (two or more cameras' frames in one call)
         self._name = name
         self._next = 0  # index in ``order`` of the camera looked at first in the next pass
         self._wake = threading.Event()
@@ -70,8 +88,13 @@ class CameraScheduler:
 
     # ------------------------------------------------------------------ one pass
     def run_turn(self) -> str | None:
-        """One pass over the cameras from the one after the last served: run the first item found
-        (one engine ``run_once(0)``) and return its camera, or None when nobody had work."""
+        """One pass over the cameras from the one after the last served: with ``batch``, first the
+        waiting frames of two or more cameras together; else run the first item found (one
+        engine ``run_once(0)``). Returns a camera served, or None when nobody had work."""
+        if self.batch is not None:
+            served = self._run_batch()
+            if served:
+                return served[0]
         n = len(self.order)
         for k in range(n):
             i = (self._next + k) % n
@@ -81,6 +104,38 @@ class CameraScheduler:
                 self._next = (i + 1) % n
                 return name
         return None
+
+    def _run_batch(self) -> list[str]:
+        """Take the waiting frames of every camera that has one as its next item; with two or
+        more, submit them in one call. Returns the cameras whose frames were taken (served)."""
+        n = len(self.order)
+        ready = [self.order[(self._next + k) % n] for k in range(n)]
+        ready = [c for c in ready if self.engines[c].queue.pending_frame()]
+        if len(ready) < 2:
+            return []
+        frames = {}
+        for c in ready:
+            frame = self.engines[c].take_batch_frame()
+            if frame is not None:
+                frames[c] = frame
+        images = {}
+        for c, frame in frames.items():
+            self.served[c] += 1
+            image = self.engines[c].admit(frame)
+            if image is not None:
+                images[c] = image
+        outcomes: dict[str, Any] = {}
+        if images:  # one left: its step alone, through the same call (nothing to batch with)
+            self.batches += len(images) >= 2
+            try:
+                outcomes = dict(self.batch(images))
+            except Exception as exc:  # the whole call failed: every camera reports it
+                outcomes = {c: exc for c in images}
+        for c, outcome in outcomes.items():
+            self.engines[c].complete(frames[c], outcome)
+        if frames:
+            self._next = (self.order.index(list(frames)[-1]) + 1) % n
+        return list(frames)
 
     def run_until_idle(self, max_items: int = 1_000_000) -> int:
         """Run turns on the caller's thread until a pass finds no work (tests, in-process use);

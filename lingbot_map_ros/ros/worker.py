@@ -145,6 +145,15 @@ class WorkQueue:
             c.cancel()
         return left
 
+    def take_frame(self) -> Any:
+        """The waiting frame when no command is queued (commands keep their turn before frames),
+        taken from the slot; None otherwise (nothing taken) or when closed."""
+        with self._cond:
+            if self._closed or self._frame is None or self._commands:
+                return None
+            frame, self._frame = self._frame, None
+            return frame
+
     def pending_frame(self) -> bool:
         with self._cond:
             return self._frame is not None

@@ -34,13 +34,20 @@ def frames(n: int, seed: int) -> list[np.ndarray]:
     return [big[10 + i: 304 + i, 20 + 7 * i: 538 + 7 * i].astype(np.uint8) for i in range(n)]
 
 
-def cameras(model, **per_camera):
+def cameras(model, batch: bool = False, **per_camera):
+    """A scheduler over one engine per named camera; ``batch``: batched steps (the node's
+    ``camera_batching``), with the sessions' static-shape graph path run eagerly on the CPU."""
     settings = {name: resolve_settings({**SETTINGS, **own}) for name, own in per_camera.items()}
     sessions = CameraSessions(model, {name: (s.stream, None) for name, s in settings.items()})
+    if batch:
+        for inner in sessions.inner.values():
+            inner.static_steps_on_cpu = True
     sinks = {name: Sink(wants=()) for name in settings}
     engines = {name: InferenceEngine(sessions.sessions[name], s, sinks[name], Log(), now=lambda: 1000.0)
                for name, s in settings.items()}
-    return CameraScheduler(engines), engines, sinks
+    sched = CameraScheduler(engines, batch=sessions.submit_many if batch else None)
+    sched.sessions = sessions
+    return sched, engines, sinks
 
 
 def submit(engine, rgb, stamp: float) -> None:
@@ -87,3 +94,47 @@ def test_a_camera_waiting_for_a_keyframe_decision_does_not_hold_up_the_other(mod
     assert decision.error is None
     assert [f.frame_index for f in sinks["a"].frames] == [1, 2, 3, 4]
     assert engines["a"].counters.snapshot().decisions_kept == 1
+
+
+def test_batched_steps_of_two_cameras_equal_their_single_camera_replays(model):
+    sched, engines, sinks = cameras(model, batch=True, a={}, b={})
+    images = {"a": frames(6, seed=1), "b": frames(6, seed=2)}
+    for k in range(6):
+        submit(engines["a"], images["a"][k], 100.0 + k)
+        submit(engines["b"], images["b"][k], 100.0 + k)
+        assert sched.run_until_idle() == 1  # one turn: both frames in one call
+    for name in ("a", "b"):
+        assert [f.frame_index for f in sinks[name].frames] == [1, 2, 3, 4, 5, 6]
+        for f, expected in zip(sinks[name].frames, replay(model, images[name])):
+            np.testing.assert_allclose(f.T_map_cam, expected, atol=1e-4)
+    assert sched.served == {"a": 6, "b": 6} and sched.batches == 6
+    # scale frames 1-2 together, frame 3 makes each camera's own step, frames 4-6 in the batched trunk
+    assert [sched.sessions.inner[c].batched_steps for c in ("a", "b")] == [3, 3]
+
+
+def test_batching_leaves_a_held_camera_and_a_bad_frame_to_their_engines(model):
+    sched, engines, sinks = cameras(model, batch=True, a={"keyframe_decision_timeout": 30.0}, b={}, c={})
+    images = {c: frames(6, seed=5 + i) for i, c in enumerate("abc")}
+    for k in range(4):
+        for c in "abc":
+            submit(engines[c], images[c][k], 300.0 + k)
+        sched.run_until_idle()
+    # a holds frame 3 for a decision: its frame 4 waits; b and c went on together
+    assert [f.frame_index for f in sinks["a"].frames] == [1, 2, 3]
+    assert [f.frame_index for f in sinks["b"].frames] == [1, 2, 3, 4]
+    assert engines["a"].queue.pending_frame()
+    # a bad frame from c in the next batch: dropped by its engine, b's frame runs
+    submit(engines["b"], images["b"][4], 304.0)
+    submit(engines["c"], np.zeros((10, 10, 3), np.uint8), 304.0)
+    sched.run_until_idle()
+    assert [f.frame_index for f in sinks["b"].frames] == [1, 2, 3, 4, 5]
+    assert [f.frame_index for f in sinks["c"].frames] == [1, 2, 3, 4]
+    assert engines["c"].counters.snapshot().frames_dropped_invalid == 1
+    decision = engines["a"].submit("keep", lambda: engines["a"].commit_eviction(3))
+    sched.run_until_idle()
+    assert decision.error is None
+    assert [f.frame_index for f in sinks["a"].frames] == [1, 2, 3, 4]
+    for name in ("b", "c"):
+        n = len(sinks[name].frames)
+        for f, expected in zip(sinks[name].frames, replay(model, images[name][:n])):
+            np.testing.assert_allclose(f.T_map_cam, expected, atol=1e-4)

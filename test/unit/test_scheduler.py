@@ -173,3 +173,96 @@ def test_pending_commands_are_cancelled_at_stop_and_bad_arguments_refused():
         CameraScheduler({})
     with pytest.raises(ValueError, match="idle_wait"):
         CameraScheduler(engines("a")[0], idle_wait=0)
+
+
+# ------------------------------------------------------------------ batched steps
+class BatchEngine(FakeEngine):
+    """A FakeEngine with the batched-step halves: ``admit`` refuses frames named "bad";
+    ``complete`` logs the outcome it was handed."""
+
+    def __init__(self, name: str, log: list) -> None:
+        super().__init__(name, log)
+        self.held = False
+        self.completed: list = []
+
+    def take_batch_frame(self):
+        return None if self.held else self.queue.take_frame()
+
+    def admit(self, frame):
+        return None if frame[1] == "bad" else ("image", frame)
+
+    def complete(self, frame, outcome) -> None:
+        self.completed.append((frame, outcome))
+        self.log.append((self.name, frame))
+
+
+def batch_engines(*names: str):
+    log: list = []
+    return {n: BatchEngine(n, log) for n in names}, log
+
+
+def test_waiting_frames_of_several_cameras_go_in_one_call_and_each_gets_its_outcome():
+    cams, log = batch_engines("a", "b", "c")
+    calls = []
+
+    def batch(images):
+        calls.append(sorted(images))
+        return {c: f"result of {c}" for c in images}
+
+    sched = CameraScheduler(cams, batch=batch)
+    for c in ("a", "b", "c"):
+        cams[c].submit_frame((c, 0))
+    assert sched.run_until_idle() == 1  # one turn served all three
+    assert calls == [["a", "b", "c"]] and sched.batches == 1
+    assert all(cams[c].completed == [((c, 0), f"result of {c}")] for c in cams)
+    assert sched.served == {"a": 1, "b": 1, "c": 1}
+
+
+def test_commands_held_cameras_and_refused_frames_stay_out_of_the_batch():
+    cams, log = batch_engines("a", "b", "c")
+    calls = []
+    sched = CameraScheduler(cams, batch=lambda images: calls.append(sorted(images)) or {c: "ok" for c in images})
+    ran = []
+    cams["a"].submit_frame(("a", 0))
+    cams["a"].queue.put_command(Command("service", lambda: ran.append("a's command")))  # queued after its frame
+    cams["b"].submit_frame(("b", 0))
+    cams["c"].submit_frame(("c", "bad"))
+    sched.run_turn()
+    # a has a command queued: its frame stays for the round-robin (commands keep their order);
+    # c's frame was taken but refused by its engine: b alone is submitted
+    assert calls == [["b"]] and sched.batches == 0
+    assert cams["a"].queue.pending_frame() and cams["c"].completed == []
+    sched.run_until_idle()
+    assert ran == ["a's command"] and ("a", ("a", 0)) in log
+    cams["a"].held = True  # a keep/drop decision held: a's frame waits
+    for c in ("a", "b", "c"):
+        cams[c].submit_frame((c, 1))
+    sched.run_turn()
+    assert calls[-1] == ["b", "c"] and cams["a"].queue.pending_frame()
+
+
+def test_a_failing_batch_call_reaches_every_camera_as_its_outcome():
+    cams, _ = batch_engines("a", "b")
+
+    def broken(images):
+        raise RuntimeError("capture failed")
+
+    sched = CameraScheduler(cams, batch=broken)
+    cams["a"].submit_frame(("a", 0))
+    cams["b"].submit_frame(("b", 0))
+    sched.run_until_idle()
+    for c in ("a", "b"):
+        (frame, outcome), = cams[c].completed
+        assert isinstance(outcome, RuntimeError) and "capture failed" in str(outcome)
+
+
+def test_take_frame_leaves_a_frame_behind_a_command():
+    q = WorkQueue()
+    assert q.take_frame() is None
+    q.put_frame("f1")
+    assert q.take_frame() == "f1" and q.take_frame() is None
+    q.put_frame("f2")
+    q.put_command(Command("c", lambda: None))
+    assert q.take_frame() is None and q.pending_frame()
+    q.close()
+    assert q.take_frame() is None
