@@ -683,6 +683,10 @@ class LingBotMapNode(Node):
                   "size (MiB)": f"{pool.nbytes / 2**20:.1f}"}
         for camera, cp in pool.cameras.items():
             values[f"{camera}: pages / used / tokens per page"] = f"{cp.pages} / {cp.used_pages} / {cp.page_tokens}"
+        if self.settings.camera_batching:  # counters written by the inference thread (plain ints)
+            values["batched turns"] = self.scheduler.batches
+            for camera, inner in self.sessions.inner.items():
+                values[f"{camera}: steps in a batched trunk"] = inner.batched_steps
         used = 100.0 * pool.leased_tokens / pool.capacity_tokens if pool.capacity_tokens else 0.0
         return diag(f"{name}: pool", DiagnosticStatus.OK,
                     f"{pool.leased_tokens}/{pool.capacity_tokens} tokens leased ({used:.0f} %), "

@@ -369,3 +369,48 @@ def test_a_bad_camera_parameter_stops_the_node_at_start(graph, tmp_path, bad, re
     assert proc.returncode == 1, log
     assert "cannot start" in log and reason in log, log
     assert "Traceback" not in log
+
+
+def test_camera_batching_takes_frames_that_arrive_together(graph, replay, tmp_path, fixtures):
+    """A node with ``camera_batching`` (its own process and topics) serves both cameras through
+    the scheduler's batched turn: pairs of frames published at once, each camera's poses equal
+    its own replay, /diagnostics reports the batching counters. Whether a pair is waiting
+    together at a turn depends on timing here, and on the CPU the sessions run a batch's frames
+    one after another (no CUDA graphs); the batched turn itself is checked deterministically
+    in test/core/test_multi_camera_engines.py."""
+    client, _, frames, _ = graph
+    name = "lingbot_batch"
+    params = write_node_params(tmp_path / "batch.yaml", fixtures,
+                               {**NODE_PARAMS, "camera_batching": True, "base_frame": "",
+                                "output_directory": str(tmp_path / "out")})
+    log = tmp_path / "batch.log"
+    proc = start_node(name, params, log, DOMAIN_ID, {f"{c}/image": f"/batch/{c}/image" for c in CAMERAS})
+    pubs = {c: client.node.create_publisher(Image, f"/batch/{c}/image", QoSProfile(depth=10)) for c in CAMERAS}
+    poses = {c: client.record(PoseStamped, f"/{name}/{c}/pose", f"batch {c} pose") for c in CAMERAS}
+    statuses = {c: client.record(Status, f"/{name}/{c}/status", f"batch {c} status") for c in CAMERAS}
+    try:
+        client.wait(lambda: proc.poll() is not None or all(p.get_subscription_count() >= 1 for p in pubs.values()),
+                    timeout=START_TIMEOUT, what="the batching node to subscribe to both cameras")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        for k in range(FRAMES):
+            stamp = stamp_of(100 + k)
+            for c in CAMERAS:  # together: the second arrives while the first still waits or runs
+                pubs[c].publish(image_msg(frames[c][k], stamp, "front_optical" if c == "front" else ""))
+            for c in CAMERAS:
+                client.wait(lambda c=c: any(s.header.stamp == stamp and not s.state_text.startswith("ready")
+                                            for s in statuses[c]), what=f"{c}'s status for frame {k + 1}")
+        for c in CAMERAS:
+            got = client.wait(lambda c=c: len(poses[c]) >= FRAMES and poses[c], what=f"{c}'s poses")
+            assert {p.header.frame_id for p in got} == {f"map_{c}"}  # no base_frame: each its own map
+            for p, expected in zip(got, replay(frames[c][:FRAMES], WIDTH[c])):
+                np.testing.assert_allclose(pose_matrix(p), expected, atol=1e-4)
+            assert statuses[c][-1].frames_processed == FRAMES
+        pool = client.wait(lambda: next((s for d in reversed(client.msgs["/diagnostics"]) for s in d.status
+                                         if s.name == f"/{name}: pool" and s.values), None),
+                           what="the batching node's pool diagnostics")
+        keys = {kv.key: kv.value for kv in pool.values}
+        assert int(keys["batched turns"]) >= 0 and "front: steps in a batched trunk" in keys
+        text = log.read_text()
+        assert "camera_batching:" in text and "[ERROR]" not in text and "Traceback" not in text
+    finally:
+        stop_processes(proc)
