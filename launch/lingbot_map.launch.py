@@ -25,6 +25,8 @@ Arguments:
                      c/image and c/camera_info; image_topic and camera_info_topic containing
                      {camera} remap them per camera (image_topic:=/{camera}/color/image_raw),
                      without it they stay /<namespace>/c/image
+  camera_batching    true | false: several cameras' waiting frames in one batched step; empty = as in
+                     the params file (false there)
   dds_profile        Fast DDS profile of the node (FASTDDS_DEFAULT_PROFILES_FILE): large_messages
                      (default) = config/fastdds_large_messages.xml, 16 MB shared-memory segments so
                      that raw images over 512 KB are not sent as UDP fragments (export the same
@@ -63,12 +65,24 @@ ARGUMENTS = (
      "config/fastdds_large_messages.xml), a path to an XML profile, or none"),
     ("cameras", "", "Several cameras: names separated by commas (front,rear); empty = as in the params file. "
      "image_topic / camera_info_topic with {camera} remap each camera's c/image / c/camera_info"),
+    ("camera_batching", "", "Several cameras: true to run their waiting frames in one batched step; empty = as in "
+     "the params file"),
 )
 DDS_PROFILES = {"large_messages": "fastdds_large_messages.xml"}
 
 
 def _is_true(text: str) -> bool:
     return text.strip().lower() in ("true", "1", "yes", "on")
+
+
+def _flag(name: str, text: str) -> bool:
+    """``true``/``false`` (any case; also 1/0, yes/no, on/off); ValueError naming the argument otherwise."""
+    word = text.strip().lower()
+    if word in ("true", "1", "yes", "on"):
+        return True
+    if word in ("false", "0", "no", "off"):
+        return False
+    raise ValueError(f"launch argument {name} must be true or false, got {text!r}")
 
 
 def _seconds(name: str, text: str) -> float:
@@ -121,6 +135,8 @@ def _setup(context, *args, **kwargs):
     cameras = camera_names(value["cameras"])
     if cameras:
         overrides["cameras"] = cameras
+    if value["camera_batching"].strip():
+        overrides["camera_batching"] = _flag("camera_batching", value["camera_batching"])
     if selector:
         overrides["keyframe_decision_timeout"] = _seconds("keyframe_decision_timeout",
                                                           value["keyframe_decision_timeout"])

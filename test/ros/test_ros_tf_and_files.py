@@ -24,7 +24,7 @@ pytestmark = pytest.mark.ros
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_ARGUMENTS = {"params_file", "checkpoint", "image_topic", "camera_info_topic", "input_transport", "device",
                     "dtype", "namespace", "use_sim_time", "rviz", "keyframe_selector", "keyframe_decision_timeout",
-                    "dds_profile", "cameras"}
+                    "dds_profile", "cameras", "camera_batching"}
 EXTRAS_HINT = "install ../shared/ros_extras (bash ../shared/ros_extras/install.sh .venv)"
 NO_TF2 = f"tf2_ros not importable: {EXTRAS_HINT}"
 NO_LAUNCH = f"launch/launch_ros not importable: {EXTRAS_HINT}"
@@ -426,6 +426,12 @@ def test_launch_cameras_argument_lists_the_cameras_and_remaps_each(monkeypatch):
         ("rear/camera_info", "/rear/color/camera_info")]
     (node,) = _run_setup(module, cameras="front,rear")  # default topics name no camera: no remapping
     assert node["remappings"] == [] and node["parameters"][1]["cameras"] == ["front", "rear"]
+    (node,) = _run_setup(module, cameras="front,rear", camera_batching="True")
+    assert node["parameters"][1]["camera_batching"] is True
+    (node,) = _run_setup(module, camera_batching="off")
+    assert node["parameters"][1] == {"use_sim_time": False, "camera_batching": False}
+    with pytest.raises(ValueError, match="camera_batching must be true or false, got 'sometimes'"):
+        _run_setup(module, camera_batching="sometimes")
 
 
 def test_config_lists_every_parameter_with_a_valid_value_and_a_comment():
