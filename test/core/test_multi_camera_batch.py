@@ -262,3 +262,30 @@ def test_long_stream_cameras_batch_and_restart_their_windows_like_their_own_sess
         assert_same(results[c], ref)
         assert cams.sessions[c].window_index >= 2  # restarted at least twice
         assert cams.inner[c].batched_steps > 0
+
+
+def test_storage_growth_for_another_resolution_rebuilds_the_batch_and_changes_no_result(tiny_model, fixture_config,
+                                                                                       images):
+    """cam0 and cam1 batch; cam2 starts later at a larger size: the storage grows (every extent
+    moves to a new allocation), cam2 never batches with the others (another resolution), the
+    others' batch is rebuilt on the moved storage, and every camera equals its replay."""
+    config = cfg(fixture_config)
+    cams = batched_cameras(tiny_model, fixture_config, 3)
+    seqs = dict(zip(cams.names, sequences(images, 3)))
+    seqs["cam2"] = [torch.nn.functional.interpolate(f[None], size=(84, 98), mode="bilinear", align_corners=False)[0]
+                    for f in seqs["cam2"]]
+    results = {c: [] for c in cams.names}
+    for i in range(12):
+        frames = {c: seqs[c][i] for c in ("cam0", "cam1")}
+        if i >= 5:
+            frames["cam2"] = seqs["cam2"][i - 5]
+        if i == 5:
+            before = cams.inner["cam0"]._shared.batches[("cam0", "cam1")]
+        for c, pending in cams.submit_many(frames).items():
+            collect(pending, c, results)
+    assert cams.storage.generation == 1
+    assert cams.inner["cam0"]._shared.batches[("cam0", "cam1")] is not before  # rebuilt on the new storage
+    assert cams.inner["cam2"].batched_steps == 0
+    for c in ("cam0", "cam1"):
+        assert_same(results[c], replay(tiny_model, config, seqs[c]))
+    assert_same(results["cam2"], replay(tiny_model, config, seqs["cam2"][:7]))
