@@ -357,7 +357,8 @@ class Graph:
         self.recorder = Recorder("/lingbot_map")
         self._executor = SingleThreadedExecutor()
         self._executor.add_node(self.recorder)
-        threading.Thread(target=self._executor.spin, daemon=True).start()
+        self._spin_thread = threading.Thread(target=self._executor.spin, name="demo_recorder", daemon=True)
+        self._spin_thread.start()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -367,6 +368,9 @@ class Graph:
         stop(self.sel_proc)
         stop(self.node_proc)
         self._executor.shutdown(timeout_sec=1.0)
+        # joined: a thread still in rclpy's C++ wait when the interpreter finalizes aborts the
+        # process ("terminate called without an active exception")
+        self._spin_thread.join(timeout=10.0)
         self.recorder.destroy_node()
         rclpy.try_shutdown()
 

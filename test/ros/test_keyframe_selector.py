@@ -111,6 +111,7 @@ class FakeMapper:
             return
         self.gate.set()
         self.executor.shutdown(timeout_sec=2.0)
+        self.thread.join(timeout=5.0)  # not left in rclpy's C++ wait when the interpreter finalizes
         self.node.destroy_node()
         rclpy.try_shutdown(context=self.context)
 

@@ -121,6 +121,7 @@ class GraphClient:
 
     def close(self) -> None:
         self.executor.shutdown(timeout_sec=2.0)
+        self._thread.join(timeout=5.0)  # not left in rclpy's C++ wait when the interpreter finalizes
         self.node.destroy_node()
         rclpy.try_shutdown(context=self.context)
 
