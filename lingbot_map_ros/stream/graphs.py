@@ -118,13 +118,11 @@ class GraphedStep:
         plan = dplan.plan
         if tuple(frame.shape[-2:]) != self.resolution:
             raise ValueError("GraphedStep takes one phase-2 frame at its own resolution")
-        if not prepared or self._prepared is not plan:
-            self.prepare(dplan)
+        self.take_plan(dplan, prepared)
         if self._handed_once:  # the previous heads have taken their inputs (position, levels)
             torch.cuda.current_stream(self.image.device).wait_event(self._handed)
         self.image.copy_(frame, non_blocking=True)
         self.positions.fill_(plan.first_position)  # == plan.positions[0] for stored and attend-only frames
-        self._prepared = None
         if not self.capture:
             return self._forward()
         if self.graph is None:
@@ -133,12 +131,37 @@ class GraphedStep:
         current, heads = torch.cuda.current_stream(self.image.device), self.output_stream
         heads.wait_stream(current)
         with torch.cuda.stream(heads):
-            self._hand_over(self._levels)
+            self.hand_over(self._levels, self.positions)
             self._handed.record(heads)
             self.heads_graph.replay()
         self._handed_once = True
         self.replays += 1
         return self._out
+
+    def take_plan(self, dplan: DevicePlan, prepared: bool = True) -> None:
+        """Make ``dplan`` the plan of the next replay: loaded by ``prepare`` unless it already is
+        (``prepared`` and the last one loaded), then marked as taken (the next step must load
+        its own)."""
+        if not prepared or self._prepared is not dplan.plan:
+            self.prepare(dplan)
+        self._prepared = None
+
+    def hand_over(self, levels: list[Tensor], positions: Tensor) -> None:
+        """Copy a trunk's levels [1, P, 2C] and the frame's position [1] into the heads graph's
+        inputs (on the current stream: the output stream during a replay)."""
+        for dst, src in zip(self._head_levels, levels):
+            dst.copy_(src)
+        self.head_positions.copy_(positions)
+
+    def replay_heads(self) -> StepOutput:
+        """Replay the captured heads graph on the inputs last handed over; its static outputs."""
+        self.heads_graph.replay()
+        self.replays += 1
+        return self._out
+
+    def heads(self, levels: list[Tensor], positions: Tensor) -> StepOutput:
+        """The heads on ``levels`` eagerly (the static-shape path without capture)."""
+        return self._heads(levels, positions)
 
     def _trunk(self) -> list[Tensor]:
         return self.model.trunk(self.image, self.positions, PoolAttention(self.pool, self.backend, self.write_slots),
@@ -157,11 +180,6 @@ class GraphedStep:
     def _forward(self) -> StepOutput:
         return self._heads(self._trunk(), self.positions)
 
-    def _hand_over(self, levels: list[Tensor]) -> None:
-        for dst, src in zip(self._head_levels, levels):
-            dst.copy_(src)
-        self.head_positions.copy_(self.positions)
-
     def _capture(self) -> None:
         # Warm-up on a side stream (as torch.cuda.graph wants), then capture. Both run the
         # step for the current frame: they write the same K/V into the same slots as the
@@ -173,7 +191,7 @@ class GraphedStep:
             levels = self._trunk()
             if self._head_levels is None:
                 self._head_levels = [torch.empty_like(lv) for lv in levels]
-            self._hand_over(levels)
+            self.hand_over(levels, self.positions)
             self._heads(self._head_levels, self.head_positions)
         current.wait_stream(side)
         del levels
@@ -235,24 +253,21 @@ class BatchedTrunk:
 
     def launch(self, frames: list[Tensor], dplans: list[DevicePlan]) -> list[StepOutput]:
         """frames[i] [1, 3, H, W] float32 of camera i; dplans[i] its one-frame phase-2 plan (loaded
-        into its step by ``prepare`` here unless already). Returns each camera's outputs (its
+        into its step here unless already: ``GraphedStep.take_plan``). Returns each camera's outputs (its
         heads graph's static tensors), complete in the order of the output stream."""
         if len(frames) != len(self.steps) or len(dplans) != len(self.steps):
             raise ValueError(f"a batch of {len(self.steps)} cameras takes {len(self.steps)} frames and plans")
         for step, dplan in zip(self.steps, dplans):
-            if step._prepared is not dplan.plan:
-                step.prepare(dplan)
+            step.take_plan(dplan)
         current = torch.cuda.current_stream(self.image.device) if self.capture else None
         if self._handed_once:  # the previous heads have taken their inputs
             current.wait_event(self._handed)
         for i, (frame, dplan) in enumerate(zip(frames, dplans)):
             self.image[i].copy_(frame.reshape(self.image.shape[1:]), non_blocking=True)
             self.positions[i].fill_(dplan.plan.first_position)
-        for step in self.steps:
-            step._prepared = None
         if not self.capture:
             levels = self._trunk()
-            return [step._heads([lv[i:i + 1] for lv in levels], self.positions[i:i + 1])
+            return [step.heads([lv[i:i + 1] for lv in levels], self.positions[i:i + 1])
                     for i, step in enumerate(self.steps)]
         if self.graph is None:
             self._capture()
@@ -261,16 +276,12 @@ class BatchedTrunk:
         heads.wait_stream(current)
         with torch.cuda.stream(heads):
             for i, step in enumerate(self.steps):
-                for dst, src in zip(step._head_levels, self._levels):
-                    dst.copy_(src[i:i + 1])
-                step.head_positions.copy_(self.positions[i:i + 1])
-            self._handed.record(heads)
-            for step in self.steps:
-                step.heads_graph.replay()
-                step.replays += 1
+                step.hand_over([lv[i:i + 1] for lv in self._levels], self.positions[i:i + 1])
+            self._handed.record(heads)  # the next batched replay may overwrite the levels
+            outs = [step.replay_heads() for step in self.steps]
         self._handed_once = True
         self.replays += 1
-        return [step._out for step in self.steps]
+        return outs
 
     def _trunk(self) -> list[Tensor]:
         attend = FramewiseAttention([PoolAttention(st.pool, st.backend, st.write_slots) for st in self.steps])
