@@ -289,3 +289,52 @@ def test_storage_growth_for_another_resolution_rebuilds_the_batch_and_changes_no
     for c in ("cam0", "cam1"):
         assert_same(results[c], replay(tiny_model, config, seqs[c]))
     assert_same(results["cam2"], replay(tiny_model, config, seqs["cam2"][:7]))
+
+
+def test_the_fused_path_of_a_batched_trunk_with_the_kernel_twins_equals_single_replays(tiny_model, fixture_config,
+                                                                                     images, monkeypatch):
+    """The aggregator's fused path over several cameras' frames (``FramewiseAttention``: per frame
+    its rows of qkv and of the RoPE tables, its camera's destinations) with the PyTorch twins
+    standing in for the Triton kernels, as on the GPU: per camera, the plain single-camera replay."""
+    import dataclasses
+
+    from lingbot_map_ros.kernels import layer_norm, qk_rope, residual
+    from lingbot_map_ros.kernels import mlp as mlp_kernels
+
+    config = cfg(fixture_config)
+    expected = {f"cam{i}": replay(tiny_model, config, seq) for i, seq in enumerate(sequences(images, 3))}
+    calls = {"qk_rows": []}
+
+    def qk_twin(qkv, *a, **k):
+        calls["qk_rows"].append(qkv.shape[0])
+        return qk_rope.qk_norm_rope_reference(qkv, *a, **k)
+
+    monkeypatch.setattr(residual, "residual_add", lambda x, b, g, norm=None, norm_dtype=torch.bfloat16:
+                        residual.residual_add_reference(x, b, g, norm, norm_dtype))
+    monkeypatch.setattr(mlp_kernels, "gelu_epilogue_mlp", lambda module, x: module(x))  # exact GELU
+    monkeypatch.setattr(qk_rope, "qk_norm_rope", qk_twin)
+    monkeypatch.setattr(layer_norm, "layer_norm", layer_norm.layer_norm_reference)
+    from lingbot_map_ros.cache import pool as pool_module
+    from lingbot_map_ros.kernels.camera_attention import camera_attention_reference
+
+    monkeypatch.setattr(pool_module, "camera_attention", camera_attention_reference)  # bias None: computed there
+    cams = batched_cameras(tiny_model, fixture_config, 3)
+    fused = dataclasses.replace(cams.inner["cam0"].step_options, fused=True)
+    for inner in cams.inner.values():  # one options object, as sessions sharing the first's have
+        inner.step_options = fused
+    seqs = dict(zip(cams.names, sequences(images, 3)))
+    results = {c: [] for c in cams.names}
+    for i in range(12):
+        calls["qk_rows"].clear()
+        for c, pending in cams.submit_many({c: seqs[c][i] for c in cams.names}).items():
+            collect(pending, c, results)
+    # the last step was batched: per layer, one frame-attention call over all 3 frames' rows and one
+    # global call per camera over its own frame's rows
+    tokens = calls["qk_rows"][1]
+    assert calls["qk_rows"][0] == 3 * tokens and len(calls["qk_rows"]) == 4 * tiny_model.cfg.depth
+    for c in cams.names:
+        assert cams.inner[c].batched_steps == 12 - config.num_scale_frames - 1
+        assert [r.frame_index for r in results[c]] == [r.frame_index for r in expected[c]]
+        for a, b in zip(results[c], expected[c]):
+            np.testing.assert_allclose(a.pose_enc, b.pose_enc, rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(a.depth, b.depth, rtol=1e-4, atol=1e-5)
