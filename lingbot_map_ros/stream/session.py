@@ -664,11 +664,12 @@ def submit_batch(sessions: list[StreamingSession], images: list, keyframes: list
         raise ValueError("submit_batch: a session appears twice (one frame per camera and batch)")
     keyframes = list(keyframes) if keyframes is not None else [None] * n
     results: list[PendingResults | Exception | None] = [None] * n
+    checked: dict[int, Tensor] = {}  # the frames as check_frame returned them
     single: list[int] = []
     groups: dict[tuple, list[int]] = {}
     for i, session in enumerate(sessions):
         try:
-            host = session.check_frame(images[i])
+            host = checked[i] = session.check_frame(images[i])
         except Exception as exc:  # InvalidFrameError: as submit would raise it
             results[i] = exc
             continue
@@ -685,7 +686,7 @@ def submit_batch(sessions: list[StreamingSession], images: list, keyframes: list
         planned, frames, hosts = [], [], []
         for i in members:
             session = sessions[i]
-            host = session.check_frame(images[i])
+            host = checked[i]
             frame = session._device_frame(host)[None]
             try:
                 step = session._plan_run(frame, session._store_decision(keyframes[i]))
