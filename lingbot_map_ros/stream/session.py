@@ -96,6 +96,15 @@ class _SharedGpuState:
         self._graphs: dict | None = None
         # batched trunks (several cameras' steps in one pass) by their cameras' GraphedSteps
         self.batches: dict[tuple[str, ...], BatchedTrunk] = {}
+        # sets of cameras whose batched trunk failed (why): their frames run one after another
+        self.refused: dict[tuple[str, ...], str] = {}
+
+    def refuse(self, owners: tuple[str, ...], exc: Exception) -> None:
+        """Stop batching these cameras together after their batched trunk failed (logged once)."""
+        self.batches.pop(owners, None)
+        self.refused[owners] = f"{type(exc).__name__}: {exc}"
+        log.warning("cameras %s: their batched step failed (%s); their frames run one after another from now on",
+                    ", ".join(owners), self.refused[owners])
 
     def batch_for(self, owners: tuple[str, ...], steps: list[GraphedStep]) -> BatchedTrunk:
         """The batched trunk of these cameras' current steps (made on first use; remade when a
@@ -654,7 +663,9 @@ def submit_batch(sessions: list[StreamingSession], images: list, keyframes: list
     at a new size, eager backends) are submitted on their own, as are the batch's frames when
     fewer than two can go together. Returns per camera its ``PendingResults``, or the
     exception its ``submit`` would have raised (an invalid frame, a full cache); a failing
-    camera changes nothing of its own state and nothing of the others'.
+    camera changes nothing of its own state and nothing of the others'. When a batched trunk
+    fails (before anything was applied), its cameras' steps run on their own, and that set
+    of cameras is not batched again (``_SharedGpuState.refused``, one warning).
     """
     n = len(sessions)
     if len(images) != n or (keyframes is not None and len(keyframes) != n):
@@ -711,12 +722,20 @@ def submit_batch(sessions: list[StreamingSession], images: list, keyframes: list
         if not planned:
             continue
         owners = tuple(sessions[i]._owner for i, _ in planned)
-        batch = sessions[planned[0][0]]._shared.batch_for(owners, [step.graphed for _, step in planned])
-        try:
-            outs = batch.launch(frames, [step.dplan for _, step in planned])
-        except Exception as exc:  # nothing was applied: every camera of the batch keeps its state
-            for i, _ in planned:
-                results[i] = exc
+        shared = sessions[planned[0][0]]._shared
+        outs = None
+        if owners not in shared.refused:
+            try:
+                batch = shared.batch_for(owners, [step.graphed for _, step in planned])
+                outs = batch.launch(frames, [step.dplan for _, step in planned])
+            except Exception as exc:  # nothing was applied: each camera's step runs on its own below
+                shared.refuse(owners, exc)
+        if outs is None:  # their own one-frame steps, one after another (the plans still hold)
+            for (i, step), frame, host in zip(planned, frames, hosts):
+                try:
+                    results[i] = sessions[i]._launch_planned(frame, [host], step, t0)
+                except Exception as exc:
+                    results[i] = exc
             continue
         for (i, step), frame, host, out in zip(planned, frames, hosts, outs):
             session = sessions[i]

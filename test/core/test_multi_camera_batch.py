@@ -338,3 +338,32 @@ def test_the_fused_path_of_a_batched_trunk_with_the_kernel_twins_equals_single_r
         for a, b in zip(results[c], expected[c]):
             np.testing.assert_allclose(a.pose_enc, b.pose_enc, rtol=1e-4, atol=1e-5)
             np.testing.assert_allclose(a.depth, b.depth, rtol=1e-4, atol=1e-5)
+
+
+def test_a_failing_batched_trunk_falls_back_to_each_cameras_own_step_and_is_not_retried(
+        tiny_model, fixture_config, images, monkeypatch, caplog):
+    config = cfg(fixture_config)
+    cams = batched_cameras(tiny_model, fixture_config, 2)
+    seqs = dict(zip(cams.names, sequences(images, 2)))
+    attempts = []
+
+    def broken(self, frames, dplans):  # fails after taking the steps' plans, as a failed capture would
+        attempts.append(len(frames))
+        for step, dplan in zip(self.steps, dplans):
+            step.take_plan(dplan)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(BatchedTrunk, "launch", broken)
+    results = {c: [] for c in cams.names}
+    with caplog.at_level("WARNING"):
+        for i in range(12):
+            for c, pending in cams.submit_many({c: seqs[c][i] for c in cams.names}).items():
+                collect(pending, c, results)
+    for c in cams.names:
+        assert_same(results[c], replay(tiny_model, config, seqs[c]))
+        assert cams.inner[c].batched_steps == 0
+    assert attempts == [2]  # tried once, then never again for this pair
+    shared = cams.inner["cam0"]._shared
+    assert "RuntimeError: operation not permitted" in shared.refused[("cam0", "cam1")]
+    warnings = [r for r in caplog.records if "batched step failed" in r.getMessage()]
+    assert len(warnings) == 1 and "cam0, cam1" in warnings[0].getMessage()
