@@ -239,6 +239,9 @@ class LingBotMapNode(Node):
     def _start_camera(self) -> None:
         """One camera: today's names, its own inference thread (``engine.start``)."""
         s = self.settings
+        if s.camera_batching:
+            self.get_logger().warning("camera_batching is true but cameras is empty: with one camera there is "
+                                      "nothing to batch (the parameter has no effect)")
         channel = CameraChannel(self, "", s)
         self.channels[""] = channel
         self.outputs = channel.outputs

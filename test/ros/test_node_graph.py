@@ -234,7 +234,9 @@ def graph(tmp_path_factory, fixtures):
     params = {**NODE_PARAMS, "checkpoint": str(root / "weights.safetensors"),
               "model_config": str(root / "config.json"), "output_directory": str(tmp / "default_out")}
     raw = write_params_file(tmp / "raw.yaml", params)
-    compressed = write_params_file(tmp / "compressed.yaml", {**params, "input_transport": "compressed"})
+    # camera_batching on a one-camera node: a warning at start that it has no effect
+    compressed = write_params_file(tmp / "compressed.yaml", {**params, "input_transport": "compressed",
+                                                             "camera_batching": True})
     os.environ["ROS_AUTOMATIC_DISCOVERY_RANGE"] = "LOCALHOST"
     os.environ["ROS_DOMAIN_ID"] = str(DOMAIN_ID)
     procs = {A: start_node("lingbot_map", raw, tmp / "a.log", "-r", "image:=/cam_a/image",
@@ -601,3 +603,10 @@ def test_a_raw_input_node_without_a_fastdds_profile_says_how_to_avoid_fragment_l
     raw, compressed = (tmp / "a.log").read_text(), (tmp / "c.log").read_text()
     assert "FASTDDS_DEFAULT_PROFILES_FILE is not set" in raw and "fastdds_large_messages.xml" in raw
     assert "FASTDDS_DEFAULT_PROFILES_FILE is not set" not in compressed  # compressed frames are small
+
+
+def test_camera_batching_without_cameras_is_said_to_have_no_effect(graph):
+    _, _, tmp = graph
+    raw, compressed = (tmp / "a.log").read_text(), (tmp / "c.log").read_text()
+    assert "camera_batching is true but cameras is empty" in compressed
+    assert "camera_batching is true" not in raw
