@@ -90,47 +90,33 @@ def fill_windows(cams: CameraSessions, frames: dict, args) -> int:
     return n
 
 
-def saturated(cams: CameraSessions, frames: dict, start: int, rounds: int) -> dict:
-    """Cameras in turn, each submit before the previous camera's results are taken."""
+def saturated(cams: CameraSessions, frames: dict, start: int, rounds: int, batch: bool = False) -> dict:
+    """Cameras in turn, each submit before the previous camera's results are taken; or, ``batch``,
+    every camera's frame in one ``submit_many`` per round, a round's results taken after the
+    next round was launched."""
     names = list(cams.sessions)
-    pending = None
+    pending: list = []
     per_round = []
+
+    def take(launched: list) -> None:
+        for p in pending:
+            if isinstance(p, Exception):  # submit_many hands a camera's failure back
+                raise p
+            p.result()
+        pending[:] = launched
+
     torch.cuda.synchronize()
     t_all = time.perf_counter()
     for r in range(rounds):
         t0 = time.perf_counter()
-        for c in names:
-            p = cams.sessions[c].submit(frames[c][(start + r) % len(frames[c])])
-            if pending is not None:
-                pending.result()
-            pending = p
+        k = start + r
+        if batch:
+            take(list(cams.submit_many({c: frames[c][k % len(frames[c])] for c in names}).values()))
+        else:
+            for c in names:
+                take([cams.sessions[c].submit(frames[c][k % len(frames[c])])])
         per_round.append((time.perf_counter() - t0) * 1e3)
-    pending.result()
-    total = time.perf_counter() - t_all
-    frames_done = rounds * len(names)
-    return {"frames": frames_done, "aggregate_fps": round(frames_done / total, 2),
-            "ms_per_frame": round(total * 1e3 / frames_done, 3),
-            "round_median_ms": round(statistics.median(per_round), 3)}
-
-
-def saturated_batch(cams: CameraSessions, frames: dict, start: int, rounds: int) -> dict:
-    """Every camera's frame in one ``submit_many`` per round; a round's results are taken after
-    the next round was launched."""
-    names = list(cams.sessions)
-    pending = None
-    per_round = []
-    torch.cuda.synchronize()
-    t_all = time.perf_counter()
-    for r in range(rounds):
-        t0 = time.perf_counter()
-        out = cams.submit_many({c: frames[c][(start + r) % len(frames[c])] for c in names})
-        if pending is not None:
-            for p in pending.values():
-                p.result()
-        pending = out
-        per_round.append((time.perf_counter() - t0) * 1e3)
-    for p in pending.values():
-        p.result()
+    take([])
     total = time.perf_counter() - t_all
     frames_done = rounds * len(names)
     return {"frames": frames_done, "aggregate_fps": round(frames_done / total, 2),
@@ -242,7 +228,7 @@ def main(argv=None):
             frames = {c: pool[c] for c in names}
             start = fill_windows(cams, frames, args)
             batch = schedule == "batch"
-            sat = (saturated_batch if batch else saturated)(cams, frames, start, args.saturated_rounds)
+            sat = saturated(cams, frames, start, args.saturated_rounds, batch=batch)
             rt = real_time(cams, frames, start + args.saturated_rounds, args.rate, args.seconds, batch=batch)
             torch.cuda.synchronize()
             peak = torch.cuda.max_memory_allocated()

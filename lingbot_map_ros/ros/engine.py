@@ -437,9 +437,9 @@ class InferenceEngine:
         """Handle the outcome of ``frame``'s step (its pending results, or the exception its
         submit raised) as ``_process`` handles a push's."""
         try:
+            if isinstance(outcome, Exception):
+                return self._push_failed(frame, outcome)
             try:
-                if isinstance(outcome, BaseException):
-                    raise outcome
                 results = outcome.result()
             except Exception as exc:
                 return self._push_failed(frame, exc)

@@ -14,48 +14,17 @@ import pytest
 import torch
 
 from lingbot_map_ros.cache.pool import CrossedExtentError, PoolFullError, SharedKVStorage
-from lingbot_map_ros.config import LongStreamConfig, StreamConfig
+from lingbot_map_ros.config import LongStreamConfig
 from lingbot_map_ros.stream.errors import CacheFullError, SessionError
 from lingbot_map_ros.stream.multi import CameraSessions
 from lingbot_map_ros.stream.session import StreamingSession
 
-TOL = 1e-4
+from multi_camera_helpers import TOL, assert_same, cfg, replay, sequences  # test/ is on sys.path
 
 
 @pytest.fixture(scope="module")
 def images(fixtures):
     return torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])
-
-
-def cfg(fixture_config, **kw) -> StreamConfig:
-    return StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa", **kw)
-
-
-def sequences(images, n: int) -> list[list[torch.Tensor]]:
-    """n different frame sequences out of the fixture's 12 frames (shifted, one reversed)."""
-    frames = list(images)
-    out = [frames, frames[::-1], frames[5:] + frames[:5], frames[3:] + frames[:3]]
-    return out[:n]
-
-
-def replay(model, config: StreamConfig, frames, keyframes=None) -> list:
-    s = StreamingSession(model, config)
-    out = []
-    for i, f in enumerate(frames):
-        out += s.push(f, None if keyframes is None else keyframes[i])
-    return out
-
-
-def assert_same(results, reference) -> float:
-    assert [r.frame_index for r in results] == [r.frame_index for r in reference]
-    assert [r.is_keyframe for r in results] == [r.is_keyframe for r in reference]
-    worst = 0.0
-    for a, b in zip(results, reference):
-        for name in ("pose_enc", "depth", "confidence"):
-            d = float(np.abs(getattr(a, name) - getattr(b, name)).max())
-            worst = max(worst, d)
-            assert d <= TOL, f"{name} of frame {a.frame_index}: {d}"
-    return worst
 
 
 def extent_bytes(cams: CameraSessions, name: str) -> tuple[torch.Tensor, torch.Tensor]:

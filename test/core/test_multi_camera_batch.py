@@ -18,45 +18,17 @@ import torch
 from lingbot_map_ros.cache.pool import FramewiseAttention, KVPool, PoolAttention, make_device_plan
 from lingbot_map_ros.cache.pages import PageTable
 from lingbot_map_ros.cache.attention import make_backend
-from lingbot_map_ros.config import StreamConfig
 from lingbot_map_ros.stream.errors import InvalidFrameError
 from lingbot_map_ros.stream.graphs import BatchedTrunk
 from lingbot_map_ros.stream.multi import CameraSessions
 from lingbot_map_ros.stream.session import StreamingSession, submit_batch
 
-TOL = 1e-4
+from multi_camera_helpers import assert_same, cfg, replay, sequences  # test/ is on sys.path
 
 
 @pytest.fixture(scope="module")
 def images(fixtures):
     return torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])
-
-
-def cfg(fixture_config, **kw) -> StreamConfig:
-    return StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa", **kw)
-
-
-def sequences(images, n: int) -> list[list[torch.Tensor]]:
-    frames = list(images)
-    out = [frames, frames[::-1], frames[5:] + frames[:5], frames[3:] + frames[:3]]
-    return out[:n]
-
-
-def replay(model, config: StreamConfig, frames, keyframes=None) -> list:
-    s = StreamingSession(model, config)
-    out = []
-    for i, f in enumerate(frames):
-        out += s.push(f, None if keyframes is None else keyframes[i])
-    return out
-
-
-def assert_same(results, reference) -> None:
-    assert [r.frame_index for r in results] == [r.frame_index for r in reference]
-    assert [r.is_keyframe for r in results] == [r.is_keyframe for r in reference]
-    for a, b in zip(results, reference):
-        for name in ("pose_enc", "depth", "confidence"):
-            d = float(np.abs(getattr(a, name) - getattr(b, name)).max())
-            assert d <= TOL, f"{name} of frame {a.frame_index}: {d}"
 
 
 def batched_cameras(model, fixture_config, n: int, **kw) -> CameraSessions:
@@ -195,7 +167,7 @@ def _replay_with_rollback(model, config, frames) -> list:
 def test_framewise_attention_is_each_frame_over_its_own_pool():
     torch.manual_seed(0)
     ps, heads, dim = 8, 2, 8
-    parts, qs, ks, vs, plans = [], [], [], [], []
+    parts, qs, ks, vs = [], [], [], []
     for cam in range(3):
         table = PageTable(ps, 2, 4, 64, 4)
         pool = KVPool(1, table.num_pages, ps, heads, dim, torch.float32, torch.device("cpu"))
