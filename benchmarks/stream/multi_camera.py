@@ -121,7 +121,9 @@ def saturated(cams: CameraSessions, frames: dict, start: int, rounds: int, batch
     frames_done = rounds * len(names)
     return {"frames": frames_done, "aggregate_fps": round(frames_done / total, 2),
             "ms_per_frame": round(total * 1e3 / frames_done, 3),
-            "round_median_ms": round(statistics.median(per_round), 3)}
+            "round_median_ms": round(statistics.median(per_round), 3),
+            "round_p90_ms": round(float(np.percentile(per_round, 90)), 3),
+            "round_max_ms": round(max(per_round), 3)}
 
 
 def real_time(cams: CameraSessions, frames: dict, start: int, rate: float, seconds: float,
@@ -227,6 +229,8 @@ def main(argv=None):
             cams = CameraSessions(model, {c: (cfg, None) for c in names})
             frames = {c: pool[c] for c in names}
             start = fill_windows(cams, frames, args)
+            torch.cuda.synchronize()
+            filled_peak, filled = torch.cuda.max_memory_allocated(), torch.cuda.memory_allocated()
             batch = schedule == "batch"
             sat = saturated(cams, frames, start, args.saturated_rounds, batch=batch)
             rt = real_time(cams, frames, start + args.saturated_rounds, args.rate, args.seconds, batch=batch)
@@ -237,6 +241,15 @@ def main(argv=None):
                    "peak_gpu_memory_gib": round(peak / 2**30, 3),
                    "peak_above_weights_gib": round((peak - base) / 2**30, 3),
                    "one_camera_cache_gib": round(camera_cache_bytes(cams, names[0]) / 2**30, 3),
+                   # where the memory is: held after the windows filled (K/V storage, camera
+                   # caches, step buffers, graph pools' live outputs), the peak up to then (the
+                   # scale frames' eager steps) and at the end (batched graphs captured later)
+                   "memory": {"held_after_fill_gib": round((filled - base) / 2**30, 3),
+                              "held_at_end_gib": round((torch.cuda.memory_allocated() - base) / 2**30, 3),
+                              "peak_until_filled_gib": round((filled_peak - base) / 2**30, 3),
+                              "camera_head_caches_gib": round(sum(
+                                  2 * s._camera.k.numel() * s._camera.k.element_size()
+                                  for s in cams.inner.values()) / 2**30, 3)},
                    "storage": {"capacity_tokens": status.capacity_tokens, "leased_tokens": status.leased_tokens,
                                "gib": round(status.nbytes / 2**30, 3), "generation": cams.storage.generation},
                    "graph_fallbacks": sum(s.graph_fallbacks for s in cams.inner.values()),

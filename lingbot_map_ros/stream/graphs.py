@@ -46,6 +46,32 @@ from ..model.lingbot import LingBotMap, StepOptions, StepOutput
 log = logging.getLogger(__name__)
 
 
+class HandOff:
+    """When the heads stream last took a trunk graph's levels (an event on the output stream).
+
+    Trunk graphs that share a memory pool (several cameras' steps, their batched trunks) may
+    reuse one another's temporaries: a graph captured earlier can write, as scratch, where a
+    later graph keeps its levels. So no trunk replays in that pool before the heads stream
+    has copied the levels of the trunk replayed before it; every trunk sharing the pool waits
+    for the same hand-off. With one step alone this is its own previous hand-off, as before:
+    the heads of frame t still overlap the trunk of frame t+1.
+    """
+
+    def __init__(self) -> None:
+        self._event = torch.cuda.Event()
+        self._recorded = False
+
+    def wait(self, stream: torch.cuda.Stream) -> None:
+        """``stream`` waits until the last recorded hand-off ran (nothing before the first)."""
+        if self._recorded:
+            stream.wait_event(self._event)
+
+    def record(self, stream: torch.cuda.Stream) -> None:
+        """The levels were handed over on ``stream`` (call after the copies are enqueued there)."""
+        self._event.record(stream)
+        self._recorded = True
+
+
 class GraphedStep:
     """One phase-2 frame at one resolution: eager warm-up, capture on first use, then replay.
 
@@ -57,7 +83,7 @@ class GraphedStep:
 
     def __init__(self, model: LingBotMap, pool: KVPool, camera: CameraKVCache, backend, resolution: tuple[int, int],
                  options: StepOptions, *, capture: bool = True, trunk_pool=None, heads_pool=None,
-                 output_stream: torch.cuda.Stream | None = None) -> None:
+                 output_stream: torch.cuda.Stream | None = None, hand_off: HandOff | None = None) -> None:
         self.model, self.pool, self.camera, self.backend = model, pool, camera, backend
         # the trunk graph's memory pool: its own (None), or one shared by graphs whose trunks
         # replay in turn on one stream (several cameras): only one of them is live at a time
@@ -67,6 +93,8 @@ class GraphedStep:
         if heads_pool is not None and output_stream is None:
             raise ValueError("a shared heads pool needs a shared output stream")
         self.heads_pool = heads_pool
+        if hand_off is not None and trunk_pool is None:
+            raise ValueError("a shared hand-off goes with a shared trunk pool")
         self.resolution = resolution
         self.options = options
         self.capture = capture
@@ -83,8 +111,8 @@ class GraphedStep:
         self._levels: list[Tensor] | None = None  # the trunk graph's outputs
         # where the heads graph runs and the outputs are ready (None: the caller's stream)
         self.output_stream = (output_stream or torch.cuda.Stream(device)) if capture else None
-        self._handed = torch.cuda.Event() if capture else None
-        self._handed_once = False
+        # when the heads stream took the last levels of a trunk in this step's graph pool
+        self.hand_off = (hand_off or HandOff()) if capture else None
         self._out: StepOutput | None = None
         self._prepared = None  # the StepPlan whose slots and FlashInfer plan are loaded
         self.replays = 0
@@ -119,8 +147,8 @@ class GraphedStep:
         if tuple(frame.shape[-2:]) != self.resolution:
             raise ValueError("GraphedStep takes one phase-2 frame at its own resolution")
         self.take_plan(dplan, prepared)
-        if self._handed_once:  # the previous heads have taken their inputs (position, levels)
-            torch.cuda.current_stream(self.image.device).wait_event(self._handed)
+        if self.capture:  # the heads have taken the previous trunk's levels (and this step's position)
+            self.hand_off.wait(torch.cuda.current_stream(self.image.device))
         self.image.copy_(frame, non_blocking=True)
         self.positions.fill_(plan.first_position)  # == plan.positions[0] for stored and attend-only frames
         if not self.capture:
@@ -132,9 +160,8 @@ class GraphedStep:
         heads.wait_stream(current)
         with torch.cuda.stream(heads):
             self.hand_over(self._levels, self.positions)
-            self._handed.record(heads)
+            self.hand_off.record(heads)
             self.heads_graph.replay()
-        self._handed_once = True
         self.replays += 1
         return self._out
 
@@ -154,7 +181,10 @@ class GraphedStep:
         self.head_positions.copy_(positions)
 
     def replay_heads(self) -> StepOutput:
-        """Replay the captured heads graph on the inputs last handed over; its static outputs."""
+        """Replay the captured heads graph on the inputs last handed over; its static outputs
+        (on the current stream, the output stream; the caller moves them off, e.g. lands
+        them, before another heads graph of the shared heads pool replays: an earlier captured
+        one may use their memory as scratch)."""
         self.heads_graph.replay()
         self.replays += 1
         return self._out
@@ -218,13 +248,16 @@ class BatchedTrunk:
     once, where the matrix products fill the GPU better than one frame's ~1000 rows do;
     global attention stays per camera (``FramewiseAttention``: frame i writes and reads
     only its camera's pool, through that camera's FlashInfer plan, which
-    ``GraphedStep.prepare`` loaded). After the replay, each camera's levels and position are
-    handed to its own heads graph on the shared output stream, so a camera's outputs, its
-    camera-head cache and its landing are those of its own ``GraphedStep``.
+    ``GraphedStep.prepare`` loaded). ``launch`` replays the trunk and hands each camera's
+    levels and position to its own heads graph's inputs (on the shared output stream);
+    ``heads(i)`` then replays camera i's heads graph there, so a camera's outputs, its
+    camera-head cache and its landing are those of its own ``GraphedStep``. The caller lands
+    camera i's outputs before it asks for camera i+1's heads (the heads graphs share a
+    memory pool: see ``GraphedStep.replay_heads``).
 
-    The steps must share the model, resolution, step options and output stream, and each
-    must have captured its own graphs (its heads graph is replayed here). ``capture=False``
-    runs the same computation eagerly (CPU tests of the batched maths).
+    The steps must share the model, resolution, step options, output stream, trunk pool and
+    hand-off, and each must have captured its own graphs (its heads graph is replayed here).
+    ``capture=False`` runs the same computation eagerly (CPU tests of the batched maths).
     """
 
     def __init__(self, steps: list[GraphedStep], *, capture: bool = True, trunk_pool=None) -> None:
@@ -234,41 +267,42 @@ class BatchedTrunk:
         for st in steps[1:]:
             if st.model is not first.model or st.resolution != first.resolution or st.options is not first.options:
                 raise ValueError("batched steps must share the model, the resolution and the step options")
-            if st.output_stream is not first.output_stream:
-                raise ValueError("batched steps must share their output stream")
+            if st.output_stream is not first.output_stream or st.hand_off is not first.hand_off:
+                raise ValueError("batched steps must share their output stream and their hand-off")
         if capture and any(st.heads_graph is None for st in steps):
             raise ValueError("every step must have captured its own graphs before it joins a batch")
+        if capture and (trunk_pool is None or any(st.trunk_pool is not trunk_pool for st in steps)):
+            raise ValueError("a batched trunk is captured in the trunk pool that its cameras' steps share")
         self.steps = list(steps)
         self.model, self.options, self.resolution = first.model, first.options, first.resolution
         self.capture, self.trunk_pool = capture, trunk_pool
+        self.hand_off = first.hand_off
         device = first.image.device
         h, w = first.resolution
         self.image = torch.zeros(len(steps), 3, h, w, dtype=torch.float32, device=device)
         self.positions = torch.zeros(len(steps), dtype=torch.long, device=device)
         self.graph: torch.cuda.CUDAGraph | None = None
         self._levels: list[Tensor] | None = None
-        self._handed = torch.cuda.Event() if capture else None
-        self._handed_once = False
+        self._eager_levels: list[Tensor] | None = None  # capture=False: the last launch's levels
         self.replays = 0
 
-    def launch(self, frames: list[Tensor], dplans: list[DevicePlan]) -> list[StepOutput]:
+    def launch(self, frames: list[Tensor], dplans: list[DevicePlan]) -> None:
         """frames[i] [1, 3, H, W] float32 of camera i; dplans[i] its one-frame phase-2 plan (loaded
-        into its step here unless already: ``GraphedStep.take_plan``). Returns each camera's outputs (its
-        heads graph's static tensors), complete in the order of the output stream."""
+        into its step here unless already: ``GraphedStep.take_plan``). Replays the trunk (K/V
+        writes on the caller's stream) and hands the levels over; ``heads(i)`` gives the outputs."""
         if len(frames) != len(self.steps) or len(dplans) != len(self.steps):
             raise ValueError(f"a batch of {len(self.steps)} cameras takes {len(self.steps)} frames and plans")
         for step, dplan in zip(self.steps, dplans):
             step.take_plan(dplan)
         current = torch.cuda.current_stream(self.image.device) if self.capture else None
-        if self._handed_once:  # the previous heads have taken their inputs
-            current.wait_event(self._handed)
+        if self.capture:  # the heads have taken the previous trunk's levels (and positions)
+            self.hand_off.wait(current)
         for i, (frame, dplan) in enumerate(zip(frames, dplans)):
             self.image[i].copy_(frame.reshape(self.image.shape[1:]), non_blocking=True)
             self.positions[i].fill_(dplan.plan.first_position)
         if not self.capture:
-            levels = self._trunk()
-            return [step.heads([lv[i:i + 1] for lv in levels], self.positions[i:i + 1])
-                    for i, step in enumerate(self.steps)]
+            self._eager_levels = self._trunk()
+            return
         if self.graph is None:
             self._capture()
         self.graph.replay()
@@ -277,11 +311,17 @@ class BatchedTrunk:
         with torch.cuda.stream(heads):
             for i, step in enumerate(self.steps):
                 step.hand_over([lv[i:i + 1] for lv in self._levels], self.positions[i:i + 1])
-            self._handed.record(heads)  # the next batched replay may overwrite the levels
-            outs = [step.replay_heads() for step in self.steps]
-        self._handed_once = True
+            self.hand_off.record(heads)  # the next trunk replay may overwrite the levels
         self.replays += 1
-        return outs
+
+    def heads(self, i: int) -> StepOutput:
+        """Camera i's outputs from the last launch: its heads graph replayed on the output stream
+        (its static tensors, complete in that stream's order), or computed eagerly."""
+        step = self.steps[i]
+        if not self.capture:
+            return step.heads([lv[i:i + 1] for lv in self._eager_levels], self.positions[i:i + 1])
+        with torch.cuda.stream(step.output_stream):
+            return step.replay_heads()
 
     def _trunk(self) -> list[Tensor]:
         attend = FramewiseAttention([PoolAttention(st.pool, st.backend, st.write_slots) for st in self.steps])
@@ -310,17 +350,17 @@ def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, nu
                       resolution: tuple[int, int], variant: str, dtype: torch.dtype, options: StepOptions, *,
                       kv_splits: int | None = None, min_pages: int = 1, fa3_tiles: tuple[int, int, int] = FA3_TILES,
                       fused_merge: bool | None = None, workspace: Tensor | None = None,
-                      trunk_pool=None, heads_pool=None, output_stream: torch.cuda.Stream | None = None
-                      ) -> GraphedStep:
+                      trunk_pool=None, heads_pool=None, output_stream: torch.cuda.Stream | None = None,
+                      hand_off: HandOff | None = None) -> GraphedStep:
     """A GraphedStep with its own FlashInfer wrapper in CUDA-graph mode (sized for ``num_pages``;
     ``min_pages``, the fewest visible pages of a phase-2 step, bounds its KV split count;
     ``fa3_tiles``, ``fused_merge`` and ``workspace`` as for ``FlashInferBackend``; ``trunk_pool``,
-    ``heads_pool``, ``output_stream``: shared with other steps, as for ``GraphedStep``)."""
+    ``heads_pool``, ``output_stream``, ``hand_off``: shared with other steps, as for ``GraphedStep``)."""
     backend = FlashInferBackend(pool.k.device, variant, dtype, graph_pages=num_pages, kv_splits=kv_splits,
                                 min_graph_pages=min_pages, fa3_tiles=fa3_tiles, fused_merge=fused_merge,
                                 workspace=workspace)
     return GraphedStep(model, pool, camera, backend, resolution, options, trunk_pool=trunk_pool,
-                       heads_pool=heads_pool, output_stream=output_stream)
+                       heads_pool=heads_pool, output_stream=output_stream, hand_off=hand_off)
 
 
-__all__ = ["GraphedStep", "BatchedTrunk", "make_graphed_step"]
+__all__ = ["GraphedStep", "BatchedTrunk", "HandOff", "make_graphed_step"]

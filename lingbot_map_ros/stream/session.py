@@ -35,7 +35,7 @@ from ..config import SPECIAL_TOKENS, StreamConfig
 from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
 from ..model.lingbot import LingBotMap, StepOptions
 from .errors import FrameMismatchError, InvalidFrameError, SessionError
-from .graphs import BatchedTrunk, GraphedStep, make_graphed_step
+from .graphs import BatchedTrunk, GraphedStep, HandOff, make_graphed_step
 from .landing import LandingRing
 from .results import FrameResult
 
@@ -87,9 +87,10 @@ class _SharedGpuState:
     """Device memory that sessions on one ``SharedKVStorage`` share because their steps run in
     turn: FlashInfer's float workspace (128 MiB per backend otherwise; each session has an
     eager and a graph backend), the memory pool of the trunk CUDA graphs (all trunks replay
-    on the caller's stream, one at a time), and one output stream with one pool for the
-    heads graphs (the heads of one camera's step run beside the next camera's trunk, and
-    after the previous camera's heads)."""
+    on the caller's stream, one at a time, each after the heads stream took the previous
+    trunk's levels: one ``HandOff``), and one output stream with one pool for the heads
+    graphs (the heads of one camera's step run beside the next camera's trunk, and after
+    the previous camera's heads and its landing)."""
 
     def __init__(self, workspace: Tensor | None) -> None:
         self.workspace = workspace
@@ -119,7 +120,7 @@ class _SharedGpuState:
     def graph_kwargs(self) -> dict:
         if self._graphs is None:
             self._graphs = {"trunk_pool": torch.cuda.graph_pool_handle(), "heads_pool": torch.cuda.graph_pool_handle(),
-                            "output_stream": torch.cuda.Stream()}
+                            "output_stream": torch.cuda.Stream(), "hand_off": HandOff()}
         return {"workspace": self.workspace, **self._graphs}
 
 
@@ -723,24 +724,26 @@ def submit_batch(sessions: list[StreamingSession], images: list, keyframes: list
             continue
         owners = tuple(sessions[i]._owner for i, _ in planned)
         shared = sessions[planned[0][0]]._shared
-        outs = None
+        batch = None
         if owners not in shared.refused:
             try:
                 batch = shared.batch_for(owners, [step.graphed for _, step in planned])
-                outs = batch.launch(frames, [step.dplan for _, step in planned])
+                batch.launch(frames, [step.dplan for _, step in planned])
             except Exception as exc:  # nothing was applied: each camera's step runs on its own below
                 shared.refuse(owners, exc)
-        if outs is None:  # their own one-frame steps, one after another (the plans still hold)
+                batch = None
+        if batch is None:  # their own one-frame steps, one after another (the plans still hold)
             for (i, step), frame, host in zip(planned, frames, hosts):
                 try:
                     results[i] = sessions[i]._launch_planned(frame, [host], step, t0)
                 except Exception as exc:
                     results[i] = exc
             continue
-        for (i, step), frame, host, out in zip(planned, frames, hosts, outs):
+        for k, ((i, step), frame, host) in enumerate(zip(planned, frames, hosts)):
             session = sessions[i]
             session.batched_steps += 1
-            results[i] = session._complete(frame, [host], out, step, t0, step.graphed)
+            # camera k's heads, then its landing (in _complete), before camera k+1's heads
+            results[i] = session._complete(frame, [host], batch.heads(k), step, t0, step.graphed)
     for i in single:
         try:
             results[i] = sessions[i].submit(images[i], keyframes[i])

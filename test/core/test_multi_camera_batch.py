@@ -339,3 +339,72 @@ def test_a_failing_batched_trunk_falls_back_to_each_cameras_own_step_and_is_not_
     assert "RuntimeError: operation not permitted" in shared.refused[("cam0", "cam1")]
     warnings = [r for r in caplog.records if "batched step failed" in r.getMessage()]
     assert len(warnings) == 1 and "cam0, cam1" in warnings[0].getMessage()
+
+
+def test_each_cameras_outputs_land_before_the_next_cameras_heads_run(tiny_model, fixture_config, images,
+                                                                     monkeypatch):
+    """The heads graphs of all cameras share one memory pool, where an earlier captured graph may
+    use another's outputs as scratch: a batch lands camera k's outputs before camera k+1's heads
+    run (on the H200 the batch once replayed every heads graph first, and outputs were clobbered)."""
+    from lingbot_map_ros.stream.graphs import GraphedStep
+
+    cams = batched_cameras(tiny_model, fixture_config, 3)
+    seqs = dict(zip(cams.names, sequences(images, 3)))
+    owner = {id(cams.inner[c]): c for c in cams.names}
+    events = []
+    heads, land = GraphedStep.heads, StreamingSession._land
+
+    def logged_heads(self, levels, positions):
+        events.append(("heads", self.camera))
+        return heads(self, levels, positions)
+
+    def logged_land(self, *args, **kwargs):
+        events.append(("land", self._camera))
+        return land(self, *args, **kwargs)
+
+    monkeypatch.setattr(GraphedStep, "heads", logged_heads)
+    monkeypatch.setattr(StreamingSession, "_land", logged_land)
+    results = {c: [] for c in cams.names}
+    for i in range(len(seqs["cam0"])):
+        events.clear()
+        for c, pending in cams.submit_many({c: seqs[c][i] for c in cams.names}).items():
+            collect(pending, c, results)
+    assert all(cams.inner[c].batched_steps > 0 for c in cams.names)
+    # the last round was batched: heads and landing alternate, camera by camera
+    cameras = [cams.inner[c]._camera for c in cams.names]
+    assert events == [e for cam in cameras for e in (("heads", cam), ("land", cam))], \
+        [(kind, owner.get(id(cam))) for kind, cam in events]
+    for c in cams.names:
+        assert_same(results[c], replay(tiny_model, cfg(fixture_config), seqs[c]))
+
+
+class _Stream:
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+def test_hand_off_waits_only_after_a_recorded_hand_over(monkeypatch):
+    """Every trunk of a shared graph pool waits for the last hand-over of any of them."""
+    from lingbot_map_ros.stream import graphs
+
+    class Event:
+        def __init__(self):
+            self.recorded_on = []
+
+        def record(self, stream):
+            self.recorded_on.append(stream)
+
+    monkeypatch.setattr(graphs.torch.cuda, "Event", Event)
+    hand_off = graphs.HandOff()
+    trunk = _Stream()
+    hand_off.wait(trunk)
+    assert trunk.waited == []  # nothing was handed over yet: nothing to wait for
+    heads = object()
+    hand_off.record(heads)
+    hand_off.wait(trunk)
+    hand_off.wait(trunk)
+    assert len(trunk.waited) == 2 and trunk.waited[0] is trunk.waited[1]
+    assert trunk.waited[0].recorded_on == [heads]
