@@ -46,6 +46,28 @@ from ..model.lingbot import LingBotMap, StepOptions, StepOutput
 log = logging.getLogger(__name__)
 
 
+_warmup_streams: dict[torch.device, torch.cuda.Stream] = {}
+
+
+def warmup_stream(device: torch.device | str | None = None) -> torch.cuda.Stream:
+    """The side stream of the eager run before every capture (one per device, reused).
+
+    A stream that runs a matrix product gets a cuBLAS workspace of its own (32 MiB on an
+    H200), which PyTorch keeps for the life of the process; a fresh stream per capture
+    (a camera set's batched trunk, a graph rebuilt for another resolution) would keep one
+    more each time. Measured on the H200 (``benchmarks/stream/memory_probe.py``): 33-99 MiB
+    stayed allocated after every dropped session until the workspaces were cleared, then
+    the baseline was back within 4 MiB. Captures run from one thread at a time; the
+    stream's users wait for the caller's stream and the caller waits for them."""
+    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    stream = _warmup_streams.get(device)
+    if stream is None:
+        stream = _warmup_streams[device] = torch.cuda.Stream(device)
+    return stream
+
+
 class HandOff:
     """When the heads stream last took a trunk graph's levels (an event on the output stream).
 
@@ -215,7 +237,7 @@ class GraphedStep:
         # step for the current frame: they write the same K/V into the same slots as the
         # replay that follows, so the extra runs change nothing.
         current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
+        side = warmup_stream(current.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
             levels = self._trunk()
@@ -332,7 +354,7 @@ class BatchedTrunk:
         # as GraphedStep._capture: a warm-up on a side stream, then the capture; both write the
         # same K/V into the same slots as the replay that follows
         current = torch.cuda.current_stream()
-        side = torch.cuda.Stream()
+        side = warmup_stream(current.device)
         side.wait_stream(current)
         with torch.cuda.stream(side):
             levels = self._trunk()
@@ -363,4 +385,4 @@ def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, nu
                        heads_pool=heads_pool, output_stream=output_stream, hand_off=hand_off)
 
 
-__all__ = ["GraphedStep", "BatchedTrunk", "HandOff", "make_graphed_step"]
+__all__ = ["GraphedStep", "BatchedTrunk", "HandOff", "make_graphed_step", "warmup_stream"]

@@ -408,3 +408,25 @@ def test_hand_off_waits_only_after_a_recorded_hand_over(monkeypatch):
     hand_off.wait(trunk)
     assert len(trunk.waited) == 2 and trunk.waited[0] is trunk.waited[1]
     assert trunk.waited[0].recorded_on == [heads]
+
+
+def test_captures_reuse_one_warm_up_stream_per_device(monkeypatch):
+    """Every new stream that runs a matrix product keeps a cuBLAS workspace (32 MiB on an H200)
+    for the life of the process: the warm-ups before captures share one stream per device."""
+    from lingbot_map_ros.stream import graphs
+
+    made = []
+
+    class Stream:
+        def __init__(self, device=None):
+            made.append(device)
+
+    monkeypatch.setattr(graphs.torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(graphs.torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(graphs, "_warmup_streams", {})
+    first = graphs.warmup_stream("cuda:0")
+    assert graphs.warmup_stream(torch.device("cuda", 0)) is first
+    assert graphs.warmup_stream("cuda") is first and graphs.warmup_stream() is first
+    other = graphs.warmup_stream("cuda:1")
+    assert other is not first and graphs.warmup_stream("cuda:1") is other
+    assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]
