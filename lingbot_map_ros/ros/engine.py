@@ -413,8 +413,9 @@ class InferenceEngine:
         self._pushed(frame, results)
 
     # the two halves of ``_process`` around the session's step, so that a scheduler can run
-    # several cameras' steps together (``CameraScheduler(batch=...)``): ``take_batch_frame``,
-    # ``admit``, the batched submit, then ``complete`` with each camera's outcome
+    # several cameras' steps together (``CameraScheduler(batch=...)``: ``take_batch_frame``,
+    # ``admit``, the batched submit, then ``complete`` with each camera's outcome) or overlap
+    # one camera's step with the next camera's (``pipeline=True``: ``launch`` for the submit)
     def take_batch_frame(self) -> InputFrame | None:
         """The waiting frame, taken, when this camera's next item is a frame that may run now
         (no keep/drop decision held, no command queued); else None and nothing is taken."""
@@ -432,6 +433,15 @@ class InferenceEngine:
         except Exception as exc:  # never let the inference thread die
             self.log.error(f"unexpected error while handling a frame: {type(exc).__name__}: {exc}")
             return None
+
+    def launch(self, image: Any) -> Any:
+        """Submit an admitted frame's step without waiting for it (pipelined steps,
+        ``CameraScheduler(pipeline=True)``): its pending results, or the exception the submit
+        raised, for ``complete``."""
+        try:
+            return self.session.submit(image)
+        except Exception as exc:  # as push would raise it: complete() reports it
+            return exc
 
     def complete(self, frame: InputFrame, outcome: Any) -> None:
         """Handle the outcome of ``frame``'s step (its pending results, or the exception its

@@ -273,10 +273,14 @@ class LingBotMapNode(Node):
         self.engine = self.channels[reference].engine  # the reference camera's (in-process use)
         self.outputs = self.channels[reference].outputs
         batch = self.sessions.submit_many if s.camera_batching else None
-        self.scheduler = CameraScheduler({name: ch.engine for name, ch in self.channels.items()}, batch=batch)
+        self.scheduler = CameraScheduler({name: ch.engine for name, ch in self.channels.items()}, batch=batch,
+                                         pipeline=s.camera_pipelining)
         if s.camera_batching:
             self.get_logger().info("camera_batching: the waiting frames of several cameras run in one batched "
                                    "step where their CUDA graphs allow (bf16, FlashInfer), else in turn")
+        self.get_logger().info(f"camera_pipelining: {'on' if s.camera_pipelining else 'off'} (a camera's step "
+                               f"{'is launched before' if s.camera_pipelining else 'waits for'} the previous "
+                               "camera's results)")
         self._warn_about_alignment()
 
     def _read_parameters(self) -> NodeSettings:
@@ -686,6 +690,8 @@ class LingBotMapNode(Node):
                   "size (MiB)": f"{pool.nbytes / 2**20:.1f}"}
         for camera, cp in pool.cameras.items():
             values[f"{camera}: pages / used / tokens per page"] = f"{cp.pages} / {cp.used_pages} / {cp.page_tokens}"
+        if self.scheduler is not None and self.settings.camera_pipelining:  # written by the inference thread
+            values["steps overlapped with the next camera's"] = self.scheduler.overlapped
         if self.settings.camera_batching:  # counters written by the inference thread (plain ints)
             values["batched turns"] = self.scheduler.batches
             for camera, inner in self.sessions.inner.items():

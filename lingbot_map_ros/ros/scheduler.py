@@ -27,6 +27,17 @@ scheduler is that thread:
   outcome handed back to its engine (``complete``). Every camera with a frame then gets
   its step in that turn; commands and held cameras go through the round-robin as before.
 
+- Pipelined steps (``pipeline``, the node's ``camera_pipelining``): a camera's frame is
+  launched (``admit``, then ``launch``: its step is submitted, its results not yet taken)
+  and the step launched before it, another camera's, is completed only then
+  (``complete``: results taken and published), so the GPU runs one camera's step while the
+  host finishes the previous one and prepares the next. At most one step is in flight, and
+  a camera's own step is always completed before anything else of that camera runs (its
+  next frame, a command such as a reset or a rollback, a keep/drop decision), so each
+  camera sees exactly the order of events it sees without pipelining. When a pass finds
+  no other work the step in flight is completed at once (its results do not wait for the
+  next frame), and at stop. With one camera it is the same as no pipelining.
+
 The engines are duck-typed (``Engine``): the node passes ``ros.engine.InferenceEngine``s,
 the unit tests small fakes.
 """
@@ -52,10 +63,12 @@ class Engine(Protocol):
 
     def run_once(self, timeout: float = 0.0) -> bool: ...
     def stop(self, timeout: float = 5.0) -> None: ...
-    # batched steps only
+    # batched and pipelined steps only
     def take_batch_frame(self) -> Any | None: ...
     def admit(self, frame: Any) -> Any | None: ...
     def complete(self, frame: Any, outcome: Any) -> None: ...
+    # pipelined steps only
+    def launch(self, image: Any) -> Any: ...
 
 
 # images by camera -> per camera the pending results or the exception of its submit
@@ -66,7 +79,8 @@ class CameraScheduler:
     """Drives ``engines`` (name -> engine, in turn order) from one thread; see the module docstring."""
 
     def __init__(self, engines: Mapping[str, Engine], idle_wait: float = IDLE_WAIT_S,
-                 name: str = "lingbot_map_inference", batch: BatchSubmit | None = None) -> None:
+                 name: str = "lingbot_map_inference", batch: BatchSubmit | None = None,
+                 pipeline: bool = False) -> None:
         if not engines:
             raise ValueError("CameraScheduler needs at least one camera")
         if not idle_wait > 0:
@@ -78,6 +92,9 @@ class CameraScheduler:
         self.idle_waits = 0  # passes that found no work and waited on the event
         self.batch = batch
         self.batches = 0  # batched submits (two or more cameras' frames in one call)
+        self.pipeline = bool(pipeline)
+        self.overlapped = 0  # steps completed after the next camera's step was launched
+        self._in_flight: tuple[str, Any, Any] | None = None  # (camera, frame, outcome) launched, not completed
         self._name = name
         self._next = 0  # index in ``order`` of the camera looked at first in the next pass
         self._wake = threading.Event()
@@ -99,11 +116,47 @@ class CameraScheduler:
         for k in range(n):
             i = (self._next + k) % n
             name = self.order[i]
+            if self.pipeline and self._launch_pipelined(name):
+                self._next = (i + 1) % n
+                return name
+            if self._in_flight is not None and self._in_flight[0] == name:
+                self.finish_in_flight()  # this camera's own step first (its command or held decision next)
             if self.engines[name].run_once(0.0):
                 self.served[name] += 1
                 self._next = (i + 1) % n
                 return name
+        self.finish_in_flight()  # nobody else has work: its results should not wait
         return None
+
+    def _launch_pipelined(self, name: str) -> bool:
+        """Launch camera ``name``'s waiting frame (when its next item is a frame it may run now),
+        then complete the step launched before it. False when it has no such frame."""
+        engine = self.engines[name]
+        if self._in_flight is not None and self._in_flight[0] == name:
+            self.finish_in_flight()  # a camera's own steps never overlap
+        frame = engine.take_batch_frame()
+        if frame is None:
+            return False
+        self.served[name] += 1
+        image = engine.admit(frame)
+        if image is None:  # dropped (too old, a stamp out of order, invalid): counted by its engine
+            return True
+        outcome = engine.launch(image)
+        previous, self._in_flight = self._in_flight, (name, frame, outcome)
+        if previous is not None:
+            self.overlapped += 1
+            self._complete(previous)
+        return True
+
+    def finish_in_flight(self) -> None:
+        """Complete the step in flight, if any (its results taken and handled by its engine)."""
+        previous, self._in_flight = self._in_flight, None
+        if previous is not None:
+            self._complete(previous)
+
+    def _complete(self, launched: tuple[str, Any, Any]) -> None:
+        name, frame, outcome = launched
+        self.engines[name].complete(frame, outcome)
 
     def _run_batch(self) -> list[str]:
         """Take the waiting frames of every camera that has one as its next item; with two or
@@ -113,6 +166,7 @@ class CameraScheduler:
         ready = [c for c in ready if self.engines[c].queue.pending_frame()]
         if len(ready) < 2:
             return []
+        self.finish_in_flight()  # a batch runs alone (a camera in it may have its step in flight)
         frames = {}
         for c in ready:
             frame = self.engines[c].take_batch_frame()
@@ -143,6 +197,7 @@ class CameraScheduler:
         count = 0
         while count < max_items and self.run_turn() is not None:
             count += 1
+        self.finish_in_flight()
         return count
 
     # ------------------------------------------------------------------ thread
@@ -170,6 +225,15 @@ class CameraScheduler:
             engine.stop(timeout)
 
     def _loop(self) -> None:
+        try:
+            self._serve()
+        finally:
+            try:
+                self.finish_in_flight()  # at stop: the last launched step is completed, not lost
+            except Exception as exc:
+                _log.error(f"scheduler: unexpected error at stop: {type(exc).__name__}: {exc}")
+
+    def _serve(self) -> None:
         while not self._stop.is_set():
             # cleared BEFORE the pass: an item put during the pass sets it again, so it is never missed
             self._wake.clear()

@@ -34,9 +34,10 @@ def frames(n: int, seed: int) -> list[np.ndarray]:
     return [big[10 + i: 304 + i, 20 + 7 * i: 538 + 7 * i].astype(np.uint8) for i in range(n)]
 
 
-def cameras(model, batch: bool = False, **per_camera):
+def cameras(model, batch: bool = False, pipeline: bool = False, **per_camera):
     """A scheduler over one engine per named camera; ``batch``: batched steps (the node's
-    ``camera_batching``), with the sessions' static-shape graph path run eagerly on the CPU."""
+    ``camera_batching``), with the sessions' static-shape graph path run eagerly on the CPU;
+    ``pipeline``: pipelined steps (the node's ``camera_pipelining``)."""
     settings = {name: resolve_settings({**SETTINGS, **own}) for name, own in per_camera.items()}
     sessions = CameraSessions(model, {name: (s.stream, None) for name, s in settings.items()})
     if batch:
@@ -45,7 +46,7 @@ def cameras(model, batch: bool = False, **per_camera):
     sinks = {name: Sink(wants=()) for name in settings}
     engines = {name: InferenceEngine(sessions.sessions[name], s, sinks[name], Log(), now=lambda: 1000.0)
                for name, s in settings.items()}
-    sched = CameraScheduler(engines, batch=sessions.submit_many if batch else None)
+    sched = CameraScheduler(engines, batch=sessions.submit_many if batch else None, pipeline=pipeline)
     sched.sessions = sessions
     return sched, engines, sinks
 
@@ -62,8 +63,9 @@ def replay(model, images) -> list[np.ndarray]:
     return [optical_pose_to_map(r.c2w) for r in out]
 
 
-def test_two_cameras_in_turn_equal_their_single_camera_replays(model):
-    sched, engines, sinks = cameras(model, a={}, b={})
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_two_cameras_in_turn_equal_their_single_camera_replays(model, pipeline):
+    sched, engines, sinks = cameras(model, pipeline=pipeline, a={}, b={})
     images = {"a": frames(5, seed=1), "b": frames(5, seed=2)}
     for k in range(5):  # both slots filled, then the scheduler takes them in turn
         submit(engines["a"], images["a"][k], 100.0 + k)
@@ -75,10 +77,12 @@ def test_two_cameras_in_turn_equal_their_single_camera_replays(model):
         for T, expected in zip(got, replay(model, images[name])):
             np.testing.assert_allclose(T, expected, atol=1e-4)
     assert sched.served == {"a": 5, "b": 5}
+    assert sched.overlapped == (5 if pipeline else 0)  # a's step completed after b's was launched
 
 
-def test_a_camera_waiting_for_a_keyframe_decision_does_not_hold_up_the_other(model):
-    sched, engines, sinks = cameras(model, a={"keyframe_decision_timeout": 30.0}, b={})
+@pytest.mark.parametrize("pipeline", [False, True])
+def test_a_camera_waiting_for_a_keyframe_decision_does_not_hold_up_the_other(model, pipeline):
+    sched, engines, sinks = cameras(model, pipeline=pipeline, a={"keyframe_decision_timeout": 30.0}, b={})
     images = {"a": frames(5, seed=3), "b": frames(5, seed=4)}
     for k in range(4):
         submit(engines["a"], images["a"][k], 200.0 + k)

@@ -410,7 +410,9 @@ def test_camera_batching_takes_frames_that_arrive_together(graph, replay, tmp_pa
                            what="the batching node's pool diagnostics")
         keys = {kv.key: kv.value for kv in pool.values}
         assert int(keys["batched turns"]) >= 0 and "front: steps in a batched trunk" in keys
+        assert int(keys["steps overlapped with the next camera's"]) >= 0  # camera_pipelining on by default
         text = log.read_text()
         assert "camera_batching:" in text and "[ERROR]" not in text and "Traceback" not in text
+        assert "camera_pipelining: on" in text
     finally:
         stop_processes(proc)

@@ -266,3 +266,110 @@ def test_take_frame_leaves_a_frame_behind_a_command():
     assert q.take_frame() is None and q.pending_frame()
     q.close()
     assert q.take_frame() is None
+
+
+class PipeEngine(BatchEngine):
+    """A BatchEngine with ``launch``: every launch and completion goes to the shared event log."""
+
+    def __init__(self, name: str, log: list, events: list) -> None:
+        super().__init__(name, log)
+        self.events = events
+
+    def launch(self, image):
+        self.events.append(("launch", self.name, image[1][1]))
+        return f"pending {image[1]}"
+
+    def complete(self, frame, outcome) -> None:
+        self.events.append(("complete", self.name, frame[1]))
+        super().complete(frame, outcome)
+
+    def run_once(self, timeout: float = 0.0) -> bool:
+        item = self.queue.get(timeout, frames=not self.held)
+        if item is None:
+            return False
+        if isinstance(item, Command):
+            self.events.append(("command", self.name, item.name))
+            item.run()
+        else:  # a frame run the synchronous way
+            self.events.append(("push", self.name, item[1]))
+        return True
+
+
+def pipe_engines(*names: str):
+    log: list = []
+    events: list = []
+    return {n: PipeEngine(n, log, events) for n in names}, events
+
+
+def test_pipelined_each_step_completes_after_the_next_cameras_launch():
+    cams, events = pipe_engines("a", "b", "c")
+    sched = CameraScheduler(cams, pipeline=True)
+    for c in ("a", "b", "c"):
+        cams[c].submit_frame((c, 0))
+    assert sched.run_until_idle() == 3
+    assert events == [("launch", "a", 0), ("launch", "b", 0), ("complete", "a", 0), ("launch", "c", 0),
+                      ("complete", "b", 0), ("complete", "c", 0)]  # the last one: nobody else had work
+    assert sched.overlapped == 2 and sched.served == {"a": 1, "b": 1, "c": 1}
+    assert all(cams[c].completed == [((c, 0), f"pending {(c, 0)}")] for c in cams)
+
+
+def test_pipelined_a_cameras_own_step_completes_before_its_next_frame_or_command():
+    cams, events = pipe_engines("a", "b")
+    sched = CameraScheduler(cams, pipeline=True)
+    cams["a"].submit_frame(("a", 0))
+    assert sched.run_turn() == "a" and events == [("launch", "a", 0)]  # in flight
+    cams["a"].queue.put_command(Command("reset", lambda: None))
+    cams["b"].submit_frame(("b", 0))
+    sched.run_until_idle()
+    # b's frame is launched while a's step runs; a's reset comes after a's own step completed
+    assert events[1:] == [("launch", "b", 0), ("complete", "a", 0), ("command", "a", "reset"), ("complete", "b", 0)]
+    events.clear()
+    cams["a"].submit_frame(("a", 1))
+    sched.run_turn()
+    cams["a"].submit_frame(("a", 2))  # a's next frame: never launched while its previous step is in flight
+    sched.run_until_idle()
+    assert events == [("launch", "a", 1), ("complete", "a", 1), ("launch", "a", 2), ("complete", "a", 2)]
+    for c in cams:  # every launched step completed exactly once, in its camera's order
+        frames = [e[2] for e in events if e[1] == c]
+        assert frames == sorted(frames)
+
+
+def test_pipelined_one_camera_never_overlaps_itself_and_held_or_refused_frames_are_not_launched():
+    cams, events = pipe_engines("a", "b")
+    sched = CameraScheduler(cams, pipeline=True)
+    for i in range(3):
+        cams["a"].submit_frame(("a", i))
+        sched.run_turn()
+    sched.run_until_idle()
+    assert events == [(kind, "a", i) for i in range(3) for kind in ("launch", "complete")]
+    assert sched.overlapped == 0
+    events.clear()
+    cams["a"].held = True  # a keep/drop decision held: a's frame is not taken
+    cams["a"].submit_frame(("a", 3))
+    cams["b"].submit_frame(("b", "bad"))  # refused by b's engine: nothing launched
+    sched.run_until_idle()
+    assert events == [] and cams["a"].queue.pending_frame() and cams["b"].completed == []
+    assert sched.served["b"] == 1  # taken and dropped, as without pipelining
+
+
+def test_pipelined_batches_run_alone_and_stop_completes_the_step_in_flight():
+    cams, events = pipe_engines("a", "b")
+    calls = []
+    sched = CameraScheduler(cams, pipeline=True, batch=lambda images: calls.append(sorted(images))
+                            or {c: "batched" for c in images})
+    cams["a"].submit_frame(("a", 0))
+    sched.run_turn()  # a alone: launched, in flight
+    cams["a"].submit_frame(("a", 1))
+    cams["b"].submit_frame(("b", 1))
+    sched.run_turn()  # two waiting: a batch, after a's step in flight completed
+    assert events[:2] == [("launch", "a", 0), ("complete", "a", 0)]
+    assert sorted(events[2:]) == [("complete", "a", 1), ("complete", "b", 1)] and calls == [["a", "b"]]
+    events.clear()
+    sched2 = CameraScheduler({"a": cams["a"]}, pipeline=True, idle_wait=0.01)
+    sched2.start()
+    cams["a"].submit_frame(("a", 2))
+    deadline = time.monotonic() + 5
+    while ("complete", "a", 2) not in events and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sched2.stop()
+    assert events == [("launch", "a", 2), ("complete", "a", 2)]
