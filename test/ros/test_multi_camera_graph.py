@@ -227,13 +227,20 @@ def test_diagnostics_tf_and_the_map_cover_both_cameras(graph):
                       k=[321.0, 0.0, w / 2, 0.0, 321.0, h / 2, 0.0, 0.0, 1.0])
     client.wait(lambda: client.infos["front"].get_subscription_count() >= 1, what="the front camera_info subscription")
     client.infos["front"].publish(info)
-    names = client.wait(lambda: next(({s.name: s for s in d.status} for d in client.msgs["/diagnostics"]
-                                      if any(s.name.endswith("pool") and "leased" in s.message for s in d.status)),
-                                     None), what="/diagnostics with the pool")
+    def aligned_diagnostics():
+        # the newest array with the pool read and rear's map-frame entry OK (an array published
+        # before rear was aligned says WARN, "waits for ..."): rear must get there
+        for d in reversed(client.msgs["/diagnostics"]):
+            by_name = {s.name: s for s in d.status}
+            rear = by_name.get(f"{NODE}: rear: map frame")
+            if any(s.name.endswith("pool") and "leased" in s.message for s in d.status) and rear is not None:
+                return by_name if rear.level == DiagnosticStatus.OK else None
+        return None
+
+    names = client.wait(aligned_diagnostics, what="/diagnostics with the pool and rear aligned to map")
     for c in CAMERAS:
         for part in ("input", "output", "tracking", "scale", "cache", "map frame"):
             assert f"{NODE}: {c}: {part}" in names, (c, part, sorted(names))
-    assert names[f"{NODE}: rear: map frame"].level == DiagnosticStatus.OK
     assert "aligned to map" in names[f"{NODE}: rear: map frame"].message
     assert f"{NODE}: input" not in names  # the single-camera entry
     intrinsics = client.wait(lambda: next((s for d in client.msgs["/diagnostics"] for s in d.status
