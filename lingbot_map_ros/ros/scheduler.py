@@ -116,11 +116,11 @@ class CameraScheduler:
         for k in range(n):
             i = (self._next + k) % n
             name = self.order[i]
+            # pipelined: a camera's own step in flight is completed first, before its frame,
+            # its command or its held decision
             if self.pipeline and self._launch_pipelined(name):
                 self._next = (i + 1) % n
                 return name
-            if self._in_flight is not None and self._in_flight[0] == name:
-                self.finish_in_flight()  # this camera's own step first (its command or held decision next)
             if self.engines[name].run_once(0.0):
                 self.served[name] += 1
                 self._next = (i + 1) % n
@@ -145,18 +145,14 @@ class CameraScheduler:
         previous, self._in_flight = self._in_flight, (name, frame, outcome)
         if previous is not None:
             self.overlapped += 1
-            self._complete(previous)
+            self.engines[previous[0]].complete(*previous[1:])
         return True
 
     def finish_in_flight(self) -> None:
         """Complete the step in flight, if any (its results taken and handled by its engine)."""
         previous, self._in_flight = self._in_flight, None
         if previous is not None:
-            self._complete(previous)
-
-    def _complete(self, launched: tuple[str, Any, Any]) -> None:
-        name, frame, outcome = launched
-        self.engines[name].complete(frame, outcome)
+            self.engines[previous[0]].complete(*previous[1:])
 
     def _run_batch(self) -> list[str]:
         """Take the waiting frames of every camera that has one as its next item; with two or

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 _warmup_streams: dict[torch.device, torch.cuda.Stream] = {}
 
 
-def warmup_stream(device: torch.device | str | None = None) -> torch.cuda.Stream:
+def warmup_stream(device: torch.device) -> torch.cuda.Stream:
     """The side stream of the eager run before every capture (one per device, reused).
 
     A stream that runs a matrix product gets a cuBLAS workspace of its own (32 MiB on an
@@ -59,13 +59,34 @@ def warmup_stream(device: torch.device | str | None = None) -> torch.cuda.Stream
     stayed allocated after every dropped session until the workspaces were cleared, then
     the baseline was back within 4 MiB. Captures run from one thread at a time; the
     stream's users wait for the caller's stream and the caller waits for them."""
-    device = torch.device("cuda", torch.cuda.current_device()) if device is None else torch.device(device)
-    if device.type == "cuda" and device.index is None:
+    device = torch.device(device)
+    if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     stream = _warmup_streams.get(device)
     if stream is None:
         stream = _warmup_streams[device] = torch.cuda.Stream(device)
     return stream
+
+
+def capture_trunk(run, pool, after_warmup=None) -> tuple[torch.cuda.CUDAGraph, list[Tensor]]:
+    """``run()`` (a trunk: it returns its levels) once eagerly on the warm-up stream (as
+    torch.cuda.graph wants; ``after_warmup(levels)`` may use that run's levels there), then
+    captured in graph pool ``pool``; returns the graph and its static levels. Both runs do
+    the step of the frame loaded now: they write the same K/V into the same slots as the
+    replay that follows, so the extra runs change nothing."""
+    current = torch.cuda.current_stream()
+    side = warmup_stream(current.device)
+    side.wait_stream(current)
+    with torch.cuda.stream(side):
+        levels = run()
+        if after_warmup is not None:
+            after_warmup(levels)
+    current.wait_stream(side)
+    del levels
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):  # other threads may use CUDA
+        levels = run()
+    return graph, levels
 
 
 class HandOff:
@@ -233,23 +254,14 @@ class GraphedStep:
         return self._heads(self._trunk(), self.positions)
 
     def _capture(self) -> None:
-        # Warm-up on a side stream (as torch.cuda.graph wants), then capture. Both run the
-        # step for the current frame: they write the same K/V into the same slots as the
-        # replay that follows, so the extra runs change nothing.
-        current = torch.cuda.current_stream()
-        side = warmup_stream(current.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            levels = self._trunk()
+        def warm_heads(levels: list[Tensor]) -> None:  # the heads' eager run, on the warm-up's levels
             if self._head_levels is None:
                 self._head_levels = [torch.empty_like(lv) for lv in levels]
             self.hand_over(levels, self.positions)
             self._heads(self._head_levels, self.head_positions)
-        current.wait_stream(side)
-        del levels
-        trunk = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(trunk, pool=self.trunk_pool, capture_error_mode="thread_local"):  # other threads may use CUDA
-            levels = self._trunk()
+
+        current = torch.cuda.current_stream()
+        trunk, levels = capture_trunk(self._trunk, self.trunk_pool, warm_heads)
         heads = torch.cuda.CUDAGraph()
         self.output_stream.wait_stream(current)
         # a pool of its own: it runs beside the trunk graph, so their memory must not overlap
@@ -351,19 +363,7 @@ class BatchedTrunk:
                                 options=self.options)
 
     def _capture(self) -> None:
-        # as GraphedStep._capture: a warm-up on a side stream, then the capture; both write the
-        # same K/V into the same slots as the replay that follows
-        current = torch.cuda.current_stream()
-        side = warmup_stream(current.device)
-        side.wait_stream(current)
-        with torch.cuda.stream(side):
-            levels = self._trunk()
-        current.wait_stream(side)
-        del levels
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.trunk_pool, capture_error_mode="thread_local"):
-            levels = self._trunk()
-        self.graph, self._levels = graph, levels
+        self.graph, self._levels = capture_trunk(self._trunk, self.trunk_pool)
         log.info("captured the trunk of %d cameras' steps at %dx%d in one CUDA graph", len(self.steps),
                  self.resolution[1], self.resolution[0])
 
@@ -385,4 +385,4 @@ def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, nu
                        heads_pool=heads_pool, output_stream=output_stream, hand_off=hand_off)
 
 
-__all__ = ["GraphedStep", "BatchedTrunk", "HandOff", "make_graphed_step", "warmup_stream"]
+__all__ = ["GraphedStep", "BatchedTrunk", "HandOff", "capture_trunk", "make_graphed_step", "warmup_stream"]

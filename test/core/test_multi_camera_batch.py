@@ -44,6 +44,12 @@ def collect(pending, name, sink) -> None:
     sink[name] += pending.result()
 
 
+def submit_round(cams, frames, sink, keyframes=None) -> None:
+    """One ``submit_many`` call; every camera's results into ``sink`` (a failure is an AssertionError)."""
+    for name, pending in cams.submit_many(frames, keyframes).items():
+        collect(pending, name, sink)
+
+
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_batched_cameras_equal_their_single_camera_replays_in_any_arrival_pattern(tiny_model, fixture_config,
                                                                                  images, seed):
@@ -57,12 +63,10 @@ def test_batched_cameras_equal_their_single_camera_replays_in_any_arrival_patter
     while any(nxt[c] < len(seqs[c]) for c in cams.names):
         left = [c for c in cams.names if nxt[c] < len(seqs[c])]
         arriving = rng.sample(left, rng.randint(1, len(left)))  # any subset arrives together
-        out = cams.submit_many({c: seqs[c][nxt[c]] for c in arriving})
+        submit_round(cams, {c: seqs[c][nxt[c]] for c in arriving}, results)
         sizes.append(len(arriving))
         for c in arriving:
             nxt[c] += 1
-        for c, pending in out.items():
-            collect(pending, c, results)
     for c in cams.names:
         assert_same(results[c], replay(tiny_model, config, seqs[c]))
     batched = {c: cams.inner[c].batched_steps for c in cams.names}
@@ -79,9 +83,7 @@ def test_forced_keyframe_decisions_in_a_batch_match_the_replay(tiny_model, fixtu
                "cam1": [None] * s0 + [i % 2 == 1 for i in range(12 - s0)]}
     results = {c: [] for c in cams.names}
     for i in range(12):
-        out = cams.submit_many({c: seqs[c][i] for c in cams.names}, {c: pattern[c][i] for c in cams.names})
-        for c, pending in out.items():
-            collect(pending, c, results)
+        submit_round(cams, {c: seqs[c][i] for c in cams.names}, results, {c: pattern[c][i] for c in cams.names})
     for c in cams.names:
         assert_same(results[c], replay(tiny_model, config, seqs[c], pattern[c]))
         # the scale frames go together in phase 1 and the next frame captures (here: makes) each
@@ -95,9 +97,7 @@ def test_a_bad_frame_in_a_batch_fails_alone_and_the_others_run(tiny_model, fixtu
     seqs = dict(zip(cams.names, sequences(images, 3)))
     results = {c: [] for c in cams.names}
     for i in range(10):
-        out = cams.submit_many({c: seqs[c][i] for c in cams.names})
-        for c, pending in out.items():
-            collect(pending, c, results)
+        submit_round(cams, {c: seqs[c][i] for c in cams.names}, results)
     small = seqs["cam1"][10][:, :28, :]  # another size than cam1's sequence
     before = cams.inner["cam1"].frames_pushed, cams.inner["cam1"].stats()
     out = cams.submit_many({"cam0": seqs["cam0"][10], "cam1": small, "cam2": seqs["cam2"][10]})
@@ -105,9 +105,7 @@ def test_a_bad_frame_in_a_batch_fails_alone_and_the_others_run(tiny_model, fixtu
     assert (cams.inner["cam1"].frames_pushed, cams.inner["cam1"].stats()) == before
     for c in ("cam0", "cam2"):
         collect(out[c], c, results)
-    out = cams.submit_many({c: seqs[c][i] for c in cams.names for i in [10 if c == "cam1" else 11]})
-    for c, pending in out.items():
-        collect(pending, c, results)
+    submit_round(cams, {c: seqs[c][i] for c in cams.names for i in [10 if c == "cam1" else 11]}, results)
     for c in cams.names:
         n = 11 if c == "cam1" else 12
         assert_same(results[c], replay(tiny_model, config, seqs[c][:n]))
@@ -127,9 +125,7 @@ def test_a_camera_still_collecting_scale_frames_goes_alone_while_the_others_batc
         frames = {c: seqs[c][i] for c in ("cam0", "cam1") if i < 12}
         if i >= late:
             frames["cam2"] = seqs["cam2"][i - late]
-        out = cams.submit_many(frames)
-        for c, pending in out.items():
-            collect(pending, c, results)
+        submit_round(cams, frames, results)
     for c in cams.names:
         assert_same(results[c], replay(tiny_model, config, seqs[c]))
     assert cams.inner["cam2"].batched_steps > 0 and cams.inner["cam0"].batched_steps > 0
@@ -141,14 +137,12 @@ def test_reset_and_rollback_of_one_camera_between_batches(tiny_model, fixture_co
     seqs = dict(zip(cams.names, sequences(images, 2)))
     results = {c: [] for c in cams.names}
     for i in range(10):
-        for c, pending in cams.submit_many({c: seqs[c][i] for c in cams.names}).items():
-            collect(pending, c, results)
+        submit_round(cams, {c: seqs[c][i] for c in cams.names}, results)
     cams.sessions["cam1"].wait()
     assert cams.sessions["cam1"].rollback_last_frame() == 9
     cams.sessions["cam0"].reset()
     for i in range(10, 12):
-        for c, pending in cams.submit_many({c: seqs[c][i] for c in cams.names}).items():
-            collect(pending, c, results)
+        submit_round(cams, {c: seqs[c][i] for c in cams.names}, results)
     # cam1: frame 10 published, then rolled back; frames 11, 12 get indices 9, 10. cam0: a new
     # sequence, whose first frames are scale frames again
     expect1 = replay(tiny_model, config, seqs["cam1"][:10]) + _replay_with_rollback(tiny_model, config, seqs["cam1"])
@@ -224,8 +218,7 @@ def test_long_stream_cameras_batch_and_restart_their_windows_like_their_own_sess
     frames = {c: seqs[c] + seqs[c][::-1] for c in cams.names}  # 24 frames: several windows
     results = {c: [] for c in cams.names}
     for i in range(24):
-        for c, pending in cams.submit_many({c: frames[c][i] for c in cams.names}).items():
-            collect(pending, c, results)
+        submit_round(cams, {c: frames[c][i] for c in cams.names}, results)
     for c in cams.names:
         own = LongStreamSession(StreamingSession(tiny_model, config), long_cfg)
         ref = []
@@ -253,8 +246,7 @@ def test_storage_growth_for_another_resolution_rebuilds_the_batch_and_changes_no
             frames["cam2"] = seqs["cam2"][i - 5]
         if i == 5:
             before = cams.inner["cam0"]._shared.batches[("cam0", "cam1")]
-        for c, pending in cams.submit_many(frames).items():
-            collect(pending, c, results)
+        submit_round(cams, frames, results)
     assert cams.storage.generation == 1
     assert cams.inner["cam0"]._shared.batches[("cam0", "cam1")] is not before  # rebuilt on the new storage
     assert cams.inner["cam2"].batched_steps == 0
@@ -298,8 +290,7 @@ def test_the_fused_path_of_a_batched_trunk_with_the_kernel_twins_equals_single_r
     results = {c: [] for c in cams.names}
     for i in range(12):
         calls["qk_rows"].clear()
-        for c, pending in cams.submit_many({c: seqs[c][i] for c in cams.names}).items():
-            collect(pending, c, results)
+        submit_round(cams, {c: seqs[c][i] for c in cams.names}, results)
     # the last step was batched: per layer, one frame-attention call over all 3 frames' rows and one
     # global call per camera over its own frame's rows
     tokens = calls["qk_rows"][1]
@@ -329,8 +320,7 @@ def test_a_failing_batched_trunk_falls_back_to_each_cameras_own_step_and_is_not_
     results = {c: [] for c in cams.names}
     with caplog.at_level("WARNING"):
         for i in range(12):
-            for c, pending in cams.submit_many({c: seqs[c][i] for c in cams.names}).items():
-                collect(pending, c, results)
+            submit_round(cams, {c: seqs[c][i] for c in cams.names}, results)
     for c in cams.names:
         assert_same(results[c], replay(tiny_model, config, seqs[c]))
         assert cams.inner[c].batched_steps == 0
@@ -367,8 +357,7 @@ def test_each_cameras_outputs_land_before_the_next_cameras_heads_run(tiny_model,
     results = {c: [] for c in cams.names}
     for i in range(len(seqs["cam0"])):
         events.clear()
-        for c, pending in cams.submit_many({c: seqs[c][i] for c in cams.names}).items():
-            collect(pending, c, results)
+        submit_round(cams, {c: seqs[c][i] for c in cams.names}, results)
     assert all(cams.inner[c].batched_steps > 0 for c in cams.names)
     # the last round was batched: heads and landing alternate, camera by camera
     cameras = [cams.inner[c]._camera for c in cams.names]
@@ -426,7 +415,7 @@ def test_captures_reuse_one_warm_up_stream_per_device(monkeypatch):
     monkeypatch.setattr(graphs, "_warmup_streams", {})
     first = graphs.warmup_stream("cuda:0")
     assert graphs.warmup_stream(torch.device("cuda", 0)) is first
-    assert graphs.warmup_stream("cuda") is first and graphs.warmup_stream() is first
+    assert graphs.warmup_stream(torch.device("cuda")) is first
     other = graphs.warmup_stream("cuda:1")
     assert other is not first and graphs.warmup_stream("cuda:1") is other
     assert made == [torch.device("cuda", 0), torch.device("cuda", 1)]

@@ -35,6 +35,8 @@ from std_srvs.srv import SetBool, Trigger  # noqa: E402
 from lingbot_map_ros.msg import Status  # noqa: E402
 from lingbot_map_ros.srv import CommitEviction, RollbackFrame, SaveMap  # noqa: E402
 
+from graph_helpers import pose_matrix  # noqa: E402  (test/ros is on sys.path)
+
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
@@ -280,16 +282,6 @@ def replay(tiny_model, fixture_config):
         return [optical_pose_to_map(r.c2w) for r in results]
 
     return run
-
-
-def pose_matrix(msg: PoseStamped) -> np.ndarray:
-    from lingbot_map_ros.geometry import quaternion_to_matrix
-
-    p, q = msg.pose.position, msg.pose.orientation
-    T = np.eye(4)
-    T[:3, :3] = quaternion_to_matrix(np.array([q.x, q.y, q.z, q.w]))
-    T[:3, 3] = (p.x, p.y, p.z)
-    return T
 
 
 def assert_alive(procs) -> None:
