@@ -62,23 +62,70 @@ class BackendUnavailable(RuntimeError):
     pass
 
 
+def choose_backend(device_type: str, capability: tuple[int, int] | None, flashinfer: bool,
+                   dtype: torch.dtype | None) -> tuple[str, str]:
+    """The backend ``auto`` resolves to, and why (pure: the caller supplies the facts).
+
+    Measured on an H200 with each path forced (``benchmarks/stream/stream_fps.py``, 518x378,
+    full window, CUDA graphs; see ``benchmarks/results/``): FlashInfer's FA3 path is the
+    fastest on Hopper (sm_90); on sm_80/86/87/89 (Ampere, Orin, Ada) it cannot run, and
+    the FA2-class path is ``FA2_CLASS_BACKEND`` (the faster of FlashInfer's FA2 kernel and
+    PyTorch's own FlashAttention-2 over the pool's runs, which needs no FlashInfer);
+    without FlashInfer, ``sdpa`` (PyTorch's kernels). CPU, float32 pools and GPUs before
+    sm_80: ``sdpa`` (its gather form).
+    """
+    if device_type != "cuda" or capability is None:
+        return "sdpa", f"{device_type} device"
+    if dtype is not None and dtype not in KV_DTYPES:
+        return "sdpa", f"{dtype} pool (FlashInfer and FlashAttention need bf16/fp16)"
+    major, minor = capability
+    arch = f"sm_{major}{minor}"
+    if major < 8:
+        return "sdpa", f"{arch} predates FlashAttention-2 (sm_80): PyTorch's SDPA over gathered keys"
+    if not flashinfer:
+        return "sdpa", f"{arch}, FlashInfer not installed: PyTorch's FlashAttention-2 over the pool's runs"
+    if major == 9:
+        return "flashinfer-fa3", f"{arch} (Hopper): FlashInfer FA3"
+    if FA2_CLASS_BACKEND == "sdpa":
+        return "sdpa", f"{arch}: FA3 needs Hopper; PyTorch's FlashAttention-2 over the pool's runs (measured faster " \
+                       "than FlashInfer's FA2 kernel)"
+    return FA2_CLASS_BACKEND, f"{arch}: FA3 needs Hopper; FlashInfer's FA2 kernel"
+
+
+# The FA2-class path of sm_80/86/87/89, chosen by measurement (``choose_backend``)
+FA2_CLASS_BACKEND = "sdpa"
+_auto_logged: set[tuple] = set()
+
+
 def make_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
                  kv_splits: int | None = None, fa3_tiles: tuple[int, int, int] = FA3_TILES,
                  fused_merge: bool | None = None, workspace: torch.Tensor | None = None) -> AttentionBackend:
     """Resolve a backend name (auto, sdpa, flashinfer, flashinfer-fa2, flashinfer-fa3,
     flashinfer-fa3-paged, flashinfer-fa3-stock) for a device.
 
-    kv_splits: FlashInfer's split-KV count (None or 0 = automatic); ignored by sdpa.
+    auto: ``choose_backend`` for the device's compute capability (logged once per choice).
+    sdpa: PyTorch's kernels only; on a CUDA GPU of sm_80 or later with a bf16/fp16 pool
+    ``FlashVarlenBackend`` (FlashAttention-2 over the pool's runs, no gather, CUDA-graph
+    capable), elsewhere ``SdpaBackend`` (gathers the visible keys).
+    kv_splits: the split-KV count (None or 0 = automatic).
     fa3_tiles, fused_merge, workspace: passed to ``FlashInferBackend`` (the project-built FA3 kernel's
-    shape; whether the split-KV merge runs as a Triton kernel); ignored by sdpa.
+    shape; whether the split-KV merge runs as a Triton kernel); fused_merge also to the
+    varlen backend.
     dtype: the K/V pool's dtype when known; FlashInfer needs bf16/fp16, so ``auto`` picks
     sdpa for float32 and an explicit flashinfer backend with float32 is refused here.
     """
+    device = torch.device(device)
     if name == "auto":
-        fits = dtype is None or dtype in KV_DTYPES
-        name = "flashinfer" if device.type == "cuda" and fits and flashinfer_available() else "sdpa"
-        log.info("attention backend auto -> %s", name)
+        cap = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        name, why = choose_backend(device.type, cap, flashinfer_available(), dtype)
+        if (name, why) not in _auto_logged:
+            _auto_logged.add((name, why))
+            log.info("attention backend auto -> %s (%s)", name, why)
     if name == "sdpa":
+        from .varlen import FlashVarlenBackend, flash_varlen_supported
+
+        if flash_varlen_supported(device, dtype) is None and dtype is not None:
+            return FlashVarlenBackend(device, dtype, kv_splits=kv_splits or None, fused_merge=fused_merge)
         return SdpaBackend()
     if name.startswith("flashinfer"):
         if device.type != "cuda":
@@ -102,4 +149,4 @@ def _is_hopper(device: torch.device) -> bool:
 
 
 __all__ = ["AttentionBackend", "SdpaBackend", "BackendUnavailable", "UngraphableStep", "make_backend",
-           "flashinfer_available"]
+           "flashinfer_available", "choose_backend"]

@@ -39,6 +39,7 @@ import torch
 from torch import Tensor
 
 from ..cache.flashinfer_backend import FlashInferBackend
+from ..cache.varlen import FlashVarlenBackend
 from ..cache.pool import CameraKVCache, DevicePlan, FramewiseAttention, KVPool, PoolAttention
 from ..config import FA3_TILES
 from ..model.lingbot import LingBotMap, StepOptions, StepOutput
@@ -368,21 +369,32 @@ class BatchedTrunk:
                  self.resolution[1], self.resolution[0])
 
 
+def graphable(backend) -> bool:
+    """Whether a backend's step can be captured (``make_graphed_step`` builds a graph-mode twin):
+    FlashInfer's, and ``sdpa`` in its FlashAttention varlen form; not the gather form."""
+    return isinstance(backend, (FlashInferBackend, FlashVarlenBackend))
+
+
 def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, num_pages: int,
                       resolution: tuple[int, int], variant: str, dtype: torch.dtype, options: StepOptions, *,
                       kv_splits: int | None = None, min_pages: int = 1, fa3_tiles: tuple[int, int, int] = FA3_TILES,
                       fused_merge: bool | None = None, workspace: Tensor | None = None,
                       trunk_pool=None, heads_pool=None, output_stream: torch.cuda.Stream | None = None,
                       hand_off: HandOff | None = None) -> GraphedStep:
-    """A GraphedStep with its own FlashInfer wrapper in CUDA-graph mode (sized for ``num_pages``;
+    """A GraphedStep with its own attention backend in CUDA-graph mode (``variant``: FlashInfer's, or
+    ``FlashVarlenBackend.variant`` for backend sdpa's FlashAttention varlen form), sized for ``num_pages``;
     ``min_pages``, the fewest visible pages of a phase-2 step, bounds its KV split count;
     ``fa3_tiles``, ``fused_merge`` and ``workspace`` as for ``FlashInferBackend``; ``trunk_pool``,
     ``heads_pool``, ``output_stream``, ``hand_off``: shared with other steps, as for ``GraphedStep``)."""
-    backend = FlashInferBackend(pool.k.device, variant, dtype, graph_pages=num_pages, kv_splits=kv_splits,
-                                min_graph_pages=min_pages, fa3_tiles=fa3_tiles, fused_merge=fused_merge,
-                                workspace=workspace)
+    if variant == FlashVarlenBackend.variant:  # backend sdpa on a GPU: PyTorch's FlashAttention over the runs
+        backend = FlashVarlenBackend(pool.k.device, dtype, graph_pages=num_pages, kv_splits=kv_splits,
+                                     min_graph_pages=min_pages, fused_merge=fused_merge)
+    else:
+        backend = FlashInferBackend(pool.k.device, variant, dtype, graph_pages=num_pages, kv_splits=kv_splits,
+                                    min_graph_pages=min_pages, fa3_tiles=fa3_tiles, fused_merge=fused_merge,
+                                    workspace=workspace)
     return GraphedStep(model, pool, camera, backend, resolution, options, trunk_pool=trunk_pool,
                        heads_pool=heads_pool, output_stream=output_stream, hand_off=hand_off)
 
 
-__all__ = ["GraphedStep", "BatchedTrunk", "HandOff", "capture_trunk", "make_graphed_step", "warmup_stream"]
+__all__ = ["GraphedStep", "BatchedTrunk", "HandOff", "capture_trunk", "graphable", "make_graphed_step", "warmup_stream"]

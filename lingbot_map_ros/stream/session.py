@@ -35,7 +35,7 @@ from ..config import SPECIAL_TOKENS, StreamConfig
 from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
 from ..model.lingbot import LingBotMap, StepOptions
 from .errors import FrameMismatchError, InvalidFrameError, SessionError
-from .graphs import BatchedTrunk, GraphedStep, HandOff, make_graphed_step
+from .graphs import BatchedTrunk, GraphedStep, HandOff, graphable, make_graphed_step
 from .landing import LandingRing
 from .results import FrameResult
 
@@ -561,7 +561,7 @@ class StreamingSession:
                 self._graphed = GraphedStep(self.model, self._pool, self._camera, make_backend(self.cfg.backend, self.device),
                                             self._resolution, self.step_options, capture=False)
             return self._graphed
-        if not self.cfg.cuda_graphs or self.device.type != "cuda" or not self.backend.name.startswith("flashinfer"):
+        if not self.cfg.cuda_graphs or self.device.type != "cuda" or not graphable(self.backend):
             return None
         if self._graphed is None:
             self._graphed = make_graphed_step(self.model, self._pool, self._camera, self._pages.num_pages,

@@ -112,7 +112,7 @@ def script(session: StreamingSession, images: np.ndarray, checked: NoSync | None
     return results
 
 
-@pytest.mark.parametrize("backend", ["flashinfer-fa3", "flashinfer-fa2"])
+@pytest.mark.parametrize("backend", ["flashinfer-fa3", "flashinfer-fa2", "sdpa"])
 def test_graphed_step_matches_eager(backend):
     if backend.endswith("fa3") and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("FA3 needs a Hopper GPU")
