@@ -141,8 +141,8 @@ def parse_fa3_tiles(text: str) -> tuple[int, int, int]:
     return check_fa3_tiles(tuple(int(p) for p in parts))
 
 
-BACKENDS = ("auto", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa3", "flashinfer-fa3-paged",
-            "flashinfer-fa3-stock")
+BACKENDS = ("auto", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa2-paged", "flashinfer-fa3",
+            "flashinfer-fa3-paged", "flashinfer-fa3-stock")
 DTYPES = ("fp32", "bf16")
 
 

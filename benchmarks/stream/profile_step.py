@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parent))
 from stream_fps import frames_iter, stream_config  # noqa: E402
 
-from lingbot_map_ros.config import ModelConfig  # noqa: E402
+from lingbot_map_ros.config import FA3_TILES, ModelConfig  # noqa: E402
 from lingbot_map_ros.io.checkpoint import load_model  # noqa: E402
 from lingbot_map_ros.stream.session import StreamingSession  # noqa: E402
 
@@ -47,7 +47,8 @@ def main(argv=None) -> int:
     args = argparse.Namespace(num_scale_frames=8, sliding_window=64, keyframe_interval=1, camera_iterations=4,
                               backend=a.backend, dtype="bf16", no_cuda_graphs=not a.graphs, kv_splits=a.kv_splits,
                               no_fused_kernels=a.no_fused_kernels, fp32_depth_head=a.fp32_depth_head,
-                              fp32_camera_head=a.fp32_camera_head, no_parallel_heads=a.no_parallel_heads)
+                              fp32_camera_head=a.fp32_camera_head, no_parallel_heads=a.no_parallel_heads,
+                              fa3_tiles=FA3_TILES)
     model = load_model(ModelConfig.preset("lingbot-map"), None, "cuda", "bf16", seed=0)
     session = StreamingSession(model, stream_config(args))
     full = 8 + 64

@@ -66,13 +66,14 @@ def choose_backend(device_type: str, capability: tuple[int, int] | None, flashin
                    dtype: torch.dtype | None) -> tuple[str, str]:
     """The backend ``auto`` resolves to, and why (pure: the caller supplies the facts).
 
-    Measured on an H200 with each path forced (``benchmarks/stream/stream_fps.py``, 518x378,
-    full window, CUDA graphs; see ``benchmarks/results/``): FlashInfer's FA3 path is the
-    fastest on Hopper (sm_90); on sm_80/86/87/89 (Ampere, Orin, Ada) it cannot run, and
-    the FA2-class path is ``FA2_CLASS_BACKEND`` (the faster of FlashInfer's FA2 kernel and
-    PyTorch's own FlashAttention-2 over the pool's runs, which needs no FlashInfer);
-    without FlashInfer, ``sdpa`` (PyTorch's kernels). CPU, float32 pools and GPUs before
-    sm_80: ``sdpa`` (its gather form).
+    sm_90 (Hopper) with FlashInfer: ``flashinfer-fa3``, the fastest path. Other GPUs of
+    sm_80 or later (Ampere, Jetson Orin, Ada, Blackwell) cannot run FA3; with FlashInfer they
+    take ``FA2_CLASS_BACKEND``, the fastest FA2-class kernel measured (per global-attention
+    call at 518x378 over a full window on an H200 with the non-Hopper kernels forced,
+    ``benchmarks/kernels/fa2_class_ab.py``: FlashInfer FA2 over the pool's runs with 8
+    splits 1.03 ms, PyTorch's FlashAttention-2 varlen over the runs 1.10 ms, FlashInfer FA2
+    paged 1.43 ms); without FlashInfer ``sdpa`` (PyTorch's FlashAttention-2 over the runs).
+    CPU, float32 pools and GPUs before sm_80: ``sdpa`` (its gather form).
     """
     if device_type != "cuda" or capability is None:
         return "sdpa", f"{device_type} device"
@@ -86,22 +87,20 @@ def choose_backend(device_type: str, capability: tuple[int, int] | None, flashin
         return "sdpa", f"{arch}, FlashInfer not installed: PyTorch's FlashAttention-2 over the pool's runs"
     if major == 9:
         return "flashinfer-fa3", f"{arch} (Hopper): FlashInfer FA3"
-    if FA2_CLASS_BACKEND == "sdpa":
-        return "sdpa", f"{arch}: FA3 needs Hopper; PyTorch's FlashAttention-2 over the pool's runs (measured faster " \
-                       "than FlashInfer's FA2 kernel)"
-    return FA2_CLASS_BACKEND, f"{arch}: FA3 needs Hopper; FlashInfer's FA2 kernel"
+    return FA2_CLASS_BACKEND, f"{arch}: FA3 needs Hopper; the FA2-class path ({FA2_CLASS_BACKEND})"
 
 
-# The FA2-class path of sm_80/86/87/89, chosen by measurement (``choose_backend``)
-FA2_CLASS_BACKEND = "sdpa"
+# The FA2-class path of sm_80/86/87/89 (and later non-Hopper) GPUs, chosen by measurement
+# (``choose_backend``): FlashInfer's FA2 kernel over the pool's runs
+FA2_CLASS_BACKEND = "flashinfer-fa2"
 _auto_logged: set[tuple] = set()
 
 
 def make_backend(name: str, device: torch.device, dtype: torch.dtype | None = None,
                  kv_splits: int | None = None, fa3_tiles: tuple[int, int, int] = FA3_TILES,
                  fused_merge: bool | None = None, workspace: torch.Tensor | None = None) -> AttentionBackend:
-    """Resolve a backend name (auto, sdpa, flashinfer, flashinfer-fa2, flashinfer-fa3,
-    flashinfer-fa3-paged, flashinfer-fa3-stock) for a device.
+    """Resolve a backend name (auto, sdpa, flashinfer, flashinfer-fa2, flashinfer-fa2-paged,
+    flashinfer-fa3, flashinfer-fa3-paged, flashinfer-fa3-stock) for a device.
 
     auto: ``choose_backend`` for the device's compute capability (logged once per choice).
     sdpa: PyTorch's kernels only; on a CUDA GPU of sm_80 or later with a bf16/fp16 pool

@@ -7,16 +7,20 @@ to a power of two).
 
 Two ways to read the pool:
 
-* paged (variants ``fa2``, ``fa3-paged``): FlashInfer's paged kernel, given the
+* paged (variants ``fa2-paged``, ``fa3-paged``): FlashInfer's paged kernel, given the
   visible page ids. Its FA3 form gathers K/V rows itself (no TMA; 192 x 96 tiles for
   head_dim 64).
-* ragged (variants ``fa3``, ``fa3-stock``): the pool of one layer is one contiguous
+* ragged (variants ``fa2``, ``fa3``, ``fa3-stock``): the pool of one layer is one contiguous
   tensor and the visible pages form a few contiguous runs of it (``cache.pages`` keeps
   them so: ascending patch pages, the special stream in a range of its own); the ragged
   FA3 kernel reads each run with TMA. Order does not matter to unmasked attention over
   already-rotated keys. The keys between runs are skipped by requests with no queries
   (``ragged_requests``). About 10% faster than the paged kernel at the model's shapes
-  (``benchmarks/kernels/attention_variants.py``). ``fa3`` runs FlashInfer's kernel templates
+  (``benchmarks/kernels/attention_variants.py``). For FA2 (the path of sm_80/86/89 GPUs)
+  the ragged kernel with 8 splits takes 1.03 ms per call where the paged one took 1.43
+  (1005 queries over 78k keys on an H200, ``benchmarks/kernels/fa2_class_ab.py``): the
+  paged kernel computes each key row's address from the page table (999-token pages, a
+  division per row) and, with one request, runs 8 x 16 = 128 thread blocks on 132 SMs. ``fa3`` runs FlashInfer's kernel templates
   built by the project with 128 x 192 tiles (``kernels.fa3_tiles``; ~8% faster per
   frame at 518x378) where it can, FlashInfer's packaged module (192 x 128 tiles)
   otherwise; ``fa3-stock`` always the packaged module.
@@ -73,8 +77,9 @@ from ..config import FA3_TILES, check_fa3_tiles
 from ..kernels.merge import merge_reference, merge_states
 from .pool import DevicePlan, UngraphableStep
 
-VARIANTS = ("fa2", "fa3", "fa3-paged", "fa3-stock")
-RAGGED = ("fa3", "fa3-stock")  # the ragged kernel over the pool's runs: project-built tiles / FlashInfer's module
+VARIANTS = ("fa2", "fa2-paged", "fa3", "fa3-paged", "fa3-stock")
+# the ragged kernel over the pool's runs: FA2 (sm_80+), FA3 with project-built tiles / FlashInfer's module
+RAGGED = ("fa2", "fa3", "fa3-stock")
 KV_DTYPES = (torch.bfloat16, torch.float16)  # FlashInfer has no float32 attention kernels
 WORKSPACE_BYTES = 128 * 2**20  # FlashInfer's recommended float workspace (split-KV partials)
 
@@ -95,6 +100,9 @@ WAVES = 8.5  # work items per SM that auto_kv_splits aims for with FlashInfer's 
 TILED_WAVES = 7.5  # the same with the project-built 128-row tiles (kernels.fa3_tiles)
 MAX_RAGGED_SPLITS = 64  # a bound on explicit kv_splits for the ragged kernel (its batch is 2 x splits requests)
 MIN_SPLIT_KEYS = 32  # keys per split at least, for the automatic count of the ragged kernel in a graph
+FA2_TILE_Q = 128  # FlashInfer's FA2 query tile for a frame's queries at head_dim 64 (sm_80+)
+FA2_WAVES = 7.5  # work items per SM that auto_kv_splits aims for with the FA2 ragged kernel
+MIN_GRAPH_RAGGED_SPLITS = 4  # automatic splits of a graphed ragged step at least: room for a full window's runs
 
 
 def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_sms: int, variant: str,
@@ -114,8 +122,15 @@ def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_s
     ms per frame: 518x378 7 splits 22.99 / 22.79, 8: 22.83 / 22.76, 9: 22.98, 22.49, 22.87,
     10: 23.16, 12: 23.44; 518x294 8: 17.10, 9: 17.22, 11: 17.46
     (``benchmarks/kernels/fa3_tiles_ab.sh``), hence 7.5 items per SM there (8 and 9 splits).
+    FA2 over the pool's runs (variant ``fa2``, ``tile_q`` 128), H200, one frame at 518x378
+    over a full window (``benchmarks/kernels/fa2_class_ab.py``, results/nvidia_h200_fa2_class_ab.json),
+    us per call: 3 splits 1454, 8 splits 1034, 16: 1075; the paged FA2 kernel 1426 / 1388 /
+    1411 / 1458 with 1 / 2 / 4 / 8 splits (``fa2-paged``: FlashInfer's own split, 1). Hence
+    7.5 items per SM for FA2 too (8 splits on 132 SMs).
     """
-    if not variant.startswith("fa3"):
+    if variant == "fa2":
+        tile_q, waves = tile_q or FA2_TILE_Q, FA2_WAVES
+    elif not variant.startswith("fa3"):
         return 1
     if tile_q is None:  # FlashInfer's FA3 query tile (paged and ragged)
         tile_q = 192 if head_dim == 64 else 128
@@ -317,6 +332,9 @@ class FlashInferBackend:
                 return min(self.kv_splits, MAX_RAGGED_SPLITS)
             fewest = self._min_graph_pages
             limit = min(MAX_RAGGED_SPLITS, max(fewest, fewest * page_size // MIN_SPLIT_KEYS))
+            if self._kernel == "fa2":  # a GPU with few SMs would get 1-2 splits: too few for the runs
+                return max(1, min(limit, max(MIN_GRAPH_RAGGED_SPLITS, auto_kv_splits(
+                    qo_len, heads, head_dim, limit, self._num_sms, self.variant))))
         else:  # a split is whole pages, and a graph's count must fit its fewest pages
             limit = min(num_pages, self._min_graph_pages)
         tile_q, waves = (self.tiles[0], TILED_WAVES) if self.tiles else (None, WAVES)

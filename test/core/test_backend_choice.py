@@ -67,6 +67,35 @@ def test_make_backend_auto_logs_its_choice_once_with_the_capability(monkeypatch,
                      "over the pool's runs)"]
 
 
+def test_make_backend_auto_takes_the_fa2_class_path_on_ada_with_flashinfer(monkeypatch, caplog):
+    made = []
+    monkeypatch.setattr(attention.torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    monkeypatch.setattr(attention, "flashinfer_available", lambda: True)
+    monkeypatch.setattr(attention, "_auto_logged", set())
+    import lingbot_map_ros.cache.flashinfer_backend as fib
+
+    class Fake:
+        def __init__(self, device, variant, dtype, **kwargs):
+            made.append(variant)
+
+    monkeypatch.setattr(fib, "FlashInferBackend", Fake)
+    with caplog.at_level(logging.INFO, logger="lingbot_map_ros.cache.attention"):
+        make_backend("auto", torch.device("cuda"), BF16)
+        make_backend("flashinfer", torch.device("cuda"), BF16)  # plain flashinfer: FA2 off Hopper too
+        make_backend("flashinfer-fa2-paged", torch.device("cuda"), BF16)
+    assert made == ["fa2", "fa2", "fa2-paged"]
+    assert [r.getMessage() for r in caplog.records if "auto ->" in r.getMessage()] == [
+        "attention backend auto -> flashinfer-fa2 (sm_89: FA3 needs Hopper; the FA2-class path (flashinfer-fa2))"]
+
+
+def test_fa2_over_the_runs_splits_like_fa3_and_the_paged_form_does_not():
+    from lingbot_map_ros.cache.flashinfer_backend import auto_kv_splits
+
+    assert auto_kv_splits(1005, 16, 64, 74, 132, "fa2") == 8  # measured best on an H200
+    assert auto_kv_splits(1005, 16, 64, 74, 16, "fa2") == 1  # Orin-sized: 128 items already fill it
+    assert auto_kv_splits(1005, 16, 64, 74, 132, "fa2-paged") == 1
+
+
 def test_sdpa_on_cpu_or_float32_is_the_gather_form():
     assert isinstance(make_backend("sdpa", torch.device("cpu"), torch.float32), SdpaBackend)
     assert isinstance(make_backend("sdpa", torch.device("cpu"), BF16), SdpaBackend)
@@ -82,9 +111,9 @@ def test_varlen_backend_refuses_what_it_cannot_run():
 
 
 def test_auto_splits_fill_the_gpu():
-    assert auto_splits(1005, 16, 132) == 9  # 128 items per request, 4 waves of 264 resident blocks
+    assert auto_splits(1005, 16, 132) == 8  # 128 items per request, 3.5 waves of 264 resident blocks
     assert auto_splits(1005, 16, 58) == 4  # an RTX 4090-sized GPU needs fewer
-    assert auto_splits(8 * 1005, 16, 132) == 2  # phase 1: eight frames of queries
+    assert auto_splits(8 * 1005, 16, 132) == 1  # phase 1: eight frames of queries fill the GPU
     assert auto_splits(100, 1, 10_000) == 32  # capped
 
 

@@ -1,4 +1,4 @@
-"""FlashInfer attention (FA2 paged, FA3 ragged over the pool's runs, FA3 paged) against the
+"""FlashInfer attention (FA2 and FA3 ragged over the pool's runs, FA2 and FA3 paged) against the
 SDPA reference, one layer at a time.
 
 Every case draws a pool of bf16 pages, lists the visible pages in a shuffled,
@@ -25,7 +25,7 @@ pytestmark = [
                        reason="flashinfer is not installed (carry its wheels to the GPU machine, see GPU.md)"),
 ]
 
-VARIANTS = ["fa2", "fa3", "fa3-paged", "fa3-stock"]  # fa3: the project-built 128-row tiles
+VARIANTS = ["fa2", "fa2-paged", "fa3", "fa3-paged", "fa3-stock"]  # fa2/fa3: over the runs; fa3: 128-row tiles
 ABS_TOL = 2e-2
 MIN_COSINE = 0.999
 GARBAGE = 1e3  # in every slot the plan does not make visible
@@ -122,7 +122,7 @@ def test_float32_pool_is_refused_with_a_clear_error(variant):
         backend.attend(q, k.float(), v.float())
 
 
-@pytest.mark.parametrize("variant", ["fa3", "fa3-paged", "fa3-stock"])
+@pytest.mark.parametrize("variant", ["fa2", "fa2-paged", "fa3", "fa3-paged", "fa3-stock"])
 @pytest.mark.parametrize("splits", [2, 3, 8])
 @pytest.mark.parametrize("case", CASES[:4], ids=[f"ps{c[0]}-n{c[1]}-last{c[2]}-q{c[3]}" for c in CASES[:4]])
 def test_split_kv_matches_sdpa(case, splits, variant):
@@ -135,7 +135,7 @@ def test_split_kv_matches_sdpa(case, splits, variant):
     plan, q, k, v = make_step(*case, seed=sum(case) + splits)
     backend.begin_step(plan)
     out = backend.attend(q, k, v)
-    if variant != "fa3-paged":
+    if not variant.endswith("-paged"):
         runs = visible_runs(plan.plan.read_pages, plan.plan.last_page_len, plan.plan.page_size)
         assert backend.splits == max(min(splits, case[1]), len(runs))
     else:

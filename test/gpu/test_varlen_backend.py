@@ -1,5 +1,6 @@
 """The ``sdpa`` backend's GPU form (PyTorch's FlashAttention-2 varlen kernel over the pool's
-runs, ``cache.varlen``) and FlashInfer's FA2 kernel with split-KV, against float32 attention.
+runs, ``cache.varlen``) and FlashInfer's FA2 kernel in CUDA-graph mode, against float32 attention
+(FlashInfer's FA2 in eager mode, ragged and paged, with split-KV: ``test_flashinfer_backend.py``).
 
 As in ``test_flashinfer_backend.py``: shuffled visible pages of a random bf16 pool, every
 slot that is not visible filled with large values, the reference ``SdpaBackend`` in
@@ -96,12 +97,24 @@ def test_make_backend_gives_the_varlen_form_for_sdpa_on_a_gpu():
     assert isinstance(make_backend("sdpa", torch.device("cuda"), torch.float32), SdpaBackend)
 
 
-def test_graph_mode_captures_once_and_replays_other_plans():
-    """Captured with one step's plan, replayed after ``prepare`` of others (a full-window-like
-    layout: patch pages around a free one, the special pages after them)."""
-    from lingbot_map_ros.cache.varlen import FlashVarlenBackend
+def graph_backend(kind):
+    if kind == "varlen":
+        from lingbot_map_ros.cache.varlen import FlashVarlenBackend
 
-    backend = FlashVarlenBackend(torch.device("cuda"), torch.bfloat16, graph_pages=40, min_graph_pages=10)
+        return FlashVarlenBackend(torch.device("cuda"), torch.bfloat16, graph_pages=40, min_graph_pages=10)
+    if importlib.util.find_spec("flashinfer") is None:
+        pytest.skip("flashinfer is not installed")
+    from lingbot_map_ros.cache.flashinfer_backend import FlashInferBackend
+
+    return FlashInferBackend(torch.device("cuda"), kind, torch.bfloat16, graph_pages=40, min_graph_pages=10)
+
+
+@pytest.mark.parametrize("kind", ["varlen", "fa2", "fa2-paged"])
+def test_graph_mode_captures_once_and_replays_other_plans(kind):
+    """Captured with one step's plan, replayed after ``prepare`` of others (a full-window-like
+    layout: patch pages around a free one, the special pages after them): the sdpa backend's
+    varlen form and FlashInfer's FA2 over the runs (the FA2-class path) and paged."""
+    backend = graph_backend(kind)
     steps = [make_step(999, 0, last, 1005, 16, seed=s, pool_pages=40, read=read) for s, (read, last) in enumerate([
         (list(range(2, 12)) + list(range(13, 30)) + [31, 32], 300),
         (list(range(2, 7)) + list(range(8, 30)) + [31, 32, 33], 999),
@@ -128,19 +141,4 @@ def test_graph_mode_captures_once_and_replays_other_plans():
         qbuf.copy_(q)
         graph.replay()
         torch.cuda.synchronize()
-        check(out, reference(plan, q, k, v), f"varlen graph, {backend.splits} splits, {len(plan.plan.read_pages)} pages")
-
-
-@pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="flashinfer is not installed")
-@pytest.mark.parametrize("splits", [2, 4, 8])
-@pytest.mark.parametrize("case", CASES[:4], ids=[f"ps{c[0]}-n{c[1]}-last{c[2]}-q{c[3]}" for c in CASES[:4]])
-def test_flashinfer_fa2_split_kv_matches_fp32(case, splits):
-    """FlashInfer's FA2 paged kernel with the keys split over runs of pages, merged by LSE."""
-    from lingbot_map_ros.cache.flashinfer_backend import FlashInferBackend
-
-    backend = FlashInferBackend(torch.device("cuda"), "fa2", torch.bfloat16, kv_splits=splits)
-    plan, q, k, v = make_step(*case, seed=sum(case) + splits)
-    backend.begin_step(plan)
-    out = backend.attend(q, k, v)
-    assert backend.splits == min(splits, case[1])
-    check(out, reference(plan, q, k, v), f"fa2 split {splits} {case}")
+        check(out, reference(plan, q, k, v), f"{kind} graph, {backend.splits} splits, {len(plan.plan.read_pages)} pages")
