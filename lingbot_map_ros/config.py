@@ -156,9 +156,10 @@ class StreamConfig:
     a keyframe when ``(i - num_scale_frames) % keyframe_interval == 0``.
     ``max_pending_evictions`` bounds how far the window may grow while eviction is
     deferred (it sizes the page pool). ``cuda_graphs`` replays the one-frame phase-2
-    step from a CUDA graph (CUDA with a FlashInfer backend only; elsewhere ignored).
+    step from a CUDA graph (CUDA with a FlashInfer backend, or ``sdpa`` on a GPU of sm_80
+    or later with a bf16 pool; elsewhere ignored).
     ``kv_splits`` splits each global-attention call over that many runs of keys
-    (FlashInfer FA3; 0 = chosen from the GPU's SM count). ``fused_kernels`` runs the
+    (FlashInfer FA3 and FA2, ``sdpa`` on a GPU; 0 = chosen from the GPU's SM count). ``fused_kernels`` runs the
     Triton kernels of ``lingbot_map_ros.kernels`` where they apply (CUDA, bf16).
     ``bf16_depth_head`` runs the DPT depth head's convolutions in bf16, channels-last,
     when the stream runs in bf16 on CUDA (the reference keeps the heads in float32).

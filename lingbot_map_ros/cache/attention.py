@@ -35,20 +35,32 @@ class AttentionBackend(Protocol):
 
 
 class SdpaBackend:
-    """Gathers the visible tokens and runs PyTorch's scaled_dot_product_attention (CPU and GPU)."""
+    """PyTorch's scaled_dot_product_attention over the visible tokens (CPU, float32 pools, GPUs
+    before sm_80; ``make_backend`` gives ``cache.varlen.FlashVarlenBackend`` for sdpa elsewhere).
+
+    The visible tokens are a few contiguous runs of the pool (``cache.pages``): one run is
+    read as a view, several are concatenated (contiguous copies, no index gather); no mask."""
 
     name = "sdpa"
 
     def __init__(self) -> None:
-        self._slots: Tensor | None = None
+        self._runs: list[tuple[int, int]] = []
 
     def begin_step(self, plan: DevicePlan) -> None:
-        self._slots = plan.visible_slots()
+        from .flashinfer_backend import visible_runs
+
+        self._runs = visible_runs(plan.plan.read_pages, plan.plan.last_page_len, plan.plan.page_size)
+
+    def _visible(self, pages: Tensor) -> Tensor:
+        rows = pages.view(-1, *pages.shape[-2:])
+        if len(self._runs) == 1:
+            a, b = self._runs[0]
+            return rows[a:b]
+        return torch.cat([rows[a:b] for a, b in self._runs])
 
     def attend(self, q: Tensor, k_pages: Tensor, v_pages: Tensor) -> Tensor:
-        heads, dim = k_pages.shape[-2:]
-        k = k_pages.view(-1, heads, dim).index_select(0, self._slots)
-        v = v_pages.view(-1, heads, dim).index_select(0, self._slots)
+        k = self._visible(k_pages)
+        v = self._visible(v_pages)
         out = F.scaled_dot_product_attention(q.to(k.dtype).transpose(0, 1)[None], k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None])
         return out[0].transpose(0, 1)

@@ -104,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--camera-iterations", type=int)
     m.add_argument("--device", default="cpu", help="cpu (default), cuda or cuda:N")
     m.add_argument("--backend", default="auto", choices=["auto", "sdpa", "flashinfer", "flashinfer-fa2",
-                                                          "flashinfer-fa3"])
+                                                          "flashinfer-fa2-paged", "flashinfer-fa3"])
     m.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     m.add_argument("--threads", type=int, help="CPU threads of torch (default: torch's choice); 1 is often "
                    "fastest on a small shared machine")

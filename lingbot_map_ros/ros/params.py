@@ -62,14 +62,19 @@ PARAMETERS: tuple[Param, ...] = (
     Param("model_config", "", "Model architecture JSON (e.g. the tiny fixture's config.json); "
           "empty = the released LingBot-Map architecture"),
     Param("device", "auto", "Torch device: " + DEVICES_HELP),
-    Param("backend", "auto", "Attention backend (auto: FlashInfer on CUDA where installed, else SDPA)",
+    Param("backend", "auto", "Attention backend. auto: by the GPU's compute capability, logged at start: "
+          "flashinfer-fa3 on Hopper (sm_90), flashinfer-fa2 on other GPUs of sm_80 or later (Ampere, Orin, Ada), "
+          "sdpa without FlashInfer, on CPU or with fp32. flashinfer-fa2: FA2 over the pool's contiguous runs "
+          "with split-KV; flashinfer-fa2-paged: FA2's paged kernel (slower); sdpa: PyTorch's kernels "
+          "(FlashAttention-2 over the runs on sm_80+ GPUs with bf16, CUDA graphs; a gather elsewhere)",
           choices=BACKENDS),
     Param("dtype", "auto", "Aggregator dtype and K/V cache dtype (heads stay fp32); auto = bf16 on CUDA, fp32 "
           "on CPU", choices=("auto",) + DTYPES),
-    Param("cuda_graphs", True, "Replay the one-frame step from a CUDA graph (CUDA with a FlashInfer backend "
-          "only; ignored elsewhere)"),
+    Param("cuda_graphs", True, "Replay the one-frame step from a CUDA graph (CUDA with a FlashInfer backend, "
+          "or sdpa on an sm_80+ GPU in bf16; ignored elsewhere)"),
     Param("kv_splits", 0, "Split each global-attention call over this many parts of the keys (FlashInfer "
-          "FA3) so that every SM has work; 0 = chosen from the SM count and the kernel's tile (8 at 518x378 on an H200), at most 12", limits=(0, 64, 1)),
+          "FA3 and FA2, sdpa on a GPU) so that every SM has work; 0 = chosen from the SM count and the kernel's "
+          "tile (8 at 518x378 on an H200)", limits=(0, 64, 1)),
     Param("fused_kernels", True, "Triton kernels for LayerNorm, residual update + LayerNorm, q/k norm + RoPE + "
           "K/V store (CUDA, bf16; ignored elsewhere)"),
     Param("bf16_depth_head", True, "Run the depth head's convolutions in bf16, channels-last (CUDA, bf16 "

@@ -210,3 +210,26 @@ def test_reference_kernel_log_sum_exp_is_natural_log_per_head_and_query():
     s = torch.einsum("qhd,khd->hqk", q, k) / 2
     torch.testing.assert_close(lse, torch.logsumexp(s, -1))
     torch.testing.assert_close(out, torch.einsum("hqk,khd->qhd", s.softmax(-1), v))
+
+
+def test_sdpa_gather_form_reads_one_run_as_a_view_and_several_without_an_index_gather():
+    page_size, heads, dim, qo = 8, 2, 16, 5
+    k, v = _pool(12, page_size, heads, dim, 5, [3, 4, 5], 6)
+    q = torch.randn(qo, heads, dim)
+    b = SdpaBackend()
+    b.begin_step(_plan([3, 4, 5], 6, page_size, qo))
+    one = b._visible(k)
+    assert one.data_ptr() == k[3].data_ptr() and one.shape == (2 * 8 + 6, heads, dim)  # a view, no copy
+    slots = torch.cat([torch.arange(3 * 8, 5 * 8 + 6)])
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.view(-1, heads, dim)[slots].transpose(0, 1)[None],
+        v.view(-1, heads, dim)[slots].transpose(0, 1)[None])[0].transpose(0, 1)
+    torch.testing.assert_close(b.attend(q, k, v), expected)
+    read = [9, 2, 3, 7]  # three runs, listed out of order; the last listed page is partial
+    k, v = _pool(12, page_size, heads, dim, 6, read, 3)
+    b.begin_step(_plan(read, 3, page_size, qo))
+    slots = torch.cat([torch.arange(p * 8, p * 8 + (3 if p == 7 else 8)) for p in read])
+    expected = torch.nn.functional.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.view(-1, heads, dim)[slots].transpose(0, 1)[None],
+        v.view(-1, heads, dim)[slots].transpose(0, 1)[None])[0].transpose(0, 1)
+    torch.testing.assert_close(b.attend(q, k, v), expected, atol=1e-5, rtol=1e-4)
