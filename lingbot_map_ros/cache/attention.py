@@ -39,7 +39,10 @@ class SdpaBackend:
     before sm_80; ``make_backend`` gives ``cache.varlen.FlashVarlenBackend`` for sdpa elsewhere).
 
     The visible tokens are a few contiguous runs of the pool (``cache.pages``): one run is
-    read as a view, several are concatenated (contiguous copies, no index gather); no mask."""
+    read as a view, several are concatenated (contiguous copies, no index gather); no mask.
+    The keys keep the plan's order (``read_pages``: scale frames, window frames oldest first,
+    special tokens), so two caches holding the same frames on different pages give
+    bit-identical float32 results."""
 
     name = "sdpa"
 
@@ -47,9 +50,7 @@ class SdpaBackend:
         self._runs: list[tuple[int, int]] = []
 
     def begin_step(self, plan: DevicePlan) -> None:
-        from .flashinfer_backend import visible_runs
-
-        self._runs = visible_runs(plan.plan.read_pages, plan.plan.last_page_len, plan.plan.page_size)
+        self._runs = ordered_runs(plan.plan.read_pages, plan.plan.last_page_len, plan.plan.page_size)
 
     def _visible(self, pages: Tensor) -> Tensor:
         rows = pages.view(-1, *pages.shape[-2:])
@@ -64,6 +65,21 @@ class SdpaBackend:
         out = F.scaled_dot_product_attention(q.to(k.dtype).transpose(0, 1)[None], k.transpose(0, 1)[None],
                                              v.transpose(0, 1)[None])
         return out[0].transpose(0, 1)
+
+
+def ordered_runs(pages, last_page_len: int, page_size: int) -> list[tuple[int, int]]:
+    """Token intervals [start, end) of the pool covering the visible ``pages`` in their listed
+    order (all full but the last listed), pages that follow each other in the list and in
+    the pool merged into one interval."""
+    runs: list[list[int]] = []
+    last = len(pages) - 1
+    for i, p in enumerate(pages):
+        a, b = p * page_size, p * page_size + (last_page_len if i == last else page_size)
+        if runs and runs[-1][1] == a:
+            runs[-1][1] = b
+        else:
+            runs.append([a, b])
+    return [(a, b) for a, b in runs]
 
 
 def flashinfer_available() -> bool:

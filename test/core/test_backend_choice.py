@@ -225,7 +225,7 @@ def test_sdpa_gather_form_reads_one_run_as_a_view_and_several_without_an_index_g
         q.transpose(0, 1)[None], k.view(-1, heads, dim)[slots].transpose(0, 1)[None],
         v.view(-1, heads, dim)[slots].transpose(0, 1)[None])[0].transpose(0, 1)
     torch.testing.assert_close(b.attend(q, k, v), expected)
-    read = [9, 2, 3, 7]  # three runs, listed out of order; the last listed page is partial
+    read = [9, 2, 3, 7]  # three runs in the listed order; the last listed page is partial
     k, v = _pool(12, page_size, heads, dim, 6, read, 3)
     b.begin_step(_plan(read, 3, page_size, qo))
     slots = torch.cat([torch.arange(p * 8, p * 8 + (3 if p == 7 else 8)) for p in read])
@@ -233,3 +233,11 @@ def test_sdpa_gather_form_reads_one_run_as_a_view_and_several_without_an_index_g
         q.transpose(0, 1)[None], k.view(-1, heads, dim)[slots].transpose(0, 1)[None],
         v.view(-1, heads, dim)[slots].transpose(0, 1)[None])[0].transpose(0, 1)
     torch.testing.assert_close(b.attend(q, k, v), expected, atol=1e-5, rtol=1e-4)
+
+
+def test_ordered_runs_keep_the_listed_order_and_merge_neighbours():
+    from lingbot_map_ros.cache.attention import ordered_runs
+
+    assert ordered_runs([3, 4, 5, 9, 2, 10], 4, 8) == [(24, 48), (72, 80), (16, 24), (80, 84)]
+    assert ordered_runs([7], 1, 8) == [(56, 57)]
+    assert ordered_runs([5, 4], 8, 8) == [(40, 48), (32, 40)]  # descending neighbours stay apart
