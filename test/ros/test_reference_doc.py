@@ -47,6 +47,13 @@ def test_every_parameter_endpoint_and_field_is_in_the_reference():
         assert f"`{name}`" in text, name
     for e in ENDPOINTS:
         assert f"| `{e.name}` | `{e.type}` |" in text, e.name
+    import ast
+
+    launch = ast.parse((REPO / "launch" / "lingbot_map.launch.py").read_text())
+    arguments = next(ast.literal_eval(n.value) for n in launch.body if isinstance(n, ast.Assign)
+                     and any(getattr(t, "id", "") == "ARGUMENTS" for t in n.targets))
+    for name, _, _ in arguments:
+        assert f"| `{name}` |" in text, name
     for path in [*sorted((REPO / "msg").glob("*.msg")), *sorted((REPO / "srv").glob("*.srv"))]:
         assert f"### lingbot_map_ros/{path.parent.name}/{path.stem}" in text
         for line in path.read_text().splitlines():
