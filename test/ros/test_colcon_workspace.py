@@ -89,8 +89,8 @@ def workspace(tmp_path_factory) -> Path:
         if source.is_file():  # a tracked file deleted in the working tree is not copied
             (src / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, src / rel)
-    # the README's command; the interpreter named so that the venv's (the one with the ROS wheels) builds it
-    build = subprocess.run(["colcon", "build", "--cmake-args", f"-DPython3_EXECUTABLE={VENV / 'bin' / 'python'}"],
+    # the README's command (CMake finds the venv's python3 first on PATH, as a robot's ROS python)
+    build = subprocess.run(["colcon", "build", "--packages-select", "lingbot_map_ros"],
                            cwd=ws, env=base_env(), capture_output=True, text=True, timeout=BUILD_TIMEOUT,
                            stdin=subprocess.DEVNULL)
     assert build.returncode == 0, f"colcon build failed:\n{build.stdout[-3000:]}\n{build.stderr[-3000:]}\n" + \
