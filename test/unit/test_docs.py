@@ -35,15 +35,28 @@ def test_named_result_files_exist():
     assert not missing, "named files that do not exist:\n" + "\n".join(missing)
 
 
+def anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a Markdown page's headings."""
+    out = set()
+    for line in page.read_text().splitlines():
+        m = re.match(r"#+ (.+)", line)
+        if m:
+            out.add(re.sub(r"[^\w\- ]", "", m.group(1).strip().lower()).replace(" ", "-"))
+    return out
+
+
 def test_relative_links_resolve():
     broken = []
     for page in PAGES:
         for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
-            if re.match(r"[a-z]+://", target) or target.startswith("#"):
+            if re.match(r"[a-z]+://", target):
                 continue
-            path = target.split("#", 1)[0]
-            if not (page.parent / path).exists():
+            path, _, anchor = target.partition("#")
+            file = page if not path else page.parent / path
+            if not file.exists():
                 broken.append(f"{page.relative_to(REPO)}: {target}")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                broken.append(f"{page.relative_to(REPO)}: {target} (no such heading)")
     assert not broken, "broken links:\n" + "\n".join(broken)
 
 
