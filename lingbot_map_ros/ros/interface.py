@@ -110,7 +110,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "resolution", Qos(depth=2), when="publish_depth"),
     Endpoint(P, "/diagnostics", "diagnostic_msgs/msg/DiagnosticArray", "1 Hz: state, input rate and age, "
              "cache, scale, health, pool (several cameras)", RELIABLE, scope="node"),
-    Endpoint(P, "/tf", "tf2_msgs/msg/TFMessage", "The pose as TF (see tf_mode)", TF, when=_TF_ON, scope="node"),
+    Endpoint(P, "/tf", "tf2_msgs/msg/TFMessage", "The pose as TF (see tf_mode); also made when publish_tf is "
+             "first set true at run time", TF, when=_TF_ON, scope="node"),
     # -- services (served between frames, in arrival order, on the helper node <node>_services)
     Endpoint(V, "~/reset", "std_srvs/srv/Trigger", "Clear the session and the cache; the next frame starts a "
              "new map"),

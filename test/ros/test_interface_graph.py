@@ -106,6 +106,22 @@ def test_one_camera_default_outputs(fixtures):
         node.close()
 
 
+def test_one_camera_with_every_optional_output_off(fixtures):
+    """The conditions hold the other way too: what is turned off is not created."""
+    params = fixture_params(fixtures, {**BASE, "publish_tf": False, "publish_pose": False, "publish_odometry": False,
+                                       "publish_path": False, "publish_points": False, "publish_map": False,
+                                       "publish_depth": False, "input_qos": "reliable"})
+    node = InProcessNode("iface_off", params, DOMAIN_ID)
+    try:
+        settings = resolve_settings(params)
+        names = {name for _, name, _ in expected({"": settings})}
+        assert names == {"image", "camera_info", "~/status", "~/frame", "/diagnostics", "~/reset",
+                         "~/set_deferred_eviction", "~/commit_eviction", "~/rollback_last_frame", "~/save_map"}, names
+        check(node, "iface_off", {"": settings})
+    finally:
+        node.close()
+
+
 def test_two_cameras_with_their_own_input_settings(fixtures):
     params = fixture_params(fixtures, {**BASE, "cameras": ["front", "rear"], "scale_source": "depth",
                                        "publish_depth": False, "publish_points": False})
