@@ -35,6 +35,17 @@ def test_named_result_files_exist():
     assert not missing, "named files that do not exist:\n" + "\n".join(missing)
 
 
+def test_named_source_files_exist():
+    """A file of the repository named in backquotes (`robot/scale.py`, `config/lingbot_map.yaml`) exists."""
+    missing = []
+    for page in PAGES:
+        for name in re.findall(r"`([\w./-]+\.(?:py|sh|xml|yaml|rviz|cu|md))`", page.read_text()):
+            candidates = [REPO / name, REPO / "lingbot_map_ros" / name, REPO / "benchmarks" / name, page.parent / name]
+            if not any(c.exists() for c in candidates):
+                missing.append(f"{page.relative_to(REPO)}: {name}")
+    assert not missing, "named files that do not exist:\n" + "\n".join(missing)
+
+
 def anchors(page: Path) -> set[str]:
     """GitHub's anchors of a Markdown page's headings."""
     out = set()
