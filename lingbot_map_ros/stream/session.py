@@ -30,6 +30,7 @@ from torch import Tensor
 from .. import kernels
 from ..cache.attention import AttentionBackend, UngraphableStep, make_backend
 from ..cache.pages import CacheError, CacheFullError, CacheStats, PageTable, StepPlan
+from ..cache.fp8 import Fp8KVPool
 from ..cache.pool import CameraKVCache, KVPool, PoolAttention, PoolFullError, SharedKVStorage, make_device_plan
 from ..config import SPECIAL_TOKENS, StreamConfig
 from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
@@ -165,6 +166,9 @@ class StreamingSession:
         # how every step runs, eager or graphed (a test may replace it before the first frame)
         self.step_options = share_from.step_options if share_from is not None else \
             self._make_step_options(fused, with_depth)
+        if storage is not None and cfg.kv_cache_dtype == "fp8":
+            raise SessionError("kv_cache_dtype 'fp8' is for a single camera: several cameras share one bf16 K/V "
+                               "storage; use kv_cache_dtype 'auto'")
         self._storage, self._owner = storage, owner
         self._pool_generation = -1  # the storage generation self._pool views
         self._pages: PageTable | None = None
@@ -411,7 +415,10 @@ class StreamingSession:
         self._graphed = None  # bound to the old pool
         self._next = None
         self._pool = None  # free the old pool before allocating the new one
-        if self._storage is None:
+        if self._storage is None and cfg.kv_cache_dtype == "fp8":
+            self._pool = Fp8KVPool(mcfg.depth, self._pages.num_pages, page_size, mcfg.num_heads, mcfg.head_dim,
+                                   self.dtype, self.device, fused=self._merge_kernel)
+        elif self._storage is None:
             self._pool = KVPool(mcfg.depth, self._pages.num_pages, page_size, mcfg.num_heads, mcfg.head_dim,
                                 self.dtype, self.device)
         else:
