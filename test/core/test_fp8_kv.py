@@ -73,7 +73,7 @@ def test_config_checks_the_kv_cache_dtype():
 
 def test_fp8_stream_tracks_the_fp32_stream(tiny_model, fixture_config, fixtures):
     """The tiny model, fp32, SDPA: the same frames with the cache in fp8 stay close to the
-    fp32 cache (bounds: 10x the deviations seen, CPU, 12 frames)."""
+    fp32 cache (seen on the CPU: pose 0.012, depth 0.0028 of the fp32 range; bound 0.05)."""
     images = torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])
     outs = {}
     for kv in ("auto", "fp8"):
@@ -91,7 +91,6 @@ def test_fp8_stream_tracks_the_fp32_stream(tiny_model, fixture_config, fixtures)
         b = np.stack([getattr(r, key) for r in outs["auto"]])
         assert np.isfinite(a).all()
         dev = float(np.abs(a - b).max() / np.abs(b).max())
-        print(key, dev)
         assert 0 < dev < 0.05, (key, dev)
 
 
