@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..config import (BACKENDS, DTYPES, KEYFRAME_POLICIES, KV_CACHE_DTYPES, ConfigError, LongStreamConfig, ModelConfig, StreamConfig,
+from ..config import (BACKENDS, DTYPES, KEYFRAME_POLICIES, KV_CACHE_DTYPES, PRECISIONS, ConfigError, LongStreamConfig, ModelConfig, StreamConfig,
                       load_json)
 from ..robot.health import HEALTH_PARAMETERS, config_from_parameters as health_config_from
 
@@ -69,6 +69,9 @@ PARAMETERS: tuple[Param, ...] = (
     Param("kv_cache_dtype", "auto", "Storage of the K/V cache: auto/bf16 = the dtype's; fp8 = float8 e4m3 with a "
           "scale per token and head, read through a dequantised one-layer buffer: ~55 % of the cache's memory, "
           "slightly slower, small deviation (single camera only)", choices=KV_CACHE_DTYPES),
+    Param("precision", "bf16", "fp8: the aggregator's projections and MLPs run as FP8 GEMMs (e4m3, a scale per "
+          "token and per output channel; Ada/Hopper GPUs natively, elsewhere emulated); bf16: as the dtype",
+          choices=PRECISIONS),
     Param("gpu_memory_check", True, "Refuse to start when the GPU memory this configuration needs (estimated: "
           "weights, K/V cache, activations) exceeds the free memory of the device, naming the settings to lower"),
     Param("cuda_graphs", True, "Replay the one-frame step from a CUDA graph (CUDA with a FlashInfer backend "
@@ -369,7 +372,8 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
                               dtype=v["dtype"], device=v["device"], cuda_graphs=v["cuda_graphs"],
                               kv_splits=v["kv_splits"], fused_kernels=v["fused_kernels"],
                               bf16_depth_head=v["bf16_depth_head"], bf16_camera_head=v["bf16_camera_head"],
-                              parallel_heads=v["parallel_heads"], kv_cache_dtype=v["kv_cache_dtype"])
+                              parallel_heads=v["parallel_heads"], kv_cache_dtype=v["kv_cache_dtype"],
+                              precision=v["precision"])
         long_stream = LongStreamConfig(
             window_frames=v["window_frames"], overlap_frames=v["overlap_frames"] or None,
             keyframe_policy=v["keyframe_policy"], motion_min_translation=v["motion_min_translation"],

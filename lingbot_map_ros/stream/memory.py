@@ -3,7 +3,7 @@
 ``estimate_memory`` adds up, for a model architecture, streaming settings and a resolution:
 
 * weights: counted from the architecture (built on the meta device: no memory, ~0.3 s),
-  the aggregator in the stream's dtype, the heads in float32 plus the bf16 copies a CUDA
+  the aggregator in the stream's dtype (its linears in FP8 with ``precision`` fp8), the heads in float32 plus the bf16 copies a CUDA
   bf16 stream makes of them (``bf16_depth_head``, ``bf16_camera_head``);
 * the K/V cache: exact, from the page table's size (scale frames + window + pending
   evictions + 1 page for the frame stored before an eviction + 2 scratch pages + the
@@ -75,24 +75,32 @@ def assumed_height(model: ModelConfig, width: int, aspect: float = 0.75) -> int:
 
 
 @functools.lru_cache(maxsize=8)
-def parameter_counts(model: ModelConfig) -> tuple[int, int, int]:
-    """(aggregator, camera head, depth head) parameter counts of the architecture."""
+def parameter_counts(model: ModelConfig) -> tuple[int, int, int, int]:
+    """(aggregator, camera head, depth head, aggregator weights that ``precision`` fp8 stores in
+    FP8) parameter counts of the architecture."""
     import torch
+    from torch import nn
 
+    from ..kernels.fp8_gemm import LINEAR_NAMES
     from ..model.lingbot import LingBotMap
 
     with torch.device("meta"):
         m = LingBotMap(model)
-    return tuple(sum(p.numel() for p in part.parameters()) for part in (m.aggregator, m.camera_head, m.depth_head))
+    fp8 = sum(child.weight.numel() for parent in m.aggregator.modules() for name, child in parent.named_children()
+              if name in LINEAR_NAMES and isinstance(child, nn.Linear))
+    return tuple(sum(p.numel() for p in part.parameters())
+                 for part in (m.aggregator, m.camera_head, m.depth_head)) + (fp8,)
 
 
 def estimate_memory(model: ModelConfig, stream: StreamConfig, height: int, width: int, with_depth: bool = True,
                     cuda: bool = True) -> MemoryEstimate:
     """Bytes one stream of ``stream`` at ``height`` x ``width`` needs (see the module text).
     ``cuda``: the stream runs on a CUDA device (the bf16 head copies are made there only)."""
-    agg, cam, depth = parameter_counts(model)
+    agg, cam, depth, fp8_weights = parameter_counts(model)
     bf16 = stream.dtype == "bf16"
     weights = agg * (2 if bf16 else 4) + (cam + (depth if with_depth else 0)) * 4
+    if stream.precision == "fp8":
+        weights -= fp8_weights * ((2 if bf16 else 4) - 1)
     if bf16 and cuda:
         weights += (depth * 2 if with_depth and stream.bf16_depth_head else 0)
         weights += cam * 2 if stream.bf16_camera_head and stream.fused_kernels else 0
