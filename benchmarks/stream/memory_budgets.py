@@ -74,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--scale-frames", default="", help="num_scale_frames values at 518x378, window 64")
     p.add_argument("--timed", type=int, default=20, help="frames timed once the window is full")
     p.add_argument("--accuracy", type=int, default=0, help="frames of the precision comparison (0: none)")
+    p.add_argument("--fixture", default="", help="accuracy on this fixture set (weights, config, frames)")
+    p.add_argument("--fp8-gemm", action="store_true", help="last: convert the model to FP8 GEMMs and time "
+                   "518x378, window 64, with bf16 and FP8 K/V")
     p.add_argument("--no-cuda-graphs", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, required=True)
@@ -134,30 +137,55 @@ def run_one(model, args, cfg, w, h):
 
 
 def accuracy(args, cfg_model, result, save):
+    """fp32 (SDPA) as the reference, then bf16, bf16 + FP8 K/V, FP8 GEMMs, FP8 GEMMs + FP8 K/V on the
+    same frames and weights: the released architecture with random weights (``--accuracy`` frames
+    at 518x378) or (``--fixture DIR``) the tiny fixture's weights on its frames, played forwards
+    and backwards to ``--accuracy`` frames."""
     n = args.accuracy
-    outs = {}
-    variants = (("fp32", "fp32", "sdpa", "auto"), ("bf16", "bf16", args.backend, "auto"),
-                ("bf16+fp8_kv", "bf16", args.backend, "fp8"))
-    models = {}
-    for name, dtype, backend, kv in variants:
-        if dtype not in models:
+    if args.fixture:
+        import numpy as np
+
+        fixture = Path(args.fixture)
+        cfg_model = ModelConfig.from_dict(json.loads((fixture / "config.json").read_text()))
+        base = StreamConfig.from_dict(json.loads((fixture / "config.json").read_text()))
+        images = torch.from_numpy(np.load(fixture / "reference_kf1.npz")["images"])
+        order = [i % len(images) if (i // len(images)) % 2 == 0 else len(images) - 1 - i % len(images)
+                 for i in range(n)]
+        frames = lambda: (images[i].cuda() for i in order)  # noqa: E731
+        weights = fixture / "weights.safetensors"
+        shape = tuple(images.shape[-2:])
+    else:
+        base = StreamConfig(num_scale_frames=8, sliding_window=64)
+        frames = lambda: frames_iter(n, 378, 518, args.seed + 2, "cuda")  # noqa: E731
+        weights = None
+        shape = (378, 518)
+    result["accuracy_setting"] = {"frames": n, "resolution": list(shape), "backend": args.backend,
+                                  "num_scale_frames": base.num_scale_frames, "sliding_window": base.sliding_window,
+                                  "weights": str(weights) if weights else f"random (seed {args.seed})"}
+    variants = (("fp32", "fp32", "sdpa", "auto", "bf16"), ("bf16", "bf16", args.backend, "auto", "bf16"),
+                ("bf16+fp8_kv", "bf16", args.backend, "fp8", "bf16"),
+                ("fp8_gemm", "bf16", args.backend, "auto", "fp8"),
+                ("fp8_gemm+fp8_kv", "bf16", args.backend, "fp8", "fp8"))
+    outs, models = {}, {}
+    for name, dtype, backend, kv, precision in variants:
+        key = (dtype, precision)
+        if key not in models:
             models.clear()
             gc.collect()
             torch.cuda.empty_cache()
-            models[dtype] = load_model(cfg_model, None, "cuda", dtype, seed=args.seed)
-        cfg = stream_cfg(args, 518, 378, kv, 64, 1, 8, 8, dtype=dtype, backend=backend)
-        session = StreamingSession(models[dtype], cfg)
+            models[key] = load_model(cfg_model, weights, "cuda", dtype, seed=args.seed)
+        cfg = base.with_overrides(backend=backend, dtype=dtype, device="cuda", kv_cache_dtype=kv, precision=precision,
+                                  cuda_graphs=not args.no_cuda_graphs)
+        session = StreamingSession(models[key], cfg)
         res = []
         t = time.perf_counter()
-        for frame in frames_iter(n, 378, 518, args.seed + 2, "cuda"):
+        for frame in frames():
             res += session.push(frame)
         print(f"accuracy: {name} {n} frames in {time.perf_counter() - t:.1f} s", flush=True)
         outs[name] = res
         del session
         if name != "fp32":
             result["accuracy"][name + "_vs_fp32"] = deviation(outs["fp32"], res)
-            if "bf16" in outs and name != "bf16":
-                result["accuracy"][name + "_vs_bf16"] = deviation(outs["bf16"], res)
             save()
     return result
 
@@ -213,6 +241,13 @@ def main(argv=None):
         rec["sweep"] = kind
         result["sweeps"].append(rec)
         save()
+    if args.fp8_gemm:  # converts the model in place: last
+        for kv in ("auto", "fp8"):
+            cfg = replace(stream_cfg(args, 518, 378, kv, 64, 1, 8, 8), precision="fp8")
+            rec = run_one(model, args, cfg, 518, 378)
+            rec.update(sweep="fp8_gemm", precision="fp8")
+            result["sweeps"].append(rec)
+            save()
     return 0
 
 
