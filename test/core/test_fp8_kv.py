@@ -101,3 +101,40 @@ def test_fp8_refused_with_a_shared_storage(tiny_model, fixture_config):
     storage = SharedKVStorage(2, 2, 64, torch.float32, torch.device("cpu"))
     with pytest.raises(SessionError, match="single camera"):
         StreamingSession(tiny_model, cfg, storage=storage, owner="a")
+
+
+def test_fp8_fused_and_static_paths_equal_the_plain_path(tiny_model, fixture_config, fixtures, monkeypatch):
+    """With FP8 K/V, the fused plumbing (the kernel writes K/V rows into the read buffer,
+    ``store_written`` quantises them; twins stand in for the Triton kernels) and the CUDA-graph
+    step's static path (run eagerly on the CPU) give the plain path's outputs."""
+    import dataclasses
+
+    from lingbot_map_ros.kernels import layer_norm, mlp as mlp_kernels, qk_rope, residual
+
+    images = torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])
+    cfg = StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa", kv_cache_dtype="fp8")
+
+    def run(fused: bool = False, static: bool = False):
+        session = StreamingSession(tiny_model, cfg)
+        session.step_options = dataclasses.replace(session.step_options, fused=fused)
+        session.static_steps_on_cpu = static
+        out = []
+        for f in images[:7]:
+            out += session.push(f)
+        assert isinstance(session._pool, Fp8KVPool)
+        return out, session
+
+    plain, _ = run()
+    static, session = run(static=True)
+    assert session._graphed is not None
+    monkeypatch.setattr(residual, "residual_add", lambda x, b, g, norm=None, norm_dtype=torch.bfloat16:
+                        residual.residual_add_reference(x, b, g, norm, norm_dtype))
+    monkeypatch.setattr(mlp_kernels, "gelu_epilogue_mlp", lambda module, x: module(x))
+    monkeypatch.setattr(qk_rope, "qk_norm_rope", qk_rope.qk_norm_rope_reference)
+    monkeypatch.setattr(layer_norm, "layer_norm", layer_norm.layer_norm_reference)
+    fused, _ = run(fused=True)
+    for other in (static, fused):
+        assert len(other) == len(plain) == 7
+        for a, b in zip(other, plain):
+            np.testing.assert_allclose(a.pose_enc, b.pose_enc, rtol=1e-3, atol=1e-4)
+            np.testing.assert_allclose(a.depth, b.depth, rtol=1e-3, atol=1e-4)
