@@ -22,7 +22,7 @@ run() { local limit=$1; shift; echo "== $(date -u +%T) $*" >>"$LOG"; timeout "$l
 BG=$!
 (timeout 150 python3 benchmarks/kernels/fp8_kv_probe.py >"$OUT/fp8_kv_probe.log" 2>&1) &
 run 50 python3 benchmarks/stream/memory_budgets.py --backend sdpa --budgets 8,12,16,24 --timed 10 --out "$OUT/budgets_sdpa.json"
-run 55 python3 benchmarks/stream/memory_budgets.py --backend flashinfer-fa2 --budgets 8,12,16,24 --out "$OUT/budgets_fa2.json"
+run 70 python3 benchmarks/stream/memory_budgets.py --backend flashinfer-fa2 --budgets 8,12,16,24 --out "$OUT/budgets_fa2.json"
 wait $BG
 run 110 python3 benchmarks/stream/memory_budgets.py --backend flashinfer-fa3 --budgets 8,12,16,24 --windows 8,32,64,128 \
   --fp8-windows 64,128 --resolutions 280x210,392x294,518x294 --scale-frames 4 --fp8-gemm --out "$OUT/budgets_fa3.json"
