@@ -24,9 +24,10 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-# seen on the CPU twin (test/core/test_fp8_gemm.py), 12 frames: translation 0.35, rotation 14.9 deg,
-# depth 1.2 %, confidence 0.7 % of fp32; bounds 1.5x that
-BOUNDS = {"translation_rel": 0.53, "rotation_deg": 22.5, "depth_rel": 0.018, "confidence_rel": 0.011}
+# seen on the H200 (benchmarks/results/nvidia_h200_gpu_tests_fp8_2a23090.log), 12 frames, FA2 graphs /
+# SDPA: translation 0.43 / 0.40, rotation 22.6 / 16.4 deg, depth 1.24 / 1.23 %, confidence 0.57 / 0.59 %
+# of fp32 (bf16's own: 0.05, 2.5 deg, 0.47 %, 0.19 %); bounds 1.5x the larger
+BOUNDS = {"translation_rel": 0.65, "rotation_deg": 34.0, "depth_rel": 0.019, "confidence_rel": 0.009}
 
 
 def test_scaled_mm_matches_the_twin():
