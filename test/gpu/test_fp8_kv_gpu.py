@@ -24,8 +24,10 @@ pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
-# fp8 K/V may deviate from fp32 by bf16's own deviation times this, plus FLOOR (relative units)
-FACTOR, FLOOR = 4.0, 0.02
+# fp8 K/V may deviate from fp32 by bf16's own deviation times FACTOR, plus FLOOR (relative units; x100
+# for degrees of rotation). Seen on the H200 (benchmarks/results/nvidia_h200_gpu_tests_fp8_2a23090.log), 36
+# frames: at most 1.28x bf16's deviation (rotation, FA3: 2.40 vs 1.88 deg), depth and confidence equal.
+FACTOR, FLOOR = 2.0, 0.01
 
 
 def test_dequantize_kernel_matches_its_twin():
