@@ -144,6 +144,8 @@ def parse_fa3_tiles(text: str) -> tuple[int, int, int]:
 BACKENDS = ("auto", "sdpa", "flashinfer", "flashinfer-fa2", "flashinfer-fa2-paged", "flashinfer-fa3",
             "flashinfer-fa3-paged", "flashinfer-fa3-stock")
 DTYPES = ("fp32", "bf16")
+KV_CACHE_DTYPES = ("auto", "bf16", "fp8")  # StreamConfig.kv_cache_dtype (cache.fp8 for fp8)
+PRECISIONS = ("bf16", "fp8")  # StreamConfig.precision (kernels.fp8_gemm for fp8)
 
 
 @dataclass(frozen=True)
@@ -169,6 +171,12 @@ class StreamConfig:
     second CUDA stream, concurrently with the depth head (CUDA only; same results).
     ``fa3_tiles``: (query rows, keys, pipeline stages) of the project-built FA3 attention
     kernel that backend ``flashinfer-fa3`` compiles (Hopper, bf16; a tuning knob).
+    ``kv_cache_dtype``: how the K/V pages are stored: ``auto``/``bf16`` in the stream's dtype,
+    ``fp8`` in float8 e4m3 with a scale per token and head, read through a dequantised
+    one-layer buffer (``cache.fp8``; about half the cache's memory, single camera only).
+    ``precision``: ``fp8`` runs the aggregator's projections and MLPs (qkv, proj, fc1, fc2 of
+    every DINO, frame and global block) as FP8 GEMMs with row-wise scales (``kernels.fp8_gemm``;
+    the model's linears are converted in place when the session is made); ``bf16``: as loaded.
     """
 
     num_scale_frames: int = 8
@@ -187,9 +195,16 @@ class StreamConfig:
     bf16_camera_head: bool = True
     parallel_heads: bool = True
     fa3_tiles: tuple[int, int, int] = FA3_TILES
+    kv_cache_dtype: str = "auto"
+    precision: str = "bf16"
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fa3_tiles", check_fa3_tiles(self.fa3_tiles))
+        _require(self.kv_cache_dtype in KV_CACHE_DTYPES,
+                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        _require(self.precision in PRECISIONS, f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        _require(self.kv_cache_dtype != "bf16" or self.dtype == "bf16",
+                 f"kv_cache_dtype 'bf16' needs dtype 'bf16' (the stream runs in {self.dtype}); use 'auto' or 'fp8'")
         _require(self.num_scale_frames >= 1, f"num_scale_frames must be >= 1, got {self.num_scale_frames}")
         _require(self.sliding_window >= 1, f"sliding_window must be >= 1, got {self.sliding_window}")
         _require(self.keyframe_interval >= 1, f"keyframe_interval must be >= 1, got {self.keyframe_interval}")

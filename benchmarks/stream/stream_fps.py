@@ -42,6 +42,8 @@ def parse_args(argv=None):
     p.add_argument("--height", type=int, default=378)
     p.add_argument("--width", type=int, default=518)
     p.add_argument("--backend", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bf16", "fp8"], help="K/V cache storage")
+    p.add_argument("--precision", default="bf16", choices=["bf16", "fp8"], help="fp8: FP8 GEMMs in the aggregator")
     p.add_argument("--fa3-tiles", type=parse_fa3_tiles, default=FA3_TILES, metavar="QxKVxSTAGES",
                    help="tile shape of the project-built FA3 kernel (tuning runs)")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"])
@@ -100,7 +102,8 @@ def stream_config(args, dtype=None, backend=None, cuda_graphs=None):
                         cuda_graphs=graphs, kv_splits=args.kv_splits, fused_kernels=not args.no_fused_kernels,
                         bf16_depth_head=not args.fp32_depth_head,
                         bf16_camera_head=not args.fp32_camera_head,
-                        parallel_heads=not args.no_parallel_heads, fa3_tiles=args.fa3_tiles)
+                        parallel_heads=not args.no_parallel_heads, fa3_tiles=args.fa3_tiles,
+                        kv_cache_dtype=args.kv_cache_dtype, precision=args.precision)
 
 
 class ReplayTimer:
@@ -356,7 +359,8 @@ def main(argv=None):
                     "fused_kernels": session_fused, "bf16_depth_head": not args.fp32_depth_head,
                     "bf16_camera_head": not args.fp32_camera_head,
                     "input": "uint8 host frames" if args.uint8_frames else "float32 frames on the GPU",
-                    "parallel_heads": not args.no_parallel_heads},
+                    "parallel_heads": not args.no_parallel_heads, "kv_cache_dtype": args.kv_cache_dtype,
+                    "precision": args.precision},
         "cuda_graph_replays": graph_replays,
         "steady_state": {"frames": len(times), "median_ms": round(median, 3),
                          "p95_ms": round(float(np.percentile(times, 95)), 3), "fps": round(1e3 / median, 2),

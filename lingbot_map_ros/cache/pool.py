@@ -94,6 +94,19 @@ class KVPool:
         self.k[layer].view(-1, *k.shape[-2:]).index_copy_(0, slots, k.to(self.k.dtype))
         self.v[layer].view(-1, *v.shape[-2:]).index_copy_(0, slots, v.to(self.v.dtype))
 
+    # How attention reaches a layer's pages. Here they are the pages themselves; a pool that
+    # stores them in another form (``cache.fp8.Fp8KVPool``) answers with a buffer it fills.
+    def layer_view(self, layer: int) -> tuple[Tensor, Tensor]:
+        """(k, v) [pages, page_size, H, D] that attention reads and a kernel may write rows into."""
+        return self.k[layer], self.v[layer]
+
+    def store_written(self, layer: int, slots: Tensor) -> None:
+        """Rows written into ``layer_view`` at ``slots`` are in the pool already (nothing to do)."""
+
+    def load(self, layer: int) -> tuple[Tensor, Tensor]:
+        """``layer_view`` made current (nothing to do here)."""
+        return self.k[layer], self.v[layer]
+
 
 class CameraKVCache:
     """K/V of the camera head: one token per stored frame, per iteration and trunk block.
@@ -156,19 +169,20 @@ class PoolAttention:
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         self.pool.write(layer, self.write_slots, k, v)
-        return self.backend.attend(q, self.pool.k[layer], self.pool.v[layer])
+        return self.backend.attend(q, *self.pool.load(layer))
 
     def destinations(self, layer: int, n: int, heads: int, dim: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         """(q_out, k_rows, v_rows, slots): q_out is [n, H, D] or the backend's [S, n, H, D]
         query buffer; k/v rows are the layer's pool viewed as [slots, H, D]."""
-        k_pages, v_pages = self.pool.k[layer], self.pool.v[layer]
+        k_pages, v_pages = self.pool.layer_view(layer)
         query_buffer = getattr(self.backend, "query_buffer", None)
         q = query_buffer(k_pages) if query_buffer is not None else \
             torch.empty(n, heads, dim, dtype=k_pages.dtype, device=k_pages.device)
         return q, k_pages.view(-1, heads, dim), v_pages.view(-1, heads, dim), self.write_slots
 
     def attend_written(self, layer: int, q: Tensor) -> Tensor:
-        return self.backend.attend(q, self.pool.k[layer], self.pool.v[layer])
+        self.pool.store_written(layer, self.write_slots)
+        return self.backend.attend(q, *self.pool.load(layer))
 
 
 class FramewiseAttention:

@@ -147,6 +147,12 @@ def build_parser() -> argparse.ArgumentParser:
     o.add_argument("--camera-frame", default="", help="camera optical frame id in --out-bag; empty = the "
                    "image's frame_id (camera_optical_frame when it has none)")
     o.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    c = p.add_argument_group("precision check (instead of a replay)")
+    c.add_argument("--compare-precision", choices=["fp8", "fp8-kv", "fp8-gemm"], help="stream the frames (up "
+                   "to --max-frames, default 300) in fp32, bf16 and bf16 with FP8 GEMMs + K/V (fp8), FP8 K/V or "
+                   "FP8 GEMMs, and print each one's deviation per output (poses, depth, confidence); needs "
+                   "--device cuda; writes no other output")
+    c.add_argument("--compare-out", type=Path, help="--compare-precision: the table as JSON")
     return p
 
 
@@ -176,7 +182,7 @@ def configure(args: argparse.Namespace) -> Settings:
         raise UserError("--bag needs --topic (the image topic to replay)")
     if args.topic and args.bag is None:
         raise UserError("--topic goes with --bag")
-    if not any((args.out, args.trajectory, args.ply, args.out_bag)):
+    if not any((args.out, args.trajectory, args.ply, args.out_bag, args.compare_precision)):
         raise UserError("nothing to write: give --out, --trajectory, --ply or --out-bag")
     try:
         data = load_json(args.model_config) if args.model_config else {}
@@ -522,6 +528,13 @@ def run(args: argparse.Namespace, observer: Callable[[int], None] | None = None)
     settings = configure(args)
     source = open_source(args, settings)
     say(args, f"input: {source.description}")
+    if args.compare_precision:  # a precision check instead of a replay (cli.compare_precision)
+        from .compare_precision import run_comparison
+
+        try:
+            return run_comparison(args, settings, source, say)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
     session = make_session(args, settings)
     outputs = Outputs(args, settings)
     replay = Replay(args, settings, session, outputs, observer)

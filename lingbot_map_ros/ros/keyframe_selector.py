@@ -274,9 +274,25 @@ class KeyframeSelector(Node):
             self.get_logger().info(f"summary: {self.summary()}")
 
 
+def usage() -> str:
+    """``--help``: how to run it and its parameters (name, default, description)."""
+    lines = ["usage: ros2 run lingbot_map_ros keyframe_selector [--ros-args -p <name>:=<value> ...]", "",
+             "Decides keep/drop for each frame the mapping node holds (see ~/frame) and calls its",
+             "~/commit_eviction (keep) or ~/rollback_last_frame (drop). Parameters (read at start):"]
+    for name, (default, desc) in PARAMS.items():
+        lines.append(f"  {name} (default {default!r}): {desc.description}")
+    return "\n".join(lines)
+
+
 def main(args: list[str] | None = None) -> int:
-    """Console entry point ``keyframe_selector``: 0 on shutdown, 1 with one error line for a bad parameter."""
-    rclpy.init(args=args if args is not None else sys.argv)
+    """Console entry point ``keyframe_selector``: 0 on shutdown, 1 with one error line for a bad parameter;
+    ``-h``/``--help`` (before ``--ros-args``) prints the usage and exits 0."""
+    argv = list(args if args is not None else sys.argv)
+    own = argv[1:argv.index("--ros-args")] if "--ros-args" in argv else argv[1:]
+    if "-h" in own or "--help" in own:
+        print(usage())
+        return 0
+    rclpy.init(args=argv)
     try:
         node = KeyframeSelector()
     except (ParameterException, ValueError) as exc:

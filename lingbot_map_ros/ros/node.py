@@ -396,6 +396,19 @@ class LingBotMapNode(Node):
                                       "parameter to a .pt/.safetensors file or a Hugging Face id.")
         return load_model(s.model, s.checkpoint, s.stream.device, s.stream.dtype, seed=s.seed)
 
+    def _check_memory(self, cameras: list) -> None:
+        """Refuse (MemoryBudgetError, a ConfigError) a configuration whose estimated GPU memory exceeds
+        the device's free memory (``stream.memory``); the largest camera's settings stand for all."""
+        from ..stream.memory import check_fits
+
+        s = max(cameras, key=lambda c: (c.image_width, c.stream.sliding_window + c.stream.num_scale_frames))
+        if not self.settings.gpu_memory_check:
+            return
+        est = check_fits(s.model, s.stream, s.image_width, cameras=len(cameras))
+        if est is not None:
+            self.get_logger().info(f"GPU memory estimate: {est.describe()}" + (
+                f" per camera's K/V, {len(cameras)} cameras" if len(cameras) > 1 else ""))
+
     def _load_session(self):
         """The one place the model is built (one camera): configs -> weights -> device -> session."""
         from ..stream import BackendUnavailable
@@ -406,6 +419,7 @@ class LingBotMapNode(Node):
         s = self.settings
         t0 = time.perf_counter()
         try:
+            self._check_memory([s])
             model = self._load_model()
             session = LongStreamSession(StreamingSession(model, s.stream), s.long_stream)
         except (CheckpointError, BackendUnavailable, ConfigError) as exc:
@@ -422,6 +436,7 @@ class LingBotMapNode(Node):
 
         t0 = time.perf_counter()
         try:
+            self._check_memory(list(self.camera_settings.values()))
             model = self._load_model()
             sessions = CameraSessions(model, {name: (cs.stream, cs.long_stream)
                                               for name, cs in self.camera_settings.items()})

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ..config import (BACKENDS, DTYPES, KEYFRAME_POLICIES, ConfigError, LongStreamConfig, ModelConfig, StreamConfig,
+from ..config import (BACKENDS, DTYPES, KEYFRAME_POLICIES, KV_CACHE_DTYPES, PRECISIONS, ConfigError, LongStreamConfig, ModelConfig, StreamConfig,
                       load_json)
 from ..robot.health import HEALTH_PARAMETERS, config_from_parameters as health_config_from
 
@@ -70,6 +70,14 @@ PARAMETERS: tuple[Param, ...] = (
           choices=BACKENDS),
     Param("dtype", "auto", "Aggregator dtype and K/V cache dtype (heads stay fp32); auto = bf16 on CUDA, fp32 "
           "on CPU", choices=("auto",) + DTYPES),
+    Param("kv_cache_dtype", "auto", "Storage of the K/V cache: auto/bf16 = the dtype's; fp8 = float8 e4m3 with a "
+          "scale per token and head, read through a dequantised one-layer buffer: ~55 % of the cache's memory, "
+          "slightly slower, small deviation (single camera only)", choices=KV_CACHE_DTYPES),
+    Param("precision", "bf16", "fp8: the aggregator's projections and MLPs run as FP8 GEMMs (e4m3, a scale per "
+          "token and per output channel; Ada/Hopper GPUs natively, elsewhere emulated); bf16: as the dtype",
+          choices=PRECISIONS),
+    Param("gpu_memory_check", True, "Refuse to start when the GPU memory this configuration needs (estimated: "
+          "weights, K/V cache, activations) exceeds the free memory of the device, naming the settings to lower"),
     Param("cuda_graphs", True, "Replay the one-frame step from a CUDA graph (CUDA with a FlashInfer backend, "
           "or sdpa on an sm_80+ GPU in bf16; ignored elsewhere)"),
     Param("kv_splits", 0, "Split each global-attention call over this many parts of the keys (FlashInfer "
@@ -275,6 +283,7 @@ class NodeSettings:
     base_frame: str
     camera_frame: str
     camera_tf_frame: str = ""
+    gpu_memory_check: bool = True
     deferred_eviction_timeout: float = 5.0
     keyframe_decision_timeout: float = 0.0
     keyframe_decision_default: str = "keep"
@@ -368,7 +377,8 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
                               dtype=v["dtype"], device=v["device"], cuda_graphs=v["cuda_graphs"],
                               kv_splits=v["kv_splits"], fused_kernels=v["fused_kernels"],
                               bf16_depth_head=v["bf16_depth_head"], bf16_camera_head=v["bf16_camera_head"],
-                              parallel_heads=v["parallel_heads"])
+                              parallel_heads=v["parallel_heads"], kv_cache_dtype=v["kv_cache_dtype"],
+                              precision=v["precision"])
         long_stream = LongStreamConfig(
             window_frames=v["window_frames"], overlap_frames=v["overlap_frames"] or None,
             keyframe_policy=v["keyframe_policy"], motion_min_translation=v["motion_min_translation"],
@@ -385,6 +395,9 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
         raise ConfigError("tf_mode map_to_base needs a non-empty base_frame")
 
     cameras = check_camera_names(v["cameras"])
+    if cameras and v["kv_cache_dtype"] == "fp8":
+        raise ConfigError("parameter kv_cache_dtype 'fp8' is for a single camera (several cameras share one bf16 "
+                          "K/V storage); set kv_cache_dtype 'auto' or list no cameras")
     settings = NodeSettings(model=model, stream=stream, long_stream=long_stream, checkpoint=v["checkpoint"] or None,
                             cameras=cameras, **{k: v[k] for k in _PLAIN_FIELDS})
     for p in PARAMETERS:
@@ -394,7 +407,7 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
     return settings
 
 
-_PLAIN_FIELDS = ("camera_batching", "camera_pipelining", "seed", "image_width", "input_transport", "input_qos", "max_frame_age",
+_PLAIN_FIELDS = ("gpu_memory_check", "camera_batching", "camera_pipelining", "seed", "image_width", "input_transport", "input_qos", "max_frame_age",
                  "input_timeout", "service_timeout", "conf_threshold", "point_stride", "accumulate_map", "map_voxel_size",
                  "map_max_points", "map_publish_rate", "path_max_length", "path_publish_rate",
                  "publish_odometry", "publish_pose", "publish_path", "publish_points", "publish_map",

@@ -171,7 +171,7 @@ class GraphedStep:
         self.write_slots.copy_(dplan.write_slots, non_blocking=True)
         self.backend.begin_step(dplan)
         if hasattr(self.backend, "prepare"):
-            self.backend.prepare(self.pool.k[0])  # FlashInfer plan(), host side, before the replay
+            self.backend.prepare(self.pool.layer_view(0)[0])  # FlashInfer plan(), host side, before the replay
         self._prepared = plan
 
     def __call__(self, frame: Tensor, dplan: DevicePlan, prepared: bool = False) -> StepOutput:

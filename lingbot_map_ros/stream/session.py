@@ -29,10 +29,12 @@ from torch import Tensor
 
 from .. import kernels
 from ..cache.attention import AttentionBackend, UngraphableStep, make_backend
+from ..cache.fp8 import Fp8KVPool
 from ..cache.pages import CacheError, CacheFullError, CacheStats, PageTable, StepPlan
 from ..cache.pool import CameraKVCache, KVPool, PoolAttention, PoolFullError, SharedKVStorage, make_device_plan
 from ..config import SPECIAL_TOKENS, StreamConfig
 from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
+from ..kernels.fp8_gemm import quantize_linears_
 from ..model.lingbot import LingBotMap, StepOptions
 from .errors import FrameMismatchError, InvalidFrameError, SessionError
 from .graphs import BatchedTrunk, GraphedStep, HandOff, graphable, make_graphed_step
@@ -145,6 +147,7 @@ class StreamingSession:
         if agg_dtype != self.dtype:
             raise SessionError(f"the model's aggregator is {agg_dtype} but the stream dtype is {cfg.dtype}; "
                                "load the model with the same dtype (io.checkpoint.load_model(dtype=...))")
+        self._apply_precision(model, cfg)
         if share_from is not None:
             if share_from.model is not model or share_from.dtype != self.dtype or share_from.with_depth != with_depth:
                 raise SessionError("share_from must be a session on the same model, dtype and depth setting")
@@ -165,6 +168,9 @@ class StreamingSession:
         # how every step runs, eager or graphed (a test may replace it before the first frame)
         self.step_options = share_from.step_options if share_from is not None else \
             self._make_step_options(fused, with_depth)
+        if storage is not None and cfg.kv_cache_dtype == "fp8":
+            raise SessionError("kv_cache_dtype 'fp8' is for a single camera: several cameras share one bf16 K/V "
+                               "storage; use kv_cache_dtype 'auto'")
         self._storage, self._owner = storage, owner
         self._pool_generation = -1  # the storage generation self._pool views
         self._pages: PageTable | None = None
@@ -186,6 +192,18 @@ class StreamingSession:
         self._landing: LandingRing | None = None  # page-locked landing buffers of the outputs (CUDA)
         self._in_flight: deque[PendingResults] = deque()  # submitted, results not yet taken (CUDA)
         self._u8_scale: Tensor | None = None  # 255 on the device (uint8 frames)
+
+    @staticmethod
+    def _apply_precision(model: LingBotMap, cfg: StreamConfig) -> None:
+        """``precision`` fp8: convert the aggregator's linears to FP8 (``kernels.fp8_gemm``), once
+        per model; a model converted so cannot serve a bf16 stream."""
+        converted = getattr(model, "fp8_linears", 0)
+        if cfg.precision == "fp8" and not converted:
+            model.fp8_linears = quantize_linears_(model.aggregator)
+            log.info("precision fp8: %d linears of the aggregator run as FP8 GEMMs", model.fp8_linears)
+        elif cfg.precision != "fp8" and converted:
+            raise SessionError("the model's linears were converted to FP8 by a precision 'fp8' stream; load the "
+                               "model again for a bf16 stream")
 
     def _resolve_kernels(self) -> tuple[bool, bool]:
         """(fused, triton): whether this session runs the Triton kernels of the model's step
@@ -411,7 +429,10 @@ class StreamingSession:
         self._graphed = None  # bound to the old pool
         self._next = None
         self._pool = None  # free the old pool before allocating the new one
-        if self._storage is None:
+        if self._storage is None and cfg.kv_cache_dtype == "fp8":
+            self._pool = Fp8KVPool(mcfg.depth, self._pages.num_pages, page_size, mcfg.num_heads, mcfg.head_dim,
+                                   self.dtype, self.device, fused=self._merge_kernel)
+        elif self._storage is None:
             self._pool = KVPool(mcfg.depth, self._pages.num_pages, page_size, mcfg.num_heads, mcfg.head_dim,
                                 self.dtype, self.device)
         else:

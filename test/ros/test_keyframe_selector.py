@@ -316,3 +316,14 @@ def test_outage_refusal_stall_and_restart(fake: FakeMapper, tmp_path: Path):
     assert "frame index went back from 6 to 1" in log
     assert "not available; waiting" in log and "services available again" in log
     assert "frame 1: keep (" not in log.split("frame index went back")[0]  # frame 1 was never decided
+
+
+def test_help_prints_the_usage_and_every_parameter_without_starting_a_node(capsys):
+    from lingbot_map_ros.ros.keyframe_selector import PARAMS, main
+
+    assert main(["keyframe_selector", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: ros2 run lingbot_map_ros keyframe_selector")
+    for name, (default, _) in PARAMS.items():
+        assert f"  {name} (default {default!r}): " in out, name
+    assert not rclpy.ok()  # no context was initialised
