@@ -92,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--video", type=Path, help="video file (any container/codec FFmpeg reads)")
     sel = p.add_argument_group("selection")
     sel.add_argument("--topic", help="image topic of --bag (sensor_msgs/Image or CompressedImage)")
+    sel.add_argument("--topic-type", choices=["Image", "CompressedImage"], help="read only this message type of "
+                     "--topic (for a topic that carries both)")
     sel.add_argument("--start", type=float, default=0.0, help="skip the first S seconds of the recording "
                      "(bag receive time, video time; a folder's frame i is at i s); default 0")
     sel.add_argument("--duration", type=float, help="replay D seconds from --start (default: to the end)")
@@ -188,8 +190,8 @@ def configure(args: argparse.Namespace) -> Settings:
 
     if args.bag is not None and not args.topic:
         raise UserError("--bag needs --topic (the image topic to replay)")
-    if args.topic and args.bag is None:
-        raise UserError("--topic goes with --bag")
+    if (args.topic or args.topic_type) and args.bag is None:
+        raise UserError(f"{'--topic' if args.topic else '--topic-type'} goes with --bag")
     if not any((args.out, args.trajectory, args.ply, args.out_bag)):
         raise UserError("nothing to write: give --out, --trajectory, --ply or --out-bag")
     try:
@@ -324,7 +326,7 @@ def open_source(args: argparse.Namespace, settings: Settings):
         if args.images is not None:
             source = ImageFolderSource(args.images, settings.selection)
         elif args.bag is not None:
-            source = BagSource(args.bag, args.topic, settings.selection)
+            source = BagSource(args.bag, args.topic, settings.selection, args.topic_type)
         else:
             source = VideoSource(args.video, settings.selection)
     except SourceError as exc:
