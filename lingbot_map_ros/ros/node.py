@@ -96,8 +96,9 @@ from ..config import ConfigError
 from ..io.map_save import MAP_FILE, MapSaveError
 from ..robot.map_offset import OutputTransform
 from ..stream.multi import PoolStatus
+# RosOutputs, ARRIVAL_WINDOW, stamp_seconds: importable from here as before
 from .camera_channel import (ARRIVAL_WINDOW, NODE_NAME, SERVICE_QOS, AlignedPlacer, CameraChannel,  # noqa: F401
-                             RosOutputs, _qos, diag, stamp_seconds)  # RosOutputs, ARRIVAL_WINDOW, stamp_seconds: as before
+                             RosOutputs, _qos, diag, stamp_seconds)
 from .conversions import compressed_to_rgb, image_to_rgb, make_pointcloud2
 from .engine import SaveError, StatusFields, write_map_files
 from .multi_map import MapAligner, base_motion_from_odometry, own_map_frame, transform_points, transform_poses
