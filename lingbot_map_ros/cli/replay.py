@@ -11,7 +11,9 @@ thread, never all in memory; --start, --duration, --stride and --max-frames choo
 which (see ``io.sources``).
 
 Outputs, written as the frames come (each gets its final name only when complete;
-until then, or after a failure, ``<name>.partial``):
+until then, or after a failure, ``<name>.partial``). An output that exists already is
+refused before the model loads, unless --overwrite (then it is replaced only when the
+new one is complete); so is an output folder that cannot be written:
 
 - --out: npz with pose_enc [S,9], pose_c2w [S,4,4] (camera-to-world, OpenCV axes,
   world = first camera, model units), intrinsics [S,3,3], is_keyframe [S],
@@ -29,14 +31,20 @@ session (up to the model's horizon). Either way frame t+1 is submitted before fr
 results are taken (the GPU stays busy while the host writes). A progress bar (frames/s, ETA, window) and
 one summary line go to stderr. Any input problem ends with one line
 ``lingbot-map-replay: error: ...`` and exit status 2; undecodable frames of a bag or
-a video are skipped, counted and warned about (--bad-frames).
+a video are skipped, counted and warned about (--bad-frames). So does an output that
+cannot be written (a full or read-only disk, at any point up to the final rename): the
+line names the outputs written, those not written and the ``.partial`` files kept
+(``incomplete`` where even those could not be finished).
 """
 from __future__ import annotations
 
 import argparse
+import errno
 import logging
+import os
 import resource
 import sys
+import tempfile
 import time
 from collections import deque
 from contextlib import contextmanager
@@ -84,6 +92,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--video", type=Path, help="video file (any container/codec FFmpeg reads)")
     sel = p.add_argument_group("selection")
     sel.add_argument("--topic", help="image topic of --bag (sensor_msgs/Image or CompressedImage)")
+    sel.add_argument("--topic-type", choices=["Image", "CompressedImage"], help="read only this message type of "
+                     "--topic (for a topic that carries both)")
     sel.add_argument("--start", type=float, default=0.0, help="skip the first S seconds of the recording "
                      "(bag receive time, video time; a folder's frame i is at i s); default 0")
     sel.add_argument("--duration", type=float, help="replay D seconds from --start (default: to the end)")
@@ -124,7 +134,13 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--auto-restart", action=argparse.BooleanOptionalAction, default=None,
                     help="restart when the window is full (node: on)")
 
-    o = p.add_argument_group("outputs")
+    o = p.add_argument_group("outputs", "An output that exists already (for --out also its <name>.chunks "
+                             "folder) is refused unless --overwrite is given. Each output gets its final name only "
+                             "when complete (until then <name>.partial). An output that cannot be written ends the "
+                             "run with one error line naming what was written, what was not, and the .partial "
+                             "files kept; exit status 2.")
+    o.add_argument("--overwrite", action="store_true", help="replace existing outputs (each only once its "
+                   "replacement is complete); without it an existing output is refused before the model loads")
     o.add_argument("--out", type=Path, help="per-frame predictions (.npz)")
     o.add_argument("--save-depth", default="all", help="frames whose depth is kept in --out and "
                    "--out-bag: none, all (default) or every-K")
@@ -180,8 +196,8 @@ def configure(args: argparse.Namespace) -> Settings:
 
     if args.bag is not None and not args.topic:
         raise UserError("--bag needs --topic (the image topic to replay)")
-    if args.topic and args.bag is None:
-        raise UserError("--topic goes with --bag")
+    if (args.topic or args.topic_type) and args.bag is None:
+        raise UserError(f"{'--topic' if args.topic else '--topic-type'} goes with --bag")
     if not any((args.out, args.trajectory, args.ply, args.out_bag, args.compare_precision)):
         raise UserError("nothing to write: give --out, --trajectory, --ply or --out-bag")
     try:
@@ -235,14 +251,66 @@ def _check_numbers_and_outputs(args: argparse.Namespace) -> None:
             raise UserError(f"{flag} must be at least {low}, got {value}")
     if args.ply and args.no_depth:
         raise UserError("--ply needs depth; drop --no-depth")
-    for flag, path in (("--out", args.out), ("--trajectory", args.trajectory), ("--ply", args.ply)):
-        if path is not None:
+    outputs = requested_outputs(args)
+    seen: dict[Path, str] = {}
+    for flag, path in outputs:
+        for name in _names_of(flag, path):
+            other = seen.setdefault(name.absolute(), flag)
+            if other != flag:
+                raise UserError(f"{other} and {flag} both write {name}; give them different names")
+    for flag, path in outputs:
+        if flag != "--out-bag":
             try:
                 check_destination(path)
             except OSError as exc:
                 raise UserError(f"{flag}: {exc}") from None
-    if args.out_bag is not None and args.out_bag.exists():
-        raise UserError(f"--out-bag {args.out_bag} exists already (a bag is not overwritten)")
+        elif os.path.lexists(path) and (path.is_symlink() or not path.is_dir()):
+            raise UserError(f"--out-bag {path} exists and is not a folder; refusing to replace it")
+        for name in _names_of(flag, path):
+            if os.path.lexists(name) and not args.overwrite:
+                what = f"{flag} {path}" if name == path else f"{flag} {path}: its {name}"
+                raise UserError(f"{what} exists already; pass --overwrite to replace it (no output is replaced "
+                                "without it)")
+        _check_writable(flag, path)
+
+
+def requested_outputs(args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """(flag, path) of each output asked for, in the order they are written."""
+    pairs = (("--out", args.out), ("--trajectory", args.trajectory), ("--ply", args.ply), ("--out-bag", args.out_bag))
+    return [(flag, path) for flag, path in pairs if path is not None]
+
+
+def _names_of(flag: str, path: Path) -> list[Path]:
+    """The names an output takes: --out's npz and its depth chunks' folder, else the path itself."""
+    return [path, path.with_name(path.stem + ".chunks")] if flag == "--out" else [path]
+
+
+def _check_writable(flag: str, path: Path) -> None:
+    """A UserError when the folder ``path`` goes into (or the nearest existing folder above it,
+    where the folders are still to be made) does not take a new file: read-only file system,
+    no permission, immutable, no inode left. Probed with a hidden temp file, removed at once."""
+    folder = path.absolute().parent
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    if not folder.is_dir():
+        raise UserError(f"{flag} {path}: {folder} is not a folder")
+    try:
+        fd, probe = tempfile.mkstemp(prefix=f".{PROG}-probe-", dir=folder)
+    except OSError as exc:
+        raise UserError(f"{flag} {path}: cannot write into {folder}: {describe_os_error(exc, name_file=False)}; "
+                        "nothing was written") from None
+    os.close(fd)
+    os.unlink(probe)
+
+
+def describe_os_error(exc: BaseException, name_file: bool = True) -> str:
+    """``exc`` in a few words: an OSError's strerror with its errno name (``No space left on
+    device (ENOSPC)``) and the file it names (``name_file``), else its text."""
+    if isinstance(exc, OSError) and exc.errno is not None and exc.strerror:
+        name = errno.errorcode.get(exc.errno, str(exc.errno))
+        where = f": {exc.filename}" if exc.filename and name_file else ""
+        return f"{exc.strerror} ({name}){where}"
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _long_stream(args: argparse.Namespace, config_class):
@@ -264,7 +332,7 @@ def open_source(args: argparse.Namespace, settings: Settings):
         if args.images is not None:
             source = ImageFolderSource(args.images, settings.selection)
         elif args.bag is not None:
-            source = BagSource(args.bag, args.topic, settings.selection)
+            source = BagSource(args.bag, args.topic, settings.selection, args.topic_type)
         else:
             source = VideoSource(args.video, settings.selection)
     except SourceError as exc:
@@ -290,14 +358,55 @@ class _Meta:
     window: int = 0  # the long-stream window it went into
 
 
+class OutputError(Exception):
+    """An output could not be written (``flag`` ``path``: ``cause``, an OSError)."""
+
+    def __init__(self, flag: str, path: Path, cause: BaseException) -> None:
+        super().__init__(f"cannot write {flag} {path}: {describe_os_error(cause)}")
+        self.flag, self.path, self.cause = flag, path, cause
+
+
+@dataclass
+class Unfinished:
+    """An output whose writer failed: what it was, why, and what of it is on disk."""
+
+    flag: str
+    path: Path
+    reason: str
+    kept: list[Path]  # complete .partial files
+    incomplete: list[Path]  # what a failed abort() left on disk
+
+    def note(self) -> str:
+        if self.incomplete:
+            return f"{', '.join(map(str, self.incomplete))} left incomplete"
+        if self.kept:
+            return f"kept as {', '.join(map(str, self.kept))}"
+        return "nothing of it kept"
+
+
+@dataclass
+class Closed:
+    """What ``Outputs.close`` did."""
+
+    written: list[Path]
+    failed: list[Unfinished]
+
+
 class Outputs:
     """The requested writers, made when the first result arrives (a run that fails before
-    writes nothing)."""
+    writes nothing).
+
+    A writer that cannot write (a full or read-only disk) takes no more frames: a warning says
+    so and the others go on until the run ends (an ``OutputError`` naming it once no writer is
+    left). ``close`` gives each writer its final name (a failed one is kept as ``.partial``
+    where possible) and ``abort`` keeps each as ``.partial``; neither raises for a writer that
+    fails: they say which did what."""
 
     def __init__(self, args: argparse.Namespace, settings: Settings) -> None:
         self.args, self.settings = args, settings
-        self.writers: list = []
+        self.writers: list[tuple[str, Path, Any]] = []  # (flag, path, writer)
         self.store = self.tum = self.ply = self.bag = None
+        self.broken: dict[str, str] = {}  # flag -> why its writer failed
         self._opened = False
         self.rows = 0
 
@@ -306,26 +415,43 @@ class Outputs:
         from ..io.results import PlyStreamWriter, PredictionStore, TumStreamWriter
         from ..io.results_bag import ResultsBagWriter
 
-        a = self.args
-        if a.out:
-            self.store = self._listed(PredictionStore(a.out, self.settings.depth, a.chunk_frames))
-        if a.trajectory:
-            self.tum = self._listed(TumStreamWriter(a.trajectory))
-        if a.ply:
-            self.ply = self._listed(PlyStreamWriter(a.ply))
-        if a.out_bag:
-            try:
-                self.bag = self._listed(ResultsBagWriter(
-                    a.out_bag, namespace=a.bag_namespace, map_frame=a.map_frame or _node_default("map_frame"),
-                    path_rate=_default(a.bag_path_rate, "path_publish_rate"),
-                    path_max_length=_default(a.bag_path_length, "path_max_length")))
-            except FileExistsError as exc:
-                raise UserError(str(exc)) from None
+        a, overwrite = self.args, self.args.overwrite
         self._opened = True
+        if a.out:
+            self.store = self._make("--out", a.out, lambda: PredictionStore(a.out, self.settings.depth, a.chunk_frames,
+                                                                            overwrite=overwrite))
+        if a.trajectory:
+            self.tum = self._make("--trajectory", a.trajectory, lambda: TumStreamWriter(a.trajectory, overwrite))
+        if a.ply:
+            self.ply = self._make("--ply", a.ply, lambda: PlyStreamWriter(a.ply, overwrite))
+        if a.out_bag:
+            self.bag = self._make("--out-bag", a.out_bag, lambda: ResultsBagWriter(
+                a.out_bag, namespace=a.bag_namespace, map_frame=a.map_frame or _node_default("map_frame"),
+                path_rate=_default(a.bag_path_rate, "path_publish_rate"),
+                path_max_length=_default(a.bag_path_length, "path_max_length"), overwrite=overwrite))
 
-    def _listed(self, writer):
-        self.writers.append(writer)
+    def _make(self, flag: str, path: Path, make: Callable[[], Any]):
+        try:
+            writer = make()
+        except OSError as exc:
+            raise OutputError(flag, path, exc) from None
+        self.writers.append((flag, path, writer))
         return writer
+
+    def _call(self, flag: str, writer, method: str, *args) -> None:
+        """``writer.method(*args)`` unless the writer failed before. An OSError marks it failed (one
+        warning) and the run goes on for the other outputs; OutputError when none is left."""
+        if writer is None or flag in self.broken:
+            return
+        try:
+            getattr(writer, method)(*args)
+        except OSError as exc:
+            path = next(p for f, p, _ in self.writers if f == flag)
+            self.broken[flag] = describe_os_error(exc)
+            if len(self.broken) == len(self.writers):
+                raise OutputError(flag, path, exc) from None
+            log.warning("cannot write %s %s after %d frames: %s; the run goes on for the other outputs", flag, path,
+                        self.rows - 1, self.broken[flag])
 
     def add(self, r, meta: _Meta) -> None:
         """One FrameResult ``r`` (model world, OpenCV axes) of the input frame ``meta``."""
@@ -335,11 +461,9 @@ class Outputs:
             self._open()
         row, self.rows = self.rows, self.rows + 1
         keep_depth = r.depth is not None and self.settings.depth.keeps(row)
-        if self.store is not None:
-            self.store.add(r.pose_enc, r.c2w, r.intrinsics, r.is_keyframe, meta.stamp_ns, meta.window,
-                           r.depth, r.confidence)
-        if self.tum is not None:
-            self.tum.add(meta.stamp_ns / 1e9, r.c2w)
+        self._call("--out", self.store, "add", r.pose_enc, r.c2w, r.intrinsics, r.is_keyframe, meta.stamp_ns,
+                   meta.window, r.depth, r.confidence)
+        self._call("--trajectory", self.tum, "add", meta.stamp_ns / 1e9, r.c2w)
         points = colors = conf = None
         if r.depth is not None and (self.ply is not None or self.bag is not None):
             index = np.flatnonzero(r.confidence.reshape(-1) > self.settings.conf_threshold)
@@ -348,30 +472,46 @@ class Outputs:
             finite = np.isfinite(points).all(axis=1)
             points, index = points[finite], index[finite]
             colors, conf = r.colors(index), r.confidence.reshape(-1)[index].astype(np.float32)
-        if self.ply is not None:
-            self.ply.add(points, colors)
-        if self.bag is not None:
-            camera = self.args.camera_frame or meta.camera_frame
-            self.bag.add(meta.stamp_ns, camera, r.c2w, r.intrinsics, r.size, points, colors, conf,
-                         r.depth if keep_depth else None)
+        self._call("--ply", self.ply, "add", points, colors)
+        camera = self.args.camera_frame or meta.camera_frame
+        self._call("--out-bag", self.bag, "add", meta.stamp_ns, camera, r.c2w, r.intrinsics, r.size, points, colors,
+                   conf, r.depth if keep_depth else None)
 
-    def close(self) -> list[Path]:
-        written: list[Path] = []
-        for w in self.writers:
-            result = w.close()
-            written += result if isinstance(result, list) else [result]
-        return written
-
-    def abort(self) -> list[Path]:
-        """Finish every writer as a ``.partial`` file; returns their paths (never raises)."""
-        kept: list[Path] = []
-        for w in self.writers:
+    def close(self) -> Closed:
+        """Give every writer its final name; one that cannot is kept as ``.partial`` where possible."""
+        closed = Closed([], [])
+        for flag, path, w in self.writers:
+            if flag in self.broken:  # failed during the run (the run went on without it)
+                closed.failed.append(self._abort_one(flag, path, w, self.broken[flag]))
+                continue
             try:
-                result = w.abort()
-                kept += result if isinstance(result, list) else [result]
-            except Exception as exc:  # one broken writer must not hide the others' files
-                log.warning("could not finish %s: %s", type(w).__name__, exc)
-        return kept
+                result = w.close()
+            except OSError as exc:
+                closed.failed.append(self._abort_one(flag, path, w, describe_os_error(exc)))
+                continue
+            closed.written += result if isinstance(result, list) else [result]
+        return closed
+
+    def abort(self) -> tuple[list[Path], list[Unfinished]]:
+        """Finish every writer as a ``.partial`` file (never raises): the paths kept, and the writers
+        that could not be finished (with what they left on disk)."""
+        kept: list[Path] = []
+        unfinished: list[Unfinished] = []
+        for flag, path, w in self.writers:
+            done = self._abort_one(flag, path, w, self.broken.get(flag, ""))
+            if done.incomplete or not done.kept:
+                unfinished.append(done)
+            kept += done.kept
+        return kept, unfinished
+
+    @staticmethod
+    def _abort_one(flag: str, path: Path, writer, reason: str) -> Unfinished:
+        try:
+            result = writer.abort()
+        except Exception as exc:  # one broken writer must not hide the others' files
+            reason = reason or describe_os_error(exc)
+            return Unfinished(flag, path, reason, [], [p for p in writer.leftovers() if os.path.lexists(p)])
+        return Unfinished(flag, path, reason, result if isinstance(result, list) else [result], [])
 
 
 # ----------------------------------------------------------------------------- the run
@@ -438,6 +578,8 @@ class Replay:
     def _drain_after_failure(self) -> None:
         try:
             self._drain()
+        except OutputError:  # another output failed too (a full disk): its .partial says how far it got
+            pass
         except Exception as exc:  # the first failure is the one reported
             log.warning("the results of the last submitted frame are lost: %s", exc)
 
@@ -546,24 +688,26 @@ def run(args: argparse.Namespace, observer: Callable[[int], None] | None = None)
             detail = f"; {replay.dropped} dropped, the first: {replay.first_problem}" if replay.dropped else ""
             raise UserError(f"only {replay.pushed} frame(s) reached the model, fewer than the {s0} scale frames "
                             f"it needs{detail}")
-    except (UserError, SourceError, CacheError, OSError) as exc:  # OSError: a full disk, a folder not writable
-        raise UserError(_with_partial(_explain(exc), outputs.abort())) from None
+    except (UserError, SourceError, CacheError, OutputError, OSError) as exc:  # OSError: a source's file system
+        raise UserError(_with_partial(_explain(exc), *outputs.abort())) from None
     except KeyboardInterrupt:
-        kept = outputs.abort()
-        print(_with_partial(f"{PROG}: interrupted after {replay.done} frames", kept), file=sys.stderr)
+        print(f"{PROG}: {_with_partial(f'interrupted after {replay.done} frames', *outputs.abort())}",
+              file=sys.stderr)
         return 130
     except BaseException:
-        kept = outputs.abort()
-        if kept:
-            print(f"{PROG}: partial outputs kept: {', '.join(map(str, kept))}", file=sys.stderr)
+        kept, unfinished = outputs.abort()
+        if kept or unfinished:
+            print(f"{PROG}: {_with_partial('unexpected error', kept, unfinished)}", file=sys.stderr)
         raise
     elapsed = time.perf_counter() - start
-    written = outputs.close()
+    closed = outputs.close()
+    if closed.failed:
+        raise UserError(_close_failure(replay.done, closed))
     windows = int(getattr(session, "window_index", 0)) + 1
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     print(f"{PROG}: {replay.done} frames in {elapsed:.1f} s ({replay.done / max(elapsed, 1e-9):.2f} FPS), "
           f"{replay.dropped} dropped, {windows} window(s), peak RSS {peak:.0f} MiB; wrote "
-          f"{', '.join(map(str, written))}", file=sys.stderr, flush=True)
+          f"{', '.join(map(str, closed.written))}", file=sys.stderr, flush=True)
     return 0
 
 
@@ -572,11 +716,30 @@ def _explain(exc: BaseException) -> str:
 
     if isinstance(exc, CacheError):
         return f"{exc} (the plain session ends at the model's horizon; drop --no-long-stream for long inputs)"
+    if isinstance(exc, OSError):
+        return describe_os_error(exc)
     return str(exc)
 
 
-def _with_partial(message: str, kept: list[Path]) -> str:
-    return f"{message}; partial outputs kept: {', '.join(map(str, kept))}" if kept else message
+def _with_partial(message: str, kept: list[Path], unfinished: list[Unfinished] = ()) -> str:
+    """``message``, then the ``.partial`` files kept and the outputs that could not even be kept so."""
+    parts = [message]
+    if kept:
+        parts.append(f"partial outputs kept: {', '.join(map(str, kept))}")
+    lost = [u for u in unfinished if not u.kept]
+    if lost:
+        parts.append("not kept: " + ", ".join(f"{u.flag} {u.path} ({u.reason + '; ' if u.reason else ''}{u.note()})"
+                                              for u in lost))
+    return "; ".join(parts)
+
+
+def _close_failure(frames: int, closed: Closed) -> str:
+    """The error line of a run whose outputs could not all be written at the end."""
+    causes = ", ".join(f"{u.flag} {u.path} ({u.reason})" for u in closed.failed)
+    written = ", ".join(map(str, closed.written)) or "nothing"
+    not_written = ", ".join(f"{u.path} ({u.note()})" for u in closed.failed)
+    return (f"{frames} frames replayed, but not every output could be written: {causes}; written: {written}; "
+            f"not written: {not_written}")
 
 
 def say(args: argparse.Namespace, message: str) -> None:

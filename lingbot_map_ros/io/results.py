@@ -17,16 +17,22 @@
 Files get their final name only when complete: while a run goes on they are
 ``<name>.partial`` (the chunk folder ``<name>.chunks.partial``); ``close()`` flushes,
 fsyncs and renames them (``os.replace``, the folder fsync-ed; npz files through
-``atomic.atomic_write``); ``abort()`` finishes them as far as they go and leaves them
-under the ``.partial`` names, which it returns. A destination that is a link, a folder
-or a special file is refused (``atomic.UnsafeDestinationError``). Frames and units are
-the caller's (the replay writes the model's OpenCV world, model units).
+``atomic.stage``/``atomic_write``); ``abort()`` finishes them as far as they go and leaves
+them under the ``.partial`` names, which it returns. When ``close()`` raises (a full or
+read-only disk) the final name is untouched and ``abort()`` may still be called; when
+``abort()`` raises too, ``leftovers()`` names what is on disk (incomplete). A destination
+that is a link, a folder or a special file is refused (``atomic.UnsafeDestinationError``);
+with ``overwrite=False`` one that exists when ``close()`` renames is refused too
+(``FileExistsError``). Frames and units are the caller's (the replay writes the model's
+OpenCV world, model units).
 """
 from __future__ import annotations
 
+import errno
 import io
 import os
 import re
+import secrets
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +41,7 @@ from typing import Iterator
 import numpy as np
 
 from ..geometry import matrix_to_quaternion
-from .atomic import atomic_write, check_destination, fsync_directory
+from .atomic import atomic_write, check_destination, fsync_directory, stage
 
 PARTIAL = ".partial"
 
@@ -63,14 +69,53 @@ def open_partial(final: Path, text: bool = False):
     return os.fdopen(fd, "w", encoding="ascii") if text else os.fdopen(fd, "w+b")
 
 
-def finish_file(handle, final: Path) -> None:
+def check_replaceable(final: Path, overwrite: bool) -> None:
+    """Refuse ``final`` when it is a link, a folder or a special file, or (``overwrite`` False) when it exists.
+
+    Raises:
+        UnsafeDestinationError, FileExistsError.
+    """
+    check_destination(final)
+    if not overwrite and os.path.lexists(final):
+        raise FileExistsError(errno.EEXIST, f"{final} exists already (not replaced without overwrite)")
+
+
+def finish_file(handle, final: Path, overwrite: bool = True) -> None:
     """Flush, fsync and close ``handle`` (open on ``partial_path(final)``), then rename it to ``final``."""
     handle.flush()
     os.fsync(handle.fileno())
     handle.close()
-    check_destination(final)
+    check_replaceable(final, overwrite)
     os.replace(partial_path(final), final)
     fsync_directory(final.parent)
+
+
+def replace_folder(new: Path, final: Path, overwrite: bool = True) -> Path | None:
+    """Rename folder ``new`` to ``final``. An existing ``final`` (``overwrite`` only, else FileExistsError)
+    is first renamed aside to a hidden name, returned: delete it with ``shutil.rmtree`` once the
+    replacement is final, or put it back with ``restore_folder``. None when there was none."""
+    aside = None
+    if os.path.lexists(final):
+        if not overwrite:
+            raise FileExistsError(errno.EEXIST, f"{final} exists already (not replaced without overwrite)")
+        if final.is_symlink() or not final.is_dir():
+            raise FileExistsError(errno.EEXIST, f"{final} exists and is not a folder; refusing to replace it")
+        aside = final.with_name(f".{final.name}.replaced-{secrets.token_hex(4)}")
+        os.replace(final, aside)
+    try:
+        os.replace(new, final)
+    except BaseException:
+        if aside is not None:
+            os.replace(aside, final)
+        raise
+    return aside
+
+
+def restore_folder(final: Path, new: Path, aside: Path | None) -> None:
+    """Undo ``replace_folder``: ``final`` back to ``new``, the folder it replaced back to ``final``."""
+    os.replace(final, new)
+    if aside is not None:
+        os.replace(aside, final)
 
 
 def save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
@@ -84,8 +129,8 @@ def save_npz_atomic(path: Path, arrays: dict[str, np.ndarray]) -> None:
 class TumStreamWriter:
     """A TUM trajectory written line by line: ``t tx ty tz qx qy qz qw`` (as ``export.write_tum``)."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path, overwrite: bool = True) -> None:
+        self.path, self.overwrite = Path(path), overwrite
         self._file = open_partial(self.path, text=True)
         self._file.write("# timestamp tx ty tz qx qy qz qw\n")
         self.count = 0
@@ -99,12 +144,16 @@ class TumStreamWriter:
         self.count += 1
 
     def close(self) -> Path:
-        finish_file(self._file, self.path)
+        finish_file(self._file, self.path, self.overwrite)
         return self.path
 
     def abort(self) -> Path:
         self._file.close()
         return partial_path(self.path)
+
+    def leftovers(self) -> list[Path]:
+        """What this writer may have left on disk when ``abort`` failed."""
+        return [partial_path(self.path)]
 
 
 # ----------------------------------------------------------------------------- PLY
@@ -116,8 +165,8 @@ _PLY_DTYPE = np.dtype([("x", "<f4"), ("y", "<f4"), ("z", "<f4"), ("red", "u1"), 
 class PlyStreamWriter:
     """A binary little-endian PLY appended a frame at a time (readable by ``export.read_ply``)."""
 
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
+    def __init__(self, path: str | Path, overwrite: bool = True) -> None:
+        self.path, self.overwrite = Path(path), overwrite
         self._file = open_partial(self.path)
         self._file.write(self._header(0))
         self.count = 0
@@ -150,13 +199,20 @@ class PlyStreamWriter:
 
     def close(self) -> Path:
         self._write_count()
-        finish_file(self._file, self.path)
+        finish_file(self._file, self.path, self.overwrite)
         return self.path
 
     def abort(self) -> Path:
-        self._write_count()  # what is there stays a valid PLY
-        self._file.close()
+        if not self._file.closed:  # (closed: a close() that failed at the rename left it complete)
+            try:
+                self._write_count()  # what is there stays a valid PLY
+            finally:
+                self._file.close()
         return partial_path(self.path)
+
+    def leftovers(self) -> list[Path]:
+        """What this writer may have left on disk when ``abort`` failed."""
+        return [partial_path(self.path)]
 
 
 # ----------------------------------------------------------------------------- per-frame arrays
@@ -235,19 +291,27 @@ class _DepthBuffer:
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rows [n], depth [n, H, W], confidence [n, H, W]) held, as views; the buffer is emptied
         (the views stay valid until the next ``append``)."""
-        n, self.size = self.size, 0
+        views = self.peek()
+        self.size = 0
+        return views
+
+    def peek(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """As ``arrays``, but the buffer keeps them."""
+        n = self.size
         return self._rows[:n], self._depth[:n], self._conf[:n]
 
 
 class PredictionStore:
     """The per-frame arrays of a replay (see the module docstring for the layout)."""
 
-    def __init__(self, path: str | Path, depth: DepthPolicy = DepthPolicy(1), chunk_frames: int = 100) -> None:
+    def __init__(self, path: str | Path, depth: DepthPolicy = DepthPolicy(1), chunk_frames: int = 100,
+                 overwrite: bool = True) -> None:
         if chunk_frames < 1:
             raise ValueError(f"chunk_frames must be >= 1, got {chunk_frames}")
-        self.path = Path(path)
+        self.path, self.overwrite = Path(path), overwrite
         check_destination(self.path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        partial_path(self.path).unlink(missing_ok=True)  # an earlier run's (this run's replaces it)
         self.policy, self.chunk_frames = depth, chunk_frames
         self._columns = {name: _Column(shape, dtype) for name, (shape, dtype) in _SMALL.items()}
         self._depth_rows: list[int] = []  # every row that kept depth
@@ -277,14 +341,19 @@ class PredictionStore:
                 self._flush_chunk()
 
     def _flush_chunk(self) -> None:
+        n = self._buffer.size
         rows, depth, conf = self._buffer.arrays()
         name = f"{self.chunk_dir.name}/depth_{rows[0]:08d}_{rows[-1]:08d}.npz"
         folder = partial_path(self.chunk_dir)
-        if not self._chunks:
-            if folder.exists():
-                shutil.rmtree(folder)  # left by an earlier run that was interrupted
-            folder.mkdir(parents=True)
-        save_npz_atomic(folder / Path(name).name, {"depth": depth, "depth_conf": conf, "depth_frames": rows})
+        try:
+            if not self._chunks:
+                if folder.exists():
+                    shutil.rmtree(folder)  # left by an earlier run that was interrupted
+                folder.mkdir(parents=True)
+            save_npz_atomic(folder / Path(name).name, {"depth": depth, "depth_conf": conf, "depth_frames": rows})
+        except BaseException:
+            self._buffer.size = n  # still held (the views stay valid): abort() may try again
+            raise
         self._chunks.append(name)
 
     def _arrays(self, folder: str | None = None) -> dict[str, np.ndarray]:
@@ -295,31 +364,63 @@ class PredictionStore:
             names = [name if folder is None else f"{folder}/{name.split('/', 1)[1]}" for name in self._chunks]
             arrays["depth_chunks"] = np.array(names)
         elif self._buffer.size:
-            _, arrays["depth"], arrays["depth_conf"] = self._buffer.arrays()
+            _, arrays["depth"], arrays["depth_conf"] = self._buffer.peek()  # kept: abort() may follow close()
         return arrays
 
     def close(self) -> list[Path]:
-        """Write the npz (and the last chunk); returns the final paths."""
+        """Write the npz (and the last chunk); returns the final paths.
+
+        With chunks: the npz is staged (complete and fsync-ed under a temp name) before the chunk
+        folder gets its final name, and renamed last; when a step fails, what was renamed is put
+        back (the chunks stay in ``<name>.chunks.partial`` for ``abort``) and the error propagates."""
         if self._chunks and self._buffer.size:
             self._flush_chunk()
-        written = []
-        if self._chunks:
-            if self.chunk_dir.exists():
-                shutil.rmtree(self.chunk_dir)  # the previous run's chunks: this npz replaces them
-            os.replace(partial_path(self.chunk_dir), self.chunk_dir)
-            fsync_directory(self.chunk_dir.parent)
-            written.append(self.chunk_dir)
-        save_npz_atomic(self.path, self._arrays())
-        return [self.path, *written]
+        check_replaceable(self.path, self.overwrite)
+        if not self._chunks:
+            save_npz_atomic(self.path, self._arrays())
+            if self.overwrite and self.chunk_dir.is_dir() and not self.chunk_dir.is_symlink():
+                shutil.rmtree(self.chunk_dir, ignore_errors=True)  # the replaced npz's chunks
+            return [self.path]
+        staged = stage(self.path, lambda f: np.savez(f, **self._arrays()))
+        try:
+            aside = replace_folder(partial_path(self.chunk_dir), self.chunk_dir, self.overwrite)
+        except BaseException:
+            staged.discard()
+            raise
+        try:
+            check_replaceable(self.path, self.overwrite)
+            staged.commit()
+            fsync_directory(self.path.parent)
+        except BaseException:
+            staged.discard()
+            restore_folder(self.chunk_dir, partial_path(self.chunk_dir), aside)
+            raise
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)  # the replaced run's chunks
+        return [self.path, self.chunk_dir]
 
     def abort(self) -> list[Path]:
-        """Write what there is as ``<name>.partial`` (chunks stay in ``<name>.chunks.partial``)."""
+        """Write what there is as ``<name>.partial`` (chunks stay in ``<name>.chunks.partial``),
+        crash-safely: on an error nothing of the npz is left (``leftovers`` names the chunks)."""
+        folder = partial_path(self.chunk_dir)
+        if not self._chunks:
+            _remove_empty_folder(folder)  # a first chunk that could not be written
         if self._chunks and self._buffer.size:
             self._flush_chunk()
-        with open_partial(self.path) as f:
-            np.savez(f, **self._arrays(partial_path(self.chunk_dir).name))
+        atomic_write(partial_path(self.path), lambda f: np.savez(f, **self._arrays(folder.name)))
         kept = [partial_path(self.path)]
-        return kept + ([partial_path(self.chunk_dir)] if self._chunks else [])
+        return kept + ([folder] if self._chunks else [])
+
+    def leftovers(self) -> list[Path]:
+        """What this writer may have left on disk when ``abort`` failed."""
+        return [partial_path(self.path), partial_path(self.chunk_dir)]
+
+
+def _remove_empty_folder(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:  # missing, or not empty
+        pass
 
 
 def load_predictions(path: str | Path, depth: bool = True) -> dict[str, np.ndarray]:
@@ -354,5 +455,6 @@ def iter_depth(path: str | Path, chunks: np.ndarray | None = None) -> Iterator[t
             yield chunk["depth_frames"], chunk["depth"], chunk["depth_conf"]
 
 
-__all__ = ["PARTIAL", "partial_path", "open_partial", "finish_file", "save_npz_atomic", "TumStreamWriter",
+__all__ = ["PARTIAL", "partial_path", "open_partial", "check_replaceable", "finish_file", "replace_folder",
+           "restore_folder", "save_npz_atomic", "TumStreamWriter",
            "PlyStreamWriter", "DepthPolicy", "PredictionStore", "load_predictions", "iter_depth"]

@@ -21,7 +21,10 @@ origin) as the node does: ``T_M_C = OPTICAL_TO_REP103 @ c2w`` and points
 ``p_M = R(OPTICAL_TO_REP103) p_W``. Units are the model's.
 
 The bag is written into a hidden folder next to ``path`` and renamed to ``path`` when
-complete (``close``); ``abort`` closes it as a valid bag named ``<path>.partial``.
+complete (``close``); ``abort`` closes it as a valid bag named ``<path>.partial`` (when the
+MCAP cannot be finished, e.g. on a full disk, it is still moved there, incomplete:
+``mcap recover`` reads what it holds, and ``abort`` raises). An existing ``path`` is refused
+unless ``overwrite``; then it is replaced only once the new bag is complete.
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ import numpy as np
 
 from ..geometry import matrix_to_quaternion, rotate
 from .atomic import fsync_directory
-from .results import partial_path
+from .results import partial_path, replace_folder, restore_folder
 
 OPTICAL_TO_REP103 = np.array([[0.0, 0.0, 1.0, 0.0],  # map x (forward) = optical z
                               [-1.0, 0.0, 0.0, 0.0],  # map y (left) = -optical x
@@ -90,13 +93,13 @@ class ResultsBagWriter:
     """Writes one frame's results at a time (see the module docstring)."""
 
     def __init__(self, path: str | Path, namespace: str = "/lingbot_map", map_frame: str = "map",
-                 path_rate: float = 2.0, path_max_length: int = 5000) -> None:
+                 path_rate: float = 2.0, path_max_length: int = 5000, overwrite: bool = False) -> None:
         from rosbags.rosbag2 import StoragePlugin, Writer
         from rosbags.typesys import Stores, get_typestore
 
-        self.path = Path(path)
-        if self.path.exists():
-            raise FileExistsError(f"{self.path} exists already (a bag is not overwritten)")
+        self.path, self.overwrite = Path(path), overwrite
+        if os.path.lexists(self.path) and not overwrite:
+            raise FileExistsError(f"{self.path} exists already (a bag is not overwritten without overwrite)")
         self._work = self.path.parent / f".{self.path.name}.writing"
         if self._work.exists():
             shutil.rmtree(self._work)  # left by a run that was killed
@@ -114,6 +117,7 @@ class ResultsBagWriter:
         self._path = _PoseRing(path_max_length)
         self._last_path: int | None = None
         self._last_stamp: int | None = None
+        self._closed: bool | BaseException | None = None  # True, or the error of the failed close
         self.count = 0
 
     # ------------------------------------------------------------------ messages
@@ -232,28 +236,70 @@ class ResultsBagWriter:
         self._last_stamp = stamp_ns
         self.count += 1
 
-    def _finish(self, final: Path) -> Path:
-        if self._last_stamp is not None and self._last_path != self._last_stamp:
-            self._write("path", self._last_stamp, self._path_msg(self._last_stamp))  # the whole path at the end
-        self._writer.close()
-        inner = self._work / self.path.name
-        for f in inner.iterdir():
-            with open(f, "rb") as handle:
-                os.fsync(handle.fileno())
-        if final != self.path and final.exists():
-            shutil.rmtree(final)  # an earlier run's partial bag
-        os.replace(inner, final)  # fails, keeping the bag in the hidden folder, if ``path`` appeared meanwhile
-        self._work.rmdir()
-        fsync_directory(final.parent)
-        return final
+    def _close_writer(self) -> None:
+        """Write the last path message, close the MCAP and fsync it (once; a failure is remembered)."""
+        if self._closed is not None:
+            if isinstance(self._closed, BaseException):
+                raise self._closed
+            return
+        try:
+            if self._last_stamp is not None and self._last_path != self._last_stamp:
+                self._write("path", self._last_stamp, self._path_msg(self._last_stamp))  # the whole path at the end
+            self._writer.close()
+            for f in (self._work / self.path.name).iterdir():
+                with open(f, "rb") as handle:
+                    os.fsync(handle.fileno())
+        except BaseException as exc:
+            self._closed = exc
+            raise
+        self._closed = True
 
     def close(self) -> Path:
-        """Finish the bag and give it its name; returns it."""
-        return self._finish(self.path)
+        """Finish the bag and give it its name (an existing bag is replaced only with ``overwrite``,
+        and only now); returns it. On an error the bag stays in the hidden folder for ``abort``."""
+        self._close_writer()
+        inner = self._work / self.path.name
+        aside = replace_folder(inner, self.path, self.overwrite)
+        try:
+            fsync_directory(self.path.parent)
+        except BaseException:
+            restore_folder(self.path, inner, aside)
+            raise
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)  # the bag this one replaced
+        self._work.rmdir()
+        return self.path
 
     def abort(self) -> Path:
-        """Finish what there is as ``<path>.partial`` (a valid bag); returns that path."""
-        return self._finish(partial_path(self.path))
+        """Finish what there is as ``<path>.partial`` (a valid bag); returns that path. When the bag
+        cannot be finished it is moved there all the same, incomplete, and the error is raised."""
+        final = partial_path(self.path)
+        inner = self._work / self.path.name
+        error = None
+        try:
+            self._close_writer()
+        except Exception as exc:  # a full disk: what was written stays readable by `mcap recover`
+            error = exc
+        if inner.exists():
+            if final.exists():
+                shutil.rmtree(final)  # an earlier run's partial bag
+            os.replace(inner, final)
+            _remove_folder(self._work)
+            fsync_directory(final.parent)
+        if error is not None:
+            raise error
+        return final
+
+    def leftovers(self) -> list[Path]:
+        """What this writer may have left on disk when ``abort`` failed."""
+        return [partial_path(self.path), self._work]
+
+
+def _remove_folder(folder: Path) -> None:
+    try:
+        folder.rmdir()
+    except OSError:
+        pass
 
 
 __all__ = ["ResultsBagWriter", "OPTICAL_TO_REP103", "CLOUD_DTYPE", "TOPIC_TYPES", "pose_in_map", "points_in_map"]

@@ -122,19 +122,31 @@ class ImageFolderSource:
 class BagSource:
     """The image messages of one topic of a bag (``sensor_msgs/Image`` or ``CompressedImage``)."""
 
-    def __init__(self, path: str | Path, topic: str, selection: Selection = Selection()) -> None:
+    def __init__(self, path: str | Path, topic: str, selection: Selection = Selection(),
+                 msgtype: str | None = None) -> None:
+        """``msgtype``: the connections of ``topic`` to read when it carries both image types
+        (``Image`` or ``CompressedImage``, short or full name); None = the topic's only type."""
         self.path = _bag_path(Path(path))
         self.topic, self.selection = topic, selection
         with closing(self._open()) as reader:
-            topics = reader.topics
-            info = topics.get(topic)
-            if info is None:
-                raise SourceError(f"bag {self.path} has no topic {topic}; {_image_topics(topics)}")
-            if not is_image_type(info.msgtype):
-                raise SourceError(f"topic {topic} of bag {self.path} carries {info.msgtype}, not sensor_msgs/Image "
-                                  f"or sensor_msgs/CompressedImage; {_image_topics(topics)}")
-            self.msgtype = info.msgtype
-            self._count = info.msgcount
+            types = _topic_types(reader.connections)  # topic -> {message type: messages}
+            found = types.get(topic)
+            if found is None:
+                raise SourceError(f"bag {self.path} has no topic {topic}; {_image_topics(types)}")
+            images = {t: n for t, n in found.items() if is_image_type(t)}
+            if msgtype is not None:
+                images = {t: n for t, n in images.items() if t.rsplit("/", 1)[-1] == msgtype.rsplit("/", 1)[-1]}
+                if not images:
+                    raise SourceError(f"topic {topic} of bag {self.path} has no {msgtype} messages; it carries "
+                                      f"{_counted(found)}")
+            if not images:
+                raise SourceError(f"topic {topic} of bag {self.path} carries {_counted(found)}, not "
+                                  f"sensor_msgs/Image or sensor_msgs/CompressedImage; {_image_topics(types)}")
+            if len(images) > 1:
+                raise SourceError(f"topic {topic} of bag {self.path} carries both {_counted(images, ' and ')} (two "
+                                  "publishers of different types); pass --topic-type Image or --topic-type "
+                                  "CompressedImage to replay one of them")
+            (self.msgtype, self._count), = images.items()
             self._start, self._total_s = reader.start_time, max(0, reader.duration) / NS
         self.description = f"{topic} ({self.msgtype.rsplit('/', 1)[-1]}, {self._count} messages) of {self.path}"
 
@@ -149,7 +161,7 @@ class BagSource:
             reader = AnyReader([self.path], default_typestore=get_typestore(Stores.LATEST))
             reader.open()
         except Exception as exc:  # rosbags raises its own errors, YAML, sqlite3, struct errors for corrupt files
-            raise SourceError(f"cannot read bag {self.path}: {_reason(exc)}") from None
+            raise SourceError(f"cannot read bag {self.path}: {_reason(exc)}{_mcap_hint(self.path)}") from None
         return reader
 
     def frames(self) -> Iterator[SourceFrame]:
@@ -158,7 +170,7 @@ class BagSource:
         start = self._start + round(sel.start * NS)
         stop = None if sel.duration is None else start + round(sel.duration * NS)
         with closing(self._open()) as reader:
-            connections = [c for c in reader.connections if c.topic == self.topic]
+            connections = [c for c in reader.connections if c.topic == self.topic and c.msgtype == self.msgtype]
             messages = reader.messages(connections, start=start, stop=stop)
             for n, (connection, log_time, raw) in enumerate(_guarded(messages, self)):
                 if n % sel.stride:
@@ -191,7 +203,7 @@ def _guarded(messages: Iterator, source: BagSource) -> Iterator:
             return
         except Exception as exc:
             raise SourceError(f"bag {source.path} is unreadable after {n} messages of {source.topic}: "
-                              f"{_reason(exc)}") from None
+                              f"{_reason(exc)}{_mcap_hint(source.path)}") from None
         n += 1
         yield item
 
@@ -211,10 +223,40 @@ def _bag_path(path: Path) -> Path:
     return path
 
 
-def _image_topics(topics: dict) -> str:
-    found = [f"{name} ({info.msgtype}, {info.msgcount} messages)" for name, info in sorted(topics.items())
-             if is_image_type(info.msgtype)]
-    return "image topics in it: " + ", ".join(found) if found else "it has no image topics"
+def _topic_types(connections) -> dict[str, dict[str, int]]:
+    """topic -> {message type: messages} over a bag's connections (a topic may have several types)."""
+    types: dict[str, dict[str, int]] = {}
+    for c in connections:
+        counts = types.setdefault(c.topic, {})
+        counts[c.msgtype] = counts.get(c.msgtype, 0) + c.msgcount
+    return types
+
+
+def _counted(types: dict[str, int], sep: str = ", ") -> str:
+    return sep.join(f"{t} ({n} message{'s' if n != 1 else ''})" for t, n in sorted(types.items()))
+
+
+def _image_topics(types: dict[str, dict[str, int]]) -> str:
+    """The image topics of a bag for a message (or, when it has none, every topic it has)."""
+    found = [f"{name} ({', '.join(f'{t}, {n} messages' for t, n in sorted(counts.items()) if is_image_type(t))})"
+             for name, counts in sorted(types.items()) if any(is_image_type(t) for t in counts)]
+    if found:
+        return "image topics in it: " + ", ".join(found)
+    present = [f"{name} ({', '.join(sorted(counts))})" for name, counts in sorted(types.items())]
+    return ("it has no image topics (sensor_msgs/Image or sensor_msgs/CompressedImage); its topics: "
+            + (", ".join(present) if present else "none") + ". Replay a bag that recorded the camera's image topic "
+            "(e.g. ros2 bag record /camera/image_raw), or --images / --video")
+
+
+def _mcap_hint(path: Path) -> str:
+    """How to recover an MCAP storage file cut short (a recording killed, a copy that stopped)."""
+    files = sorted(path.glob("*.mcap")) if path.is_dir() else []
+    if not files:
+        return ""
+    f = files[0]
+    return (f"; an MCAP file cut short can be recovered with the mcap CLI: mcap recover {f} -o "
+            f"{f.with_name(f.stem + '-recovered.mcap')}, then put the recovered file in place of {f.name} "
+            "(metadata.yaml names it)")
 
 
 def _reason(exc: BaseException) -> str:

@@ -32,7 +32,7 @@ from diagnostic_msgs.msg import DiagnosticStatus, KeyValue
 from geometry_msgs.msg import PoseStamped
 from nav_msgs.msg import Odometry, Path
 from rclpy.node import Node
-from rclpy.qos import DurabilityPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
+from rclpy.qos import DurabilityPolicy, HistoryPolicy, QoSProfile, ReliabilityPolicy, qos_profile_sensor_data
 from sensor_msgs.msg import CameraInfo, CompressedImage, Image, PointCloud2
 from std_msgs.msg import Header
 from std_srvs.srv import SetBool, Trigger
@@ -65,6 +65,14 @@ def _qos(reliable: bool = True, latched: bool = False, depth: int = 10) -> QoSPr
     return QoSProfile(depth=depth,
                       reliability=ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT,
                       durability=DurabilityPolicy.TRANSIENT_LOCAL if latched else DurabilityPolicy.VOLATILE)
+
+
+# The services' request queue keeps every request (reliable, keep-all) instead of rclpy's default
+# keep-last 10: a call waits for the inference thread on one of node.SERVICE_THREADS threads, and
+# while they all wait, a burst of calls (a keyframe client's flood) waits in this queue. With the
+# default the 11th queued request overwrote the oldest, which then never got an answer.
+SERVICE_QOS = QoSProfile(history=HistoryPolicy.KEEP_ALL, reliability=ReliabilityPolicy.RELIABLE,
+                         durability=DurabilityPolicy.VOLATILE)
 
 
 class Placer(Protocol):
@@ -340,13 +348,14 @@ class CameraChannel:
         helper node ``service_node`` under ``node_name`` (this node's fully qualified name)."""
         base = f"{node_name.rstrip('/')}/{self.prefix}"
         self.service_handles = [
-            service_node.create_service(Trigger, f"{base}reset", self._srv_reset, callback_group=group),
+            service_node.create_service(Trigger, f"{base}reset", self._srv_reset, qos_profile=SERVICE_QOS,
+                                        callback_group=group),
             service_node.create_service(SetBool, f"{base}set_deferred_eviction", self._srv_set_deferred,
-                                        callback_group=group),
+                                        qos_profile=SERVICE_QOS, callback_group=group),
             service_node.create_service(CommitEviction, f"{base}commit_eviction", self._srv_commit,
-                                        callback_group=group),
+                                        qos_profile=SERVICE_QOS, callback_group=group),
             service_node.create_service(RollbackFrame, f"{base}rollback_last_frame", self._srv_rollback,
-                                        callback_group=group),
+                                        qos_profile=SERVICE_QOS, callback_group=group),
         ]
         return self.service_handles
 

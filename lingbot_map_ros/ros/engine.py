@@ -214,6 +214,7 @@ class _Hold:
 
     index: int  # 1-based
     deadline: float  # monotonic seconds
+    timeout: float  # the keyframe_decision_timeout it runs under (a run-time change is seen against it)
 
 
 @dataclass(frozen=True)
@@ -561,7 +562,8 @@ class InferenceEngine:
         for r, frame in zip(results, frames):
             published |= self._publish_result(r, frame, hold)
         if hold and published:
-            self._hold = _Hold(results[0].frame_index + 1, self.monotonic() + self.settings.keyframe_decision_timeout)
+            timeout = self.settings.keyframe_decision_timeout
+            self._hold = _Hold(results[0].frame_index + 1, self.monotonic() + timeout, timeout)
             self._decided = None
         if published and self.settings.publish_path:
             self.sink.publish_path(self.trajectory.entries())
@@ -1017,9 +1019,18 @@ class InferenceEngine:
         self.counters.add({"kept": "decisions_kept", "dropped": "decisions_dropped"}.get(how, "decisions_timed_out"))
 
     def _check_hold_deadline(self) -> None:
-        """Apply keyframe_decision_default to a held frame whose decision did not come in time."""
+        """Apply keyframe_decision_default to a held frame whose decision did not come in time.
+
+        A keyframe_decision_timeout lowered at run time applies to the held frame from the moment
+        this thread sees it (at most one idle wait later): its deadline becomes now + the new
+        timeout when that is sooner (0 releases it now); a longer one starts with the next hold."""
         hold = self._hold
-        if hold is None or self.monotonic() < hold.deadline:
+        if hold is None:
+            return
+        timeout = self.settings.keyframe_decision_timeout
+        if timeout < hold.timeout:  # shortened at run time (0 included): the new timeout counts from now
+            hold.deadline, hold.timeout = min(hold.deadline, self.monotonic() + timeout), timeout
+        if self.monotonic() < hold.deadline:
             return
         default = self.settings.keyframe_decision_default
         try:

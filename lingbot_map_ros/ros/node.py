@@ -96,8 +96,9 @@ from ..config import ConfigError
 from ..io.map_save import MAP_FILE, MapSaveError
 from ..robot.map_offset import OutputTransform
 from ..stream.multi import PoolStatus
-from .camera_channel import (ARRIVAL_WINDOW, NODE_NAME, AlignedPlacer, CameraChannel, RosOutputs,  # noqa: F401
-                             _qos, diag, stamp_seconds)  # RosOutputs, ARRIVAL_WINDOW, stamp_seconds: as before
+# RosOutputs, ARRIVAL_WINDOW, stamp_seconds: importable from here as before
+from .camera_channel import (ARRIVAL_WINDOW, NODE_NAME, SERVICE_QOS, AlignedPlacer, CameraChannel,  # noqa: F401
+                             RosOutputs, _qos, diag, stamp_seconds)
 from .conversions import compressed_to_rgb, image_to_rgb, make_pointcloud2
 from .engine import SaveError, StatusFields, write_map_files
 from .multi_map import MapAligner, base_motion_from_odometry, own_map_frame, transform_points, transform_poses
@@ -205,7 +206,8 @@ class LingBotMapNode(Node):
         for channel in self.channels.values():
             self._service_handles += channel.create_services(self.service_node, prefix, self._service_group)
         self._service_handles.append(self.service_node.create_service(
-            SaveMap, f"{prefix}/save_map", self._srv_save_map, callback_group=self._service_group))
+            SaveMap, f"{prefix}/save_map", self._srv_save_map, qos_profile=SERVICE_QOS,
+            callback_group=self._service_group))
         self._map_version: Any = -1
         # Timers run on the steady clock: with use_sim_time and no /clock, /diagnostics and the
         # status heartbeat go on (and say so) instead of stopping without a word.

@@ -86,12 +86,13 @@ def test_selection_start_duration_stride_max_frames(loop_frames, folder_pred, ti
                        "--stride", "2", *tiny, "--out", out)
     assert code == 0, err
     assert np.load(out)["stamp_ns"].tolist() == [stamps[2], stamps[4], stamps[6]]
-    code, err = replay(capsys, "--bag", bag, "--topic", TOPIC, "--max-frames", "5", *tiny, "--out", out)
+    code, err = replay(capsys, "--bag", bag, "--topic", TOPIC, "--max-frames", "5", *tiny, "--out", out,
+                       "--overwrite")
     assert code == 0, err
     assert np.load(out)["stamp_ns"].tolist() == stamps[:5]
     # a folder's time line is the frame number
     code, err = replay(capsys, "--images", loop_frames[0].parent, "--start", "3", "--max-frames", "2", *tiny,
-                       "--out", out)
+                       "--out", out, "--overwrite")
     assert code == 0, err
     assert np.load(out)["stamp_ns"].tolist() == [3 * NS, 4 * NS]
 
@@ -221,7 +222,7 @@ def test_video_equals_folder_and_has_container_stamps(loop_frames, folder_pred, 
     assert_same_predictions(pred, folder_pred)
     assert pred["stamp_ns"].tolist() == [i * PERIOD for i in range(len(frames))]
     # --start seeks: 0.35 s onwards is frames 4..7
-    code, err = replay(capsys, "--video", clip, "--start", "0.35", *tiny, "--out", out)
+    code, err = replay(capsys, "--video", clip, "--start", "0.35", *tiny, "--out", out, "--overwrite")
     assert code == 0, err
     assert np.load(out)["stamp_ns"].tolist() == [i * PERIOD for i in range(4, 8)]
 

@@ -563,7 +563,7 @@ def test_frame_summary_reports_motion_since_the_last_keyframe(model):
 
 
 def held_engine(model, **overrides):
-    engine, sink, log, session, mono = clocked_engine(model, keyframe_decision_timeout=0.5, **overrides)
+    engine, sink, log, session, mono = clocked_engine(model, **{"keyframe_decision_timeout": 0.5, **overrides})
     imgs = frames(8)
     for i in range(3):  # 2 scale frames (never held) + frame 3, held
         feed(engine, imgs[i], 1.0 + i)
@@ -613,6 +613,35 @@ def test_reset_during_a_hold_releases_it(model):
     assert not engine.queue.pending_frame() and session.frames_pushed == 0
     feed(engine, imgs[3], 10.0)
     assert len(engine._collected) == 1 and engine.counters.snapshot().decisions_timed_out == 0
+
+
+def test_a_shorter_decision_timeout_set_during_a_hold_counts_from_now(model):
+    """keyframe_decision_timeout lowered at run time while a frame is held: the held frame's
+    deadline becomes now + the new timeout (0: released at once, with the default decision),
+    not its old deadline; a longer timeout does not extend the hold."""
+    from dataclasses import replace
+
+    engine, sink, log, session, mono, imgs = held_engine(model, keyframe_decision_timeout=20.0)
+    feed(engine, imgs[3], 4.0)  # waits in the slot behind held frame 3 (deadline 20 s)
+    mono[0] = 5.0
+    engine.settings = replace(engine.settings, keyframe_decision_timeout=2.0)  # as a parameter set does
+    assert engine.run_once(0) is False and engine._hold is not None  # now 5 s: the deadline is 7 s
+    mono[0] = 6.9
+    engine.settings = replace(engine.settings, keyframe_decision_timeout=60.0)  # longer: no extension
+    assert engine.run_once(0) is False and engine._hold is not None
+    mono[0] = 7.0
+    while engine.run_once(0):
+        pass
+    c = engine.counters.snapshot()
+    assert (c.decisions_timed_out, c.decisions_kept) == (1, 0)  # released at 7 s, not at 20 s
+    assert session.frames_pushed == 4 and sink.infos[-1].frame_index == 4 and sink.infos[-1].decision_pending
+    assert engine._hold.deadline == pytest.approx(67.0)  # the next held frame gets the timeout in force
+    engine.settings = replace(engine.settings, keyframe_decision_timeout=0.0)  # hold mode off, frame 4 held
+    assert engine.run_once(0) is False  # released now (mono 7 s), not at 67 s
+    assert engine._hold is None and engine.counters.snapshot().decisions_timed_out == 2
+    assert sink.statuses[-1][0].state_text == "frame 4: keep by timeout"
+    feed(engine, imgs[4], 5.0)  # and the next frame is not held
+    assert session.frames_pushed == 5 and not sink.infos[-1].decision_pending and engine._hold is None
 
 
 def _odometry_variance_xx(out) -> float:

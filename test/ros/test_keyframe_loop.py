@@ -10,7 +10,9 @@ mid-run (the timeout's default decision applies and tracking goes on).
 from __future__ import annotations
 
 import signal
+import threading
 import time
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -18,7 +20,7 @@ import pytest
 rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
 
 from geometry_msgs.msg import PoseStamped  # noqa: E402
-from rclpy.qos import QoSProfile  # noqa: E402
+from rclpy.qos import HistoryPolicy, QoSProfile, ReliabilityPolicy  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_srvs.srv import Trigger  # noqa: E402
 
@@ -162,8 +164,10 @@ def test_bad_decisions_are_refused_and_change_nothing(loop):
     # a client that never answers: the default (keep) applies after the timeout
     client.set_param("keyframe_decision_timeout", 0.5)
     after = client.count("status")
+    # counted from here: frame 1000 of the test before may have timed out while it replayed (a slow machine)
+    timed_out = client.msgs["status"][-1].decisions_timed_out
     client.pub.publish(image_msg(generated_frames(3, seed=5)[1], 2001))
-    client.wait(lambda: any(s.decisions_timed_out >= 1 for s in client.msgs["status"][after:]), timeout=10.0,
+    client.wait(lambda: any(s.decisions_timed_out > timed_out for s in client.msgs["status"][after:]), timeout=10.0,
                 what="the timeout's default decision")
     late = client.keep(n + 1)
     assert not late.success and "already decided" in late.message and "timeout" in late.message
@@ -216,3 +220,93 @@ def test_the_shipped_selector_decides_and_its_death_leaves_the_node_tracking(loo
         assert proc.poll() is None
     finally:
         stop_processes(selector)
+
+
+FLOOD_CALLS, FLOOD_BURST = 200, 20  # 200 calls in about 2 s, 20 at once (more than the default queue of 10)
+FLOOD_QUIET = 20.0  # seconds without a new answer that end the wait for the rest
+KEEP_ALL = QoSProfile(history=HistoryPolicy.KEEP_ALL, reliability=ReliabilityPolicy.RELIABLE)
+
+
+def test_a_flood_of_decisions_while_streaming_gets_an_answer_for_every_call(loop):
+    """200 ~/commit_eviction calls in about 2 s, in bursts of 20, from one client while frames
+    stream: every call is answered (kept, nothing pending, or refused with a reason).
+
+    The node's request queue keeps every request (before: keep-last 10, so a burst that came
+    while the service threads waited for the inference thread lost requests without an answer).
+    The client uses a keep-all QoS too (as ``camera_channel.SERVICE_QOS``): with rclpy's default a
+    client loses answers in its own keep-last-10 response queue when it sends bursts."""
+    client, proc, log, _ = loop
+    client.set_param("keyframe_decision_timeout", 20.0)
+    assert client.call(Trigger, f"{NODE}/reset", Trigger.Request()).success
+    keep = client.node.create_client(CommitEviction, f"{NODE}/commit_eviction", qos_profile=KEEP_ALL)
+    assert keep.wait_for_service(timeout_sec=TIMEOUT)
+    imgs = generated_frames(12, seed=9)
+    stop = threading.Event()
+
+    def stream() -> None:  # 10 Hz, bounded
+        for k in range(600):
+            if stop.wait(0.1):
+                return
+            client.pub.publish(image_msg(imgs[k % len(imgs)], 6000 + k))
+
+    streamer = threading.Thread(target=stream, daemon=True)
+    streamer.start()
+    futures = []
+    try:
+        client.wait(lambda: any(m.decision_pending for m in client.msgs["frame"]
+                                if m.header.stamp.sec >= 6000), what="a held frame while streaming")
+        for _ in range(FLOOD_CALLS // FLOOD_BURST):  # bursts of FLOOD_BURST calls, 5 a second
+            for _ in range(FLOOD_BURST):
+                futures.append(keep.call_async(CommitEviction.Request(expected_frame_index=0)))
+            time.sleep(0.2)
+        done, last_change = 0, time.monotonic()
+        while done < FLOOD_CALLS and time.monotonic() - last_change < FLOOD_QUIET:  # bounded: answers must flow
+            time.sleep(0.05)
+            now_done = sum(f.done() for f in futures)
+            if now_done != done:
+                done, last_change = now_done, time.monotonic()
+    finally:
+        stop.set()
+        streamer.join(5.0)
+        client.node.destroy_client(keep)
+    answered = [f.result() for f in futures if f.done()]
+    assert len(answered) == FLOOD_CALLS, (f"{FLOOD_CALLS - len(answered)} of {FLOOD_CALLS} calls got no answer "
+                                          f"(none came for {FLOOD_QUIET} s)\n{log.read_text()[-2000:]}")
+    for r in answered:
+        assert r.success or r.message, "a refusal without a reason"
+    assert proc.poll() is None
+    status = client.msgs["status"][-1]
+    assert status.decisions_kept >= 1  # frames were held while the flood came, and kept by it
+    print(f"\n[flood] {FLOOD_CALLS} calls answered: "
+          + ", ".join(f"{n} x {m!r}" for m, n in Counter(("ok: " if r.success else "refused: ") + r.message
+                                                          for r in answered).most_common(5)))
+
+
+def test_a_decision_timeout_set_to_zero_releases_the_held_frame_now(loop):
+    """A frame held under a 20 s timeout is released (default decision) as soon as
+    keyframe_decision_timeout:=0 is set, not 20 s later; later frames are not held."""
+    client, proc, log, _ = loop
+    client.set_param("keyframe_decision_timeout", 20.0)
+    time.sleep(0.5)  # an image an earlier test published last is delivered (and then cleared by the reset)
+    assert client.call(Trigger, f"{NODE}/reset", Trigger.Request()).success
+    imgs = generated_frames(5, seed=10)
+    seen = client.count("frame")
+    for k in range(3):  # two scale frames, then a held frame
+        after = client.count("status")
+        client.pub.publish(image_msg(imgs[k], 7000 + k))
+        client.status_for(7000 + k, after)
+    held = client.wait(lambda: next((m for m in client.msgs["frame"][seen:] if m.header.stamp.sec == 7002), None),
+                       what="~/frame of the third frame")
+    assert held.decision_pending and held.frame_index == 3
+    after = client.count("status")
+    client.set_param("keyframe_decision_timeout", 0.0)
+    released = client.wait(lambda: next((s for s in client.msgs["status"][after:]
+                                         if s.state_text == f"frame {held.frame_index}: keep by timeout"), None),
+                           timeout=10.0, what="the release of the held frame (within 10 s, not at its 20 s deadline)")
+    assert not released.decision_pending
+    seen = client.count("frame")
+    client.pub.publish(image_msg(imgs[3], 7003))
+    info = client.wait(lambda: next((m for m in client.msgs["frame"][seen:] if m.header.stamp.sec == 7003), None),
+                       what="~/frame of the next frame")
+    assert not info.decision_pending
+    client.set_param("keyframe_decision_timeout", 20.0)
