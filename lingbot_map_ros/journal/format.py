@@ -165,6 +165,7 @@ def read_record(f: BinaryIO, offset: int) -> Record:
     payload = f.read(npay)
     if flags & _COMPRESSED:
         payload = zlib.decompress(payload)
+    payload = bytearray(payload)  # writable arrays (torch.from_numpy warns about read-only ones)
     arrays = {}
     for name, dtype, shape, at, nbytes in meta.pop("arrays", []):
         arrays[name] = np.frombuffer(payload, dtype=np.dtype(dtype), count=int(np.prod(shape, dtype=np.int64)),

@@ -49,10 +49,10 @@ def _c2w(a) -> list[float]:
 class JournaledPending:
     """The results of one ``JournaledSession.submit`` (journaled when taken, in order)."""
 
-    __slots__ = ("_owner", "_inner", "stamp", "stored", "_results")
+    __slots__ = ("_owner", "_inner", "stamp", "tag", "stored", "_results")
 
-    def __init__(self, owner: JournaledSession, inner, stamp: int | None, stored: bool) -> None:
-        self._owner, self._inner, self.stamp, self.stored = owner, inner, stamp, stored
+    def __init__(self, owner: JournaledSession, inner, stamp: int | None, tag, stored: bool) -> None:
+        self._owner, self._inner, self.stamp, self.tag, self.stored = owner, inner, stamp, tag, stored
         self._results = None
 
     @property
@@ -124,11 +124,14 @@ class JournaledSession:
     def check_frame(self, image, resolution=None):
         return self.session.check_frame(image, resolution)
 
-    def push(self, image, keyframe: bool | None = None, stamp: int | None = None):
-        return self.submit(image, keyframe, stamp).result()
+    def push(self, image, keyframe: bool | None = None, stamp: int | None = None, tag: Any = None):
+        return self.submit(image, keyframe, stamp, tag).result()
 
-    def submit(self, image, keyframe: bool | None = None, stamp: int | None = None) -> JournaledPending:
-        """``Session.submit``; the frame is journaled as described in the module docstring."""
+    def submit(self, image, keyframe: bool | None = None, stamp: int | None = None,
+               tag: Any = None) -> JournaledPending:
+        """``Session.submit``; the frame is journaled as described in the module docstring.
+        ``stamp``: the frame's time (ns); ``tag``: anything JSON-able the caller wants back from
+        a rebuild (``Rebuilt.last_tag``: e.g. the position in a recording)."""
         core = self._core
         scale = self._in_scale_phase()
         window = self.session.window_index
@@ -145,7 +148,7 @@ class JournaledSession:
             self._journal_restart()
             t0 = len(self.session.overlap_indices)
         if scale:
-            self._append(Record("frame", {"i": self._scale_count, "stamp": stamp, "decision": "scale",
+            self._append(Record("frame", {"i": self._scale_count, "stamp": stamp, "tag": tag, "decision": "scale",
                                           "deferred": self.deferred_eviction},
                                 {"image": _host_copy(self.session.check_frame(image))}))
             self._scale_count += 1
@@ -153,7 +156,7 @@ class JournaledSession:
         else:
             after = core.stats()
             stored = after is not None and after.temporal_index > t0
-        pending = JournaledPending(self, inner, stamp, stored)
+        pending = JournaledPending(self, inner, stamp, tag, stored)
         self._pending.append(pending)
         return pending
 
@@ -260,11 +263,13 @@ class JournaledSession:
             return  # a scale frame waiting for the others (journaled when pushed)
         last = results[-1]
         if pending.stored and len(results) == 1 and not self._in_first_results(results):
-            self._append(Record("frame", {"i": int(last.frame_index), "stamp": pending.stamp, "decision": "keyframe",
+            self._append(Record("frame", {"i": int(last.frame_index), "stamp": pending.stamp, "tag": pending.tag,
+                                          "decision": "keyframe",
                                           "deferred": self.deferred_eviction, "c2w": _c2w(last.c2w)},
                                 {"image": np.array(last.frame)}))
         else:
-            self._append(Record("seen", {"i": int(last.frame_index), "stamp": pending.stamp, "c2w": _c2w(last.c2w)}))
+            self._append(Record("seen", {"i": int(last.frame_index), "stamp": pending.stamp, "tag": pending.tag,
+                                         "c2w": _c2w(last.c2w)}))
 
     def _in_first_results(self, results) -> bool:
         """The results of the scale step (its frames were journaled when pushed)."""

@@ -46,6 +46,8 @@ class Rebuilt:
     corrupt: bool = False  # a damaged record (not merely a torn last write) ended it
     seconds: float = 0.0
     max_pose_error: float = 0.0  # largest |c2w| difference between a keyframe as journaled and as replayed
+    last_tag: Any = None  # the tag of the last frame journaled (``JournaledSession.submit``)
+    last_stamp: int | None = None  # its stamp
 
 
 def frames_in(records: list[Record]) -> int:
@@ -129,6 +131,8 @@ def rebuild(session, path: str | Path, identity: dict[str, Any] | None = None, w
     session.reset()
     for r in records:
         m = r.meta
+        if r.kind in ("frame", "seen"):
+            out.last_tag, out.last_stamp = m.get("tag"), m.get("stamp")
         if r.kind == "begin":
             session.reset()
             session.set_deferred_eviction(bool(m["deferred"]))

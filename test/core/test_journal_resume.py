@@ -74,7 +74,8 @@ def run_steps(session, images, steps, script=SCRIPT, uint8=True):
                     session.reset()
             except SessionError as exc:
                 got.append((op, "refused", str(exc)))
-        results = session.push(image(images, s, uint8))
+        im = image(images, s, uint8)
+        results = session.push(im, tag={"n": s}) if isinstance(session, JournaledSession) else session.push(im)
         got += [(r.frame_index, r.is_keyframe, r.c2w, r.depth) for r in results]
         out[s] = (got, session.frames_pushed, session.window_index)
     return out
@@ -155,8 +156,8 @@ def test_resumed_run_equals_the_uninterrupted_one(tiny_model, fixture_config, im
     resumed, writer, rebuilt = resume(tiny_model, fixture_config, path)
     assert rebuilt.stop == "" and rebuilt.max_pose_error <= TOL
     assert resumed.frames_pushed == straight[k - 1][1] and resumed.window_index == straight[k - 1][2]
-    rest = run_steps(resumed, images, range(k, STEPS))
-    assert_same(straight, rest, range(k, STEPS))
+    tail = range(k, min(STEPS, k + 8))  # through the next services, restart or reset
+    assert_same(straight, run_steps(resumed, images, tail), tail)
     writer.close()
 
 
@@ -171,7 +172,7 @@ def test_resume_twice_in_a_row(tiny_model, fixture_config, images, straight, tmp
     run_steps(resumed, images, range(7, 15))
     writer.close()
     resumed, writer, _ = resume(tiny_model, fixture_config, path)
-    assert_same(straight, run_steps(resumed, images, range(15, STEPS)), range(15, STEPS))
+    assert_same(straight, run_steps(resumed, images, range(15, 22)), range(15, 22))
     writer.close()
 
 
@@ -212,8 +213,8 @@ def test_a_journal_of_another_configuration_is_refused_and_left_alone(tiny_model
     run_steps(session, images, range(6))
     writer.close()
     before = path.read_bytes()
-    other = make(tiny_model, fixture_config, window_frames=7)
-    with pytest.raises(JournalMismatch, match=r"long_stream.window_frames: journal 6, here 7"):
+    other = make(tiny_model, fixture_config, window_frames=9)
+    with pytest.raises(JournalMismatch, match=r"long_stream.window_frames: journal 8, here 9"):
         rebuild(other, path, journal_identity(other, "fixture"))
     same = make(tiny_model, fixture_config)
     with pytest.raises(JournalMismatch, match="image_width is 112"):
@@ -229,7 +230,7 @@ def test_named_states_survive_compaction(tiny_model, fixture_config, images, tmp
     run_steps(session, images, range(10))
     session.note_state("map_offset", {"t": [1.0, 2.0, 3.0]})
     session.note_state("metric_scale", {"scale": 1.25, "samples": 9})
-    run_steps(session, images, range(10, 20), script={})
+    run_steps(session, images, range(10, 16), script={})
     writer.close()
     _, _, rebuilt = resume(tiny_model, fixture_config, path)
     assert rebuilt.states == {"metric_scale": {"scale": 1.25, "samples": 9}, "map_offset": {"t": [1.0, 2.0, 3.0]}}
@@ -248,7 +249,7 @@ def test_pipelined_submits_journal_in_order(tiny_model, fixture_config, images, 
         p.result()
     writer.close()
     resumed, writer, _ = resume(tiny_model, fixture_config, path)
-    assert_same(straight, run_steps(resumed, images, range(9, STEPS)), range(9, STEPS))
+    assert_same(straight, run_steps(resumed, images, range(9, 17)), range(9, 17))
     writer.close()
 
 
