@@ -241,8 +241,11 @@ def test_pipelined_submits_journal_in_order(tiny_model, fixture_config, images, 
     path = tmp_path / JOURNAL_NAME
     session, writer = journaled(make(tiny_model, fixture_config), path)
     pending = []
-    for s in range(9):  # no services in 0..8
-        pending.append(session.submit(image(images, s)))
+    for s in range(9):
+        if s in SCRIPT:
+            assert SCRIPT[s] == ["defer_on"]
+            session.set_deferred_eviction(True)  # takes the earlier results first: journaled in order
+        pending.append(session.submit(image(images, s), tag={"n": s}))
         if len(pending) == 2:
             pending.pop(0).result()
     for p in pending:
