@@ -184,7 +184,7 @@ def configure(args: argparse.Namespace) -> Settings:
         raise UserError("--bag needs --topic (the image topic to replay)")
     if args.topic and args.bag is None:
         raise UserError("--topic goes with --bag")
-    if not any((args.out, args.trajectory, args.ply, args.out_bag, args.save_session)):
+    if not any((args.out, args.trajectory, args.ply, args.out_bag, args.save_session, args.resume)):
         raise UserError("nothing to write: give --out, --trajectory, --ply, --out-bag or --save-session")
     try:
         data = load_json(args.model_config) if args.model_config else {}
