@@ -16,7 +16,7 @@ import torch
 
 # StreamConfig fields that change the state or the outputs (not merely how fast they come)
 STREAM_FIELDS = ("num_scale_frames", "sliding_window", "keyframe_interval", "camera_iterations", "dtype",
-                 "max_pending_evictions")
+                 "max_pending_evictions", "kv_cache_dtype", "precision")  # the last two: where the config has them
 
 
 def weights_fingerprint(model: torch.nn.Module, sample: int = 64) -> str:
@@ -41,7 +41,7 @@ def journal_identity(session, checkpoint: str = "") -> dict[str, Any]:
         "model_config": hashlib.sha256(model_cfg.encode()).hexdigest()[:32],
         "weights": weights_fingerprint(core.model),
         "checkpoint": checkpoint,
-        "stream": {k: _plain(getattr(core.cfg, k)) for k in STREAM_FIELDS},
+        "stream": {k: _plain(getattr(core.cfg, k)) for k in STREAM_FIELDS if hasattr(core.cfg, k)},
         "with_depth": bool(core.with_depth),
     }
     long_cfg = getattr(session, "long_cfg", None)
