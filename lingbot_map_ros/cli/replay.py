@@ -169,6 +169,14 @@ def build_parser() -> argparse.ArgumentParser:
                    "FP8 GEMMs, and print each one's deviation per output (poses, depth, confidence); needs "
                    "--device cuda; writes no other output")
     c.add_argument("--compare-out", type=Path, help="--compare-precision: the table as JSON")
+    j = p.add_argument_group("sessions (the keyframe journal)")
+    j.add_argument("--save-session", type=Path, metavar="DIR",
+                   help="journal the run into DIR as it goes (crash-safe): an interrupted run continues with "
+                        "--resume DIR")
+    j.add_argument("--resume", type=Path, metavar="DIR",
+                   help="rebuild the model's state from DIR's journal and continue with the input after the last "
+                        "frame it holds (same input, model and flags); journaling goes on in DIR, or in "
+                        "--save-session's folder when given")
     return p
 
 
@@ -198,8 +206,11 @@ def configure(args: argparse.Namespace) -> Settings:
         raise UserError("--bag needs --topic (the image topic to replay)")
     if (args.topic or args.topic_type) and args.bag is None:
         raise UserError(f"{'--topic' if args.topic else '--topic-type'} goes with --bag")
-    if not any((args.out, args.trajectory, args.ply, args.out_bag, args.compare_precision)):
-        raise UserError("nothing to write: give --out, --trajectory, --ply or --out-bag")
+    if args.compare_precision and (args.save_session or args.resume):
+        raise UserError("--compare-precision replays nothing: it does not go with --save-session or --resume")
+    if not any((args.out, args.trajectory, args.ply, args.out_bag, args.compare_precision, args.save_session,
+                args.resume)):
+        raise UserError("nothing to write: give --out, --trajectory, --ply, --out-bag or --save-session")
     try:
         data = load_json(args.model_config) if args.model_config else {}
         model_cfg = ModelConfig.from_dict(data) if data else ModelConfig.preset("lingbot-map")
@@ -529,6 +540,10 @@ class Replay:
         self._waiting = None  # the pending results of the frame submitted last
         self.bar = None
         self._postfix: tuple[int, int] | None = None
+        # journaled runs: the input's frames are numbered (tags); --resume skips those up to this one
+        self.journaled = hasattr(session, "writer")
+        self.skip_until = getattr(session, "resume_after", -1)
+        self.ordinal = -1
 
     def run(self, source) -> None:
         from ..io.preprocess import model_input
@@ -542,6 +557,9 @@ class Replay:
                 Prefetcher(source.frames, lambda rgb: model_input(rgb, width)) as frames:
             try:
                 for frame, image in frames:
+                    self.ordinal += 1
+                    if self.ordinal <= self.skip_until:
+                        continue  # in the resumed journal already
                     if image is None:
                         self._bad(frame.error or f"{frame.name}: no image")
                         continue
@@ -558,7 +576,8 @@ class Replay:
         from ..stream.errors import InvalidFrameError
 
         try:
-            submitted = self.session.submit(image)
+            submitted = self.session.submit(image, stamp=meta.stamp_ns, tag={"n": self.ordinal}) if self.journaled \
+                else self.session.submit(image)
         except InvalidFrameError as exc:  # size differs from the sequence's, too small: nothing changed
             self._bad(f"{meta.name}: {exc}")
             return
@@ -659,7 +678,39 @@ def make_session(args: argparse.Namespace, settings: Settings):
         mode = f"long stream, window {settings.long_stream.window_frames}"
     say(args, f"model ready in {time.perf_counter() - t0:.1f} s ({session.backend.name}, {settings.stream.dtype}, "
               f"{settings.stream.device}, {mode})")
+    if args.save_session or args.resume:
+        session = _journaled(args, session)
     return session
+
+
+def _journaled(args: argparse.Namespace, session):
+    """The session with a journal (--save-session, --resume); a resumed one rebuilt from it."""
+    from ..journal import JOURNAL_NAME, JournaledSession, JournalError, JournalWriter, journal_identity, rebuild
+
+    label = args.checkpoint or f"random seed {args.seed}"
+    identity = journal_identity(session, label)
+    folder = args.save_session or args.resume
+    if args.save_session and not args.resume and (folder / JOURNAL_NAME).exists():
+        raise UserError(f"{folder} already holds a session: continue it with --resume {folder}, or choose another "
+                        "folder")
+    rebuilt = None
+    if args.resume:
+        try:
+            rebuilt = rebuild(session, args.resume / JOURNAL_NAME, identity, progress=None)
+        except JournalError as exc:
+            raise UserError(f"cannot resume from {args.resume}: {exc}") from None
+        say(args, f"resumed {rebuilt.frames_replayed} stored frames from {args.resume} in {rebuilt.seconds:.1f} s; "
+                  f"continuing at frame {rebuilt.next_frame}" + (f" ({rebuilt.stop})" if rebuilt.stop else ""))
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UserError(f"cannot create the session folder {folder}: {exc.strerror or exc}") from None
+    writer = JournalWriter(folder / JOURNAL_NAME)
+    wrapped = JournaledSession(session, writer, identity, begin=rebuilt is None)
+    if rebuilt is not None:
+        wrapped.adopt(rebuilt.records, rebuilt.scale_count, rebuilt.state_records)
+        wrapped.resume_after = -1 if rebuilt.last_tag is None else int(rebuilt.last_tag["n"])
+    return wrapped
 
 
 def run(args: argparse.Namespace, observer: Callable[[int], None] | None = None) -> int:
@@ -699,6 +750,9 @@ def run(args: argparse.Namespace, observer: Callable[[int], None] | None = None)
         if kept or unfinished:
             print(f"{PROG}: {_with_partial('unexpected error', kept, unfinished)}", file=sys.stderr)
         raise
+    finally:
+        if getattr(session, "writer", None) is not None:
+            session.writer.close()  # what was journaled is on disk: --resume continues from it
     elapsed = time.perf_counter() - start
     closed = outputs.close()
     if closed.failed:

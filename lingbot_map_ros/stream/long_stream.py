@@ -262,6 +262,43 @@ class LongStreamSession:
                  "residual %.3g deg, centre RMSE %.3g", self._window_index, self._window_start, len(kept),
                  fit.sim3.scale, fit.scale_source, fit.depth_pixels, fit.rotation_residual_deg, fit.centre_rmse)
 
+    # ------------------------------------------------------------------ journal (``journal.recorder``, ``journal.resume``)
+    def kept_keyframes(self) -> tuple[_Keyframe, ...]:
+        """The keyframes kept for a restart (index, image, global c2w, depth, confidence) as of the
+        results taken so far; right after a restart, the ones it re-fed."""
+        return tuple(self._keyframes)
+
+    def motion_poses(self) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """(last keyframe's, latest frame's) global camera-to-world as of the results taken so far."""
+        return self._last_keyframe_c2w, self._latest_c2w
+
+    def resume_window(self, kept: list[_Keyframe], window_index: int, window_start: int, alignment: Sim3,
+                      last_keyframe_c2w: np.ndarray | None, latest_c2w: np.ndarray | None) -> None:
+        """Redo a journaled restart on a fresh sequence: re-feed ``kept`` (as ``restart`` did) and
+        take the window's numbers as they were (the alignment is not estimated again)."""
+        self.reset()
+        self._keyframes.extend(kept)
+        try:
+            self._refeed(list(kept))
+        except BaseException:
+            self.reset()
+            raise
+        self._alignment, self._window_index, self._window_start = alignment, int(window_index), int(window_start)
+        self._overlap_indices = tuple(k.index for k in kept)
+        self._frames_pushed = int(window_start)
+        self._last_keyframe_c2w, self._latest_c2w = last_keyframe_c2w, latest_c2w
+
+    def seek(self, frame_index: int) -> None:
+        """``StreamingSession.seek`` in global indices (journal replay)."""
+        self._settle()
+        self.inner.seek(self._inner_index(frame_index))
+        self._frames_pushed = int(frame_index)
+
+    def set_latest_pose(self, c2w: np.ndarray | None) -> None:
+        """The latest frame's global camera-to-world, as published (journal replay)."""
+        self._settle()
+        self._latest_c2w = None if c2w is None else np.asarray(c2w, dtype=np.float64)
+
     def _refeed(self, kept: list[_Keyframe]) -> list[FrameResult]:
         s0 = self.cfg.num_scale_frames
         fed: list[FrameResult] = []
@@ -448,4 +485,6 @@ def _copy(a: np.ndarray | None) -> np.ndarray | None:
     return None if a is None else np.array(a, copy=True)
 
 
-__all__ = ["LongStreamConfig", "LongStreamSession", "LongPendingResults", "KEYFRAME_POLICIES"]
+KeptKeyframe = _Keyframe  # what a restart re-feeds (journal records and rebuilds them)
+
+__all__ = ["LongStreamConfig", "LongStreamSession", "LongPendingResults", "KEYFRAME_POLICIES", "KeptKeyframe"]

@@ -326,6 +326,17 @@ class StreamingSession:
         self._last_stored_frame = None
         return frame
 
+    def seek(self, frame_index: int) -> None:
+        """Make ``frame_index`` the next frame's index without running a step (journal replay,
+        ``journal.resume``: the frames in between were attended only, which changes nothing in
+        the cache). After the scale frames, forward only; SessionError otherwise."""
+        if self._pages is None or self._pages.in_phase1 or self._pending:
+            raise SessionError("seek: the scale frames have not run yet")
+        if frame_index < self._frames_pushed:
+            raise SessionError(f"seek: frame {frame_index} is before the next frame {self._frames_pushed}")
+        self._frames_pushed = int(frame_index)
+        self._next = None
+
     # ------------------------------------------------------------------ frames
     def push(self, image: Tensor | np.ndarray, keyframe: bool | None = None) -> list[FrameResult]:
         """Feed one frame: float [3, H, W] RGB in [0, 1], or uint8 [H, W, 3] RGB (a camera

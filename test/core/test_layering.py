@@ -23,7 +23,9 @@ NAME = PACKAGE.name
 TIERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("ros",),
-    ("robot",),  # metric scale, tracking health, undistortion: used by the node, uses stream's maths
+    # metric scale, tracking health, undistortion: used by the node, uses stream's maths;
+    # the keyframe journal: records and rebuilds sessions
+    ("robot", "journal"),
     ("stream",),
     ("io",),
     ("cache", "model"),

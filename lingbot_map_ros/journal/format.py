@@ -1,0 +1,192 @@
+"""The journal file: a header, then append-only records, each with its length and a checksum.
+
+Layout (little-endian)::
+
+    file    = magic "LBMJRNL\\n" | u32 header length | header (JSON, UTF-8) | u32 crc32(header) | record*
+    record  = "JR" | u8 kind | u8 flags | u32 meta length | u32 payload length | u32 crc32 | meta | payload
+
+The record's crc32 covers kind, flags, both lengths, meta and payload. ``meta`` is a JSON
+object; ``payload`` holds the record's arrays back to back (``meta["arrays"]`` lists each
+as ``[name, dtype, shape, offset, nbytes]``), zlib-compressed when ``flags & 1``.
+
+Reading stops at the first record that is incomplete (a torn last write: a crash while it
+was appended; ignored, not an error) or whose checksum or framing is wrong (a corrupt
+record: everything before it is used and the reason names it). Nothing here writes; the
+writer (``writer.py``) appends and rewrites files built from ``encode_record``.
+"""
+from __future__ import annotations
+
+import json
+import struct
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, BinaryIO, Iterator
+
+import numpy as np
+
+FORMAT_VERSION = 1
+MAGIC = b"LBMJRNL\n"
+_REC = struct.Struct("<2sBBIII")  # tag, kind, flags, meta length, payload length, crc32
+_TAG = b"JR"
+_COMPRESSED = 1
+MAX_META = 1 << 24  # a meta longer than this is corruption, not data
+MAX_PAYLOAD = 1 << 31
+
+# record kinds (a byte on disk; the names are what code and logs use)
+KINDS = {"frame": 1, "seen": 2, "restart": 3, "rollback": 4, "commit": 5, "deferred": 6, "state": 7, "begin": 8}
+_NAMES = {v: k for k, v in KINDS.items()}
+
+
+class JournalError(Exception):
+    """A journal that cannot be used at all (missing, not a journal, an unknown format)."""
+
+
+@dataclass
+class Record:
+    """One journal record: its kind, JSON meta and named arrays (numpy, host)."""
+
+    kind: str
+    meta: dict[str, Any]
+    arrays: dict[str, np.ndarray] = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its arrays (the meta is small)."""
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def encode_header(header: dict[str, Any]) -> bytes:
+    body = json.dumps(header, sort_keys=True).encode()
+    return MAGIC + struct.pack("<I", len(body)) + body + struct.pack("<I", zlib.crc32(body))
+
+
+def encode_record(record: Record, compress_level: int = 0) -> bytes:
+    """The bytes of one record; arrays are stored raw (lossless), zlib-compressed when
+    ``compress_level`` > 0 and that makes them smaller."""
+    if record.kind not in KINDS:
+        raise ValueError(f"unknown journal record kind {record.kind!r}")
+    specs, parts, at = [], [], 0
+    for name, a in record.arrays.items():
+        a = np.ascontiguousarray(a)
+        specs.append([name, a.dtype.str, list(a.shape), at, a.nbytes])
+        parts.append(a.tobytes())  # one copy; memoryview would tie the record to the caller's buffer
+        at += a.nbytes
+    payload = b"".join(parts)
+    flags = 0
+    if compress_level > 0 and payload:
+        packed = zlib.compress(payload, compress_level)
+        if len(packed) < len(payload):
+            payload, flags = packed, _COMPRESSED
+    meta = dict(record.meta)
+    if specs:
+        meta["arrays"] = specs
+    body = json.dumps(meta, sort_keys=True).encode()
+    head = _REC.pack(_TAG, KINDS[record.kind], flags, len(body), len(payload), 0)
+    crc = zlib.crc32(payload, zlib.crc32(body, zlib.crc32(head[:12])))
+    return _REC.pack(_TAG, KINDS[record.kind], flags, len(body), len(payload), crc) + body + payload
+
+
+@dataclass
+class Scan:
+    """What ``scan`` found: the header, the offsets of the good records, where reading stopped
+    and why (``stop`` is "" at a clean end, else the reason; ``corrupt`` tells a damaged
+    record from a torn last write)."""
+
+    path: Path
+    header: dict[str, Any]
+    offsets: list[int]
+    kinds: list[str]
+    good_bytes: int  # file offset after the last good record
+    size: int
+    stop: str = ""
+    corrupt: bool = False
+
+
+def read_header(f: BinaryIO, path: Path) -> tuple[dict[str, Any], int]:
+    start = f.read(len(MAGIC) + 4)
+    if len(start) < len(MAGIC) + 4 or start[:len(MAGIC)] != MAGIC:
+        raise JournalError(f"{path} is not a journal (no journal header)")
+    (n,) = struct.unpack("<I", start[len(MAGIC):])
+    if n > MAX_META:
+        raise JournalError(f"{path}: the journal header is damaged (length {n})")
+    body = f.read(n)
+    crc = f.read(4)
+    if len(body) < n or len(crc) < 4 or struct.unpack("<I", crc)[0] != zlib.crc32(body):
+        raise JournalError(f"{path}: the journal header is damaged (checksum)")
+    header = json.loads(body)
+    if header.get("format") != FORMAT_VERSION:
+        raise JournalError(f"{path}: journal format {header.get('format')!r}, this version reads {FORMAT_VERSION}")
+    return header, len(MAGIC) + 8 + n
+
+
+def scan(path: str | Path) -> Scan:
+    """Check every record's framing and checksum; raises JournalError when the file is not a
+    readable journal at all (a bad record is not an error: ``Scan.stop`` says where and why)."""
+    path = Path(path)
+    try:
+        f = open(path, "rb")
+    except OSError as exc:
+        raise JournalError(f"cannot open the journal {path}: {exc.strerror or exc}") from None
+    with f:
+        size = f.seek(0, 2)
+        f.seek(0)
+        header, at = read_header(f, path)
+        out = Scan(path, header, [], [], at, size)
+        while at < size:
+            head = f.read(_REC.size)
+            if len(head) < _REC.size:
+                out.stop = f"torn last record at byte {at} (incomplete header; a write was interrupted)"
+                break
+            tag, kind, flags, nmeta, npay, crc = _REC.unpack(head)
+            if tag != _TAG or kind not in _NAMES or nmeta > MAX_META or npay > MAX_PAYLOAD:
+                out.stop, out.corrupt = f"corrupt record {len(out.offsets)} at byte {at} (bad framing)", True
+                break
+            end = at + _REC.size + nmeta + npay
+            if end > size:
+                out.stop = f"torn last record at byte {at} ({size - at} of {end - at} bytes; a write was interrupted)"
+                break
+            body = f.read(nmeta + npay)
+            if zlib.crc32(body, zlib.crc32(head[:12])) != crc:
+                out.stop = f"corrupt record {len(out.offsets)} ({_NAMES[kind]}) at byte {at} (checksum mismatch)"
+                out.corrupt = True
+                break
+            out.offsets.append(at)
+            out.kinds.append(_NAMES[kind])
+            at = out.good_bytes = end
+    return out
+
+
+def read_record(f: BinaryIO, offset: int) -> Record:
+    """The record at ``offset`` (one ``scan`` found good)."""
+    f.seek(offset)
+    tag, kind, flags, nmeta, npay, _ = _REC.unpack(f.read(_REC.size))
+    meta = json.loads(f.read(nmeta))
+    payload = f.read(npay)
+    if flags & _COMPRESSED:
+        payload = zlib.decompress(payload)
+    payload = bytearray(payload)  # writable arrays (torch.from_numpy warns about read-only ones)
+    arrays = {}
+    for name, dtype, shape, at, nbytes in meta.pop("arrays", []):
+        arrays[name] = np.frombuffer(payload, dtype=np.dtype(dtype), count=int(np.prod(shape, dtype=np.int64)),
+                                     offset=at).reshape(shape)
+    return Record(_NAMES[kind], meta, arrays)
+
+
+def iter_records(found: Scan) -> Iterator[Record]:
+    """The good records of a scanned journal, in order (read one at a time)."""
+    with open(found.path, "rb") as f:
+        for offset in found.offsets:
+            yield read_record(f, offset)
+
+
+def write_journal(f: BinaryIO, header: dict[str, Any], records: list[Record], compress_level: int = 0) -> int:
+    """A whole journal (for atomic rewrites and saved sessions); returns the bytes written."""
+    n = f.write(encode_header(header))
+    for r in records:
+        n += f.write(encode_record(r, compress_level))
+    return n
+
+
+__all__ = ["FORMAT_VERSION", "KINDS", "JournalError", "Record", "Scan", "encode_header", "encode_record",
+           "iter_records", "read_record", "scan", "write_journal"]
