@@ -238,7 +238,7 @@ def _rss_summary(samples: list[tuple[float, float]]) -> dict:
 
 def instrument(probe: Probe, session) -> None:
     """Time the node's per-frame work: conversion, preprocessing, the session's parts, the outputs."""
-    from lingbot_map_ros.ros import engine as engine_module
+    from lingbot_map_ros.runtime import engine as engine_module
 
     probe.time_calls(node_module, "image_to_rgb")
     ages = probe.calls["image age at the callback (stamp -> executor)"]

@@ -44,12 +44,12 @@ from ..robot.map_offset import OutputTransform
 from ..robot.undistort import CameraModel
 from .conversions import (camera_info_msg, compressed_to_rgb, depth_to_image_msg, image_to_rgb, make_pointcloud2,
                           odometry_msg, pose_to_msg, sensor_depth_array)
-from .engine import FrameOutput, FrameSummary, InferenceEngine, InputFrame, StatusFields
-from .mapping import PoseEntry
-from .multi_map import MapAligner, Placement, transform_points, unpublished
-from .params import DEFAULT_CAMERA_FRAME, NodeSettings
+from ..runtime.engine import FrameOutput, FrameSummary, InferenceEngine, InputFrame, StatusFields
+from ..runtime.mapping import PoseEntry
+from ..runtime.multi_map import MapAligner, Placement, transform_points, unpublished
+from ..runtime.params import DEFAULT_CAMERA_FRAME, NodeSettings
 from .tf_tools import SharedTf, TfOutput
-from .worker import Command, Throttle
+from ..runtime.worker import Command, Throttle
 
 NODE_NAME = "lingbot_map"
 ARRIVAL_WINDOW = 64  # images whose age on arrival /diagnostics summarises

@@ -99,12 +99,12 @@ from ..stream.multi import PoolStatus
 from .camera_channel import (ARRIVAL_WINDOW, NODE_NAME, AlignedPlacer, CameraChannel, RosOutputs,  # noqa: F401
                              _qos, diag, stamp_seconds)  # RosOutputs, ARRIVAL_WINDOW, stamp_seconds: as before
 from .conversions import compressed_to_rgb, image_to_rgb, make_pointcloud2
-from .engine import SaveError, StatusFields, write_map_files
-from .multi_map import MapAligner, base_motion_from_odometry, own_map_frame, transform_points, transform_poses
-from .multi_save import CameraMap, save_camera_maps
-from .params import (CAMERA_PARAMETERS, CAMERA_PREFIX, PARAMETERS, NodeSettings, Param, apply_camera_dynamic,
+from ..runtime.engine import SaveError, StatusFields, write_map_files
+from ..runtime.multi_map import MapAligner, base_motion_from_odometry, own_map_frame, transform_points, transform_poses
+from ..runtime.multi_save import CameraMap, save_camera_maps
+from ..runtime.params import (CAMERA_PARAMETERS, CAMERA_PREFIX, PARAMETERS, NodeSettings, Param, apply_camera_dynamic,
                      apply_dynamic, camera_param_name, camera_values, resolve_camera_settings, resolve_settings)
-from .scheduler import CameraScheduler
+from ..runtime.scheduler import CameraScheduler
 from .tf_tools import SharedTf
 
 _PARAMETER_TABLE = {p.name: p for p in PARAMETERS}

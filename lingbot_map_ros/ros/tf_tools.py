@@ -66,7 +66,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..geometry import quaternion_to_matrix
-from .worker import Throttle
+from ..runtime.worker import Throttle
 
 MODES = ("map_to_odom", "map_to_base", "map_to_camera")
 CAMERA_CHILD_SUFFIX = "_lingbot"

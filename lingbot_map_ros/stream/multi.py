@@ -3,7 +3,7 @@
 One model in memory, one K/V storage whose pages every camera's cache draws from,
 one ``Session`` per camera (its own scale frames, window, special tokens, window
 restarts). Callers drive the sessions from ONE thread (they share the model's
-step options and the GPU), in turn: the node's scheduler (``ros.scheduler``) takes
+step options and the GPU), in turn: the node's scheduler (``runtime.scheduler``) takes
 the cameras' latest frames round-robin; ``benchmarks/stream/multi_camera.py`` feeds
 them at a camera rate and submits one camera's frame before taking another's results.
 """

@@ -15,8 +15,8 @@ from lingbot_map_ros.io.checkpoint import load_model
 from lingbot_map_ros.io.export import read_ply, read_tum
 from lingbot_map_ros.io.preprocess import preprocess_array
 from lingbot_map_ros.geometry import optical_pose_to_map, points_to_map
-from lingbot_map_ros.ros.engine import InferenceEngine, InputFrame, SaveError, State
-from lingbot_map_ros.ros.params import resolve_settings
+from lingbot_map_ros.runtime.engine import InferenceEngine, InputFrame, SaveError, State
+from lingbot_map_ros.runtime.params import resolve_settings
 from lingbot_map_ros.stream.session import SessionError, StreamingSession
 
 from engine_fakes import Log, Sink  # test/ is on sys.path (conftest.py)
@@ -28,7 +28,7 @@ SETTINGS = dict(image_width=WIDTH, num_scale_frames=2, sliding_window=3, backend
 
 
 def test_the_engine_imports_no_ros():
-    """ros/engine.py is the node's logic without ROS: importing it pulls in no rclpy and no message package."""
+    """runtime/engine.py is the node's logic without ROS: importing it pulls in no rclpy and no message package."""
     import subprocess
     import sys
 
@@ -39,7 +39,7 @@ def test_the_engine_imports_no_ros():
             "BLOCKED = {'rclpy', 'sensor_msgs', 'geometry_msgs', 'nav_msgs', 'std_msgs', 'builtin_interfaces',\n"
             "           'tf2_ros', 'diagnostic_msgs', 'std_srvs', 'rcl_interfaces'}\n"
             "sys.meta_path.insert(0, Block())\n"
-            "import lingbot_map_ros.ros.engine, lingbot_map_ros.ros.worker, lingbot_map_ros.ros.params\n"
+            "import lingbot_map_ros.runtime.engine, lingbot_map_ros.runtime.worker, lingbot_map_ros.runtime.params\n"
             "print('ok')\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
@@ -800,7 +800,7 @@ def test_depth_scale_converges_to_the_sensor_ratio(model):
 
 
 def test_depth_cache_matches_within_50_ms_only():
-    from lingbot_map_ros.ros.engine import DepthCache
+    from lingbot_map_ros.runtime.engine import DepthCache
 
     cache = DepthCache(size=2)
     a, b, c = (np.full((2, 2), v, np.uint16) for v in (1, 2, 3))

@@ -1,10 +1,10 @@
-"""The package's imports run one way: cli -> ros -> robot -> stream -> io -> cache/model ->
+"""The package's imports run one way: cli -> ros -> runtime -> robot -> stream -> io -> cache/model ->
 kernels/geometry -> config; nothing lower imports anything higher, and packages of one
 tier do not import each other.
 
 Read from the source with ``ast`` (nothing is imported), lazy imports inside functions
 and ``TYPE_CHECKING`` blocks included: a deferred import is still a dependency. Imports
-inside one package (ros/engine.py -> ros/conversions.py) are that package's business.
+inside one package (ros/node.py -> ros/conversions.py) are that package's business.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ NAME = PACKAGE.name
 TIERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("ros",),
+    ("runtime",),  # the node's logic without ROS: engine, scheduler, queues, map memory, parameters
     ("robot",),  # metric scale, tracking health, undistortion: used by the node, uses stream's maths
     ("stream",),
     ("io",),
@@ -48,6 +49,7 @@ ALLOWED: dict[tuple[str, str], str] = {}
 # The node's layers reach the model, the cache and the kernels through stream/ and io/
 # only (stream/ re-exports the errors they need). Today's exceptions, with who removes them:
 THROUGH_STREAM = ("cache", "model", "kernels")
+NODE_LOGIC = ROS_LAYERS + ("runtime",)  # they reach the model through stream/ and io/
 ALLOWED_DIRECT: dict[tuple[str, str], str] = {
     ("lingbot_map_ros.cli.replay", "cache"):
         "cli owner (issue 19): CacheError, BackendUnavailable from lingbot_map_ros.stream",
@@ -136,9 +138,9 @@ def test_imports_run_down_the_tiers():
 
 
 def test_the_node_layers_reach_the_model_through_stream():
-    """ros/ and cli/ import nothing from cache/, model/ or kernels/ (the session and
+    """ros/, runtime/ and cli/ import nothing from cache/, model/ or kernels/ (the session and
     io.checkpoint are their door), except today's listed imports."""
-    direct = {k: v for k, v in package_edges().items() if package_of(k[0]) in ROS_LAYERS and k[1] in THROUGH_STREAM}
+    direct = {k: v for k, v in package_edges().items() if package_of(k[0]) in NODE_LOGIC and k[1] in THROUGH_STREAM}
     unexpected = [f"{imp} imports {dst}: {', '.join(places)}" for (imp, dst), places in sorted(direct.items())
                   if (imp, dst) not in ALLOWED_DIRECT]
     assert not unexpected, "\n".join(unexpected)
@@ -176,7 +178,7 @@ def test_the_finder_sees_relative_lazy_and_submodule_imports():
     "InvalidFrameError, CacheError, CacheFullError)",
 ])
 def test_light_modules_import_without_torch(statement):
-    """Configuration and the stream's protocol, result type and errors (what ros/params.py
+    """Configuration and the stream's protocol, result type and errors (what runtime/params.py
     and the engine need) load without torch: the node decides when the heavy part is paid for."""
     code = f"import sys\n{statement}\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

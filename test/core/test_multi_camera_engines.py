@@ -10,9 +10,9 @@ from lingbot_map_ros.config import ModelConfig
 from lingbot_map_ros.geometry import optical_pose_to_map
 from lingbot_map_ros.io.checkpoint import load_model
 from lingbot_map_ros.io.preprocess import preprocess_array
-from lingbot_map_ros.ros.engine import InferenceEngine, InputFrame
-from lingbot_map_ros.ros.params import resolve_settings
-from lingbot_map_ros.ros.scheduler import CameraScheduler
+from lingbot_map_ros.runtime.engine import InferenceEngine, InputFrame
+from lingbot_map_ros.runtime.params import resolve_settings
+from lingbot_map_ros.runtime.scheduler import CameraScheduler
 from lingbot_map_ros.stream.multi import CameraSessions
 from lingbot_map_ros.stream.session import StreamingSession
 

@@ -293,8 +293,8 @@ class NodeSettings:
     health_translation_std: float = 0.02
     health_rotation_std_deg: float = 1.0
     cameras: tuple[str, ...] = ()  # empty = one camera, today's names
-    camera_batching: bool = False  # several cameras: batched steps (ros.scheduler)
-    camera_pipelining: bool = True  # several cameras: pipelined steps (ros.scheduler)
+    camera_batching: bool = False  # several cameras: batched steps (runtime.scheduler)
+    camera_pipelining: bool = True  # several cameras: pipelined steps (runtime.scheduler)
 
     def __post_init__(self) -> None:
         health_config_from(self)  # the health thresholds together (ConfigError names the parameters)
