@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from ..config import SPECIAL_TOKENS, ModelConfig
 from .dino import DinoEncoder
-from .layers import Block, _apply_mlp, _apply_norm, sdpa_nhd
+from .layers import Block, apply_mlp, apply_norm, sdpa_nhd
 from .rope import Rope3DTables, apply_rope2d, apply_rope3d_complex, rope2d_tables, rope3d_rotation
 
 # global_attend(layer, q, k, v) -> out, each [S*P, H, D]; q/k rotated (float32), v as computed.
@@ -122,7 +122,7 @@ class Aggregator(nn.Module):
         ropes = self.rope_set(grid_h, grid_w, images.device)
         cos3, sin3 = ropes.rope3d.lookup(positions)  # [S, P, 32]
         heads, head_dim = self.cfg.num_heads, self.cfg.embed_dim // self.cfg.num_heads
-        norm, mlp, residual = _apply_norm, _apply_mlp, None
+        norm, mlp, residual = apply_norm, apply_mlp, None
         if fused:
             from ..kernels.layer_norm import layer_norm
             from ..kernels.qk_rope import XOR_HALVES, XOR_INTERLEAVED, qk_norm_rope, tables_interleaved

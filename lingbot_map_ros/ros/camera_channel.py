@@ -61,7 +61,7 @@ def stamp_seconds(stamp: TimeMsg) -> float:
     return stamp.sec + stamp.nanosec * 1e-9
 
 
-def _qos(reliable: bool = True, latched: bool = False, depth: int = 10) -> QoSProfile:
+def qos_profile(reliable: bool = True, latched: bool = False, depth: int = 10) -> QoSProfile:
     return QoSProfile(depth=depth,
                       reliability=ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT,
                       durability=DurabilityPolicy.TRANSIENT_LOCAL if latched else DurabilityPolicy.VOLATILE)
@@ -109,19 +109,19 @@ class RosOutputs:
         self.placer = placer
         self.pool: Callable[[], Any] | None = None  # the shared pool's status (several cameras; set by the node)
         p = prefix
-        self.status = node.create_publisher(Status, f"~/{p}status", _qos(depth=20))
-        self.pose = node.create_publisher(PoseStamped, f"~/{p}pose", _qos()) if s.publish_pose else None
-        self.odometry = node.create_publisher(Odometry, f"~/{p}odometry", _qos()) if s.publish_odometry else None
-        self.path = node.create_publisher(Path, f"~/{p}path", _qos(latched=True, depth=1)) \
+        self.status = node.create_publisher(Status, f"~/{p}status", qos_profile(depth=20))
+        self.pose = node.create_publisher(PoseStamped, f"~/{p}pose", qos_profile()) if s.publish_pose else None
+        self.odometry = node.create_publisher(Odometry, f"~/{p}odometry", qos_profile()) if s.publish_odometry else None
+        self.path = node.create_publisher(Path, f"~/{p}path", qos_profile(latched=True, depth=1)) \
             if s.publish_path else None
-        self.points = node.create_publisher(PointCloud2, f"~/{p}points", _qos(depth=2)) if s.publish_points else None
-        self.map_points = node.create_publisher(PointCloud2, f"~/{p}map_points", _qos(latched=True, depth=1)) \
+        self.points = node.create_publisher(PointCloud2, f"~/{p}points", qos_profile(depth=2)) if s.publish_points else None
+        self.map_points = node.create_publisher(PointCloud2, f"~/{p}map_points", qos_profile(latched=True, depth=1)) \
             if s.publish_map and s.accumulate_map else None
         self.depth = self.depth_info = None
         if s.publish_depth:
-            self.depth = node.create_publisher(Image, f"~/{p}depth", _qos(depth=2))
-            self.depth_info = node.create_publisher(CameraInfo, f"~/{p}depth/camera_info", _qos(depth=2))
-        self.frame_info = node.create_publisher(FrameInfo, f"~/{p}frame", _qos(depth=10))
+            self.depth = node.create_publisher(Image, f"~/{p}depth", qos_profile(depth=2))
+            self.depth_info = node.create_publisher(CameraInfo, f"~/{p}depth/camera_info", qos_profile(depth=2))
+        self.frame_info = node.create_publisher(FrameInfo, f"~/{p}frame", qos_profile(depth=10))
         # follows publish_tf, settable at run time
         self.tf = TfOutput(node, tf_settings if tf_settings is not None else s, node.get_logger().warning,
                            shared=tf_shared)
@@ -321,7 +321,7 @@ class CameraChannel:
         ``convert_compressed``."""
         s, p, node = self.settings, self.prefix, self.node
         take = accept if accept is not None else self.accept
-        qos = qos_profile_sensor_data if s.input_qos == "sensor_data" else _qos(depth=5)
+        qos = qos_profile_sensor_data if s.input_qos == "sensor_data" else qos_profile(depth=5)
         if s.input_transport == "compressed":
             self.image_sub = node.create_subscription(CompressedImage, f"{p}image/compressed",
                                                       lambda msg: take(msg, convert_compressed), qos,

@@ -97,7 +97,7 @@ from ..io.map_save import MAP_FILE, MapSaveError
 from ..robot.map_offset import OutputTransform
 from ..stream.multi import PoolStatus
 from .camera_channel import (ARRIVAL_WINDOW, NODE_NAME, AlignedPlacer, CameraChannel, RosOutputs,  # noqa: F401
-                             _qos, diag, stamp_seconds)  # RosOutputs, ARRIVAL_WINDOW, stamp_seconds: as before
+                             qos_profile, diag, stamp_seconds)  # RosOutputs, ARRIVAL_WINDOW, stamp_seconds: as before
 from .conversions import compressed_to_rgb, image_to_rgb, make_pointcloud2
 from ..runtime.engine import SaveError, StatusFields, write_map_files
 from ..runtime.multi_map import MapAligner, base_motion_from_odometry, own_map_frame, transform_points, transform_poses
@@ -184,10 +184,10 @@ class LingBotMapNode(Node):
         self._timer_group = MutuallyExclusiveCallbackGroup()
         for channel in self.channels.values():  # converters named here so that a profiler may wrap them
             channel.subscribe(self._input_group, None if self.multi else self._accept, image_to_rgb, compressed_to_rgb)
-        self.diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", _qos())
+        self.diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", qos_profile())
         self.map_points = None  # several cameras: every camera's map in map_frame
         if self.multi and s.publish_map and s.accumulate_map:
-            self.map_points = self.create_publisher(PointCloud2, "~/map_points", _qos(latched=True, depth=1))
+            self.map_points = self.create_publisher(PointCloud2, "~/map_points", qos_profile(latched=True, depth=1))
         # The services live on a helper node that main() spins on its own executor thread: a
         # call waits for the inference thread (one step, or up to service_timeout while the
         # first frame compiles), and image intake, timers and diagnostics must not wait with it.

@@ -56,7 +56,7 @@ class CameraSessions:
                  pool_tokens: int = 0, with_depth: bool = True) -> None:
         from ..cache.pool import SharedKVStorage
         from .long_stream import LongStreamSession
-        from .session import StreamingSession, _torch_dtype
+        from .session import StreamingSession, torch_dtype
 
         if not cameras:
             raise ValueError("CameraSessions needs at least one camera")
@@ -66,7 +66,7 @@ class CameraSessions:
         self.model = model
         mcfg = model.cfg
         device = next(model.parameters()).device
-        self.storage = SharedKVStorage(mcfg.depth, mcfg.num_heads, mcfg.head_dim, _torch_dtype(dtypes.pop()),
+        self.storage = SharedKVStorage(mcfg.depth, mcfg.num_heads, mcfg.head_dim, torch_dtype(dtypes.pop()),
                                        device, capacity_tokens=pool_tokens, reserve=len(cameras))
         self.inner: dict[str, StreamingSession] = {}
         self.sessions: dict[str, Session] = {}

@@ -124,7 +124,7 @@ class _SharedGpuState:
         return {"workspace": self.workspace, **self._graphs}
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
@@ -140,7 +140,7 @@ class StreamingSession:
         self.model = model.eval()
         self.cfg = cfg
         self.device = next(model.parameters()).device
-        self.dtype = _torch_dtype(cfg.dtype)
+        self.dtype = torch_dtype(cfg.dtype)
         agg_dtype = next(model.aggregator.parameters()).dtype
         if agg_dtype != self.dtype:
             raise SessionError(f"the model's aggregator is {agg_dtype} but the stream dtype is {cfg.dtype}; "

@@ -159,6 +159,52 @@ def test_only_the_node_layers_import_ros():
     assert not bad, "ROS imports below the node layers:\n" + "\n".join(bad)
 
 
+ROS_FREE = ("runtime", "robot", "stream", "io", "cache", "model", "kernels", "geometry", "config")
+
+
+def test_the_ros_free_folders_are_named_and_exist():
+    """The ROS-free folders are every tier below ros/ (a new package gets a tier, so it is covered)."""
+    below = {pkg for pkg, rank in RANK.items() if rank > RANK["ros"]}
+    assert below == set(ROS_FREE)
+    for pkg in ("runtime", "robot", "stream", "io", "cache", "model", "kernels"):
+        assert (PACKAGE / pkg / "__init__.py").exists(), pkg
+
+
+def private_imports(source: str, module: str, is_package: bool = False) -> list[tuple[str, int]]:
+    """(module.name, line) of every ``from X import _name`` of this package in ``source`` where X is
+    another module than ``module`` (dunder names such as ``__version__`` are public). A package's
+    private submodule (``kernels/_qk_rope_triton.py``) may be imported by the modules of that package."""
+    own_package = module if is_package else module.rpartition(".")[0]
+    out = []
+    for target, line in imports_in(source, module, is_package):
+        head, _, name = target.rpartition(".")
+        if package_of(target) is None or not name.startswith("_") or name.startswith("__"):
+            continue
+        submodule = PACKAGE.parent.joinpath(*target.split(".")).with_suffix(".py").exists()
+        if head != module and not (submodule and head == own_package):
+            out.append((target, line))
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A ``_name`` is its module's own business: a module that needs it from outside gets a public
+    name (``io.export.ply_content``), so a private helper can change without a search of the tree."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for target, line in private_imports(path.read_text(), module_name(path), path.name == "__init__.py"):
+            bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}")
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
+def test_the_private_import_finder_sees_relative_and_lazy_imports():
+    source = "from .export import _ply_content, read_ply\n\ndef f():\n    from ..stream.session import _dtype\n"
+    found = {t for t, _ in private_imports(source, "lingbot_map_ros.io.map_save")}
+    assert found == {"lingbot_map_ros.io.export._ply_content", "lingbot_map_ros.stream.session._dtype"}
+    assert private_imports("from numpy import _x\nimport lingbot_map_ros.io.export\n", "lingbot_map_ros.io.a") == []
+    assert private_imports("from . import _qk_rope_triton\n", "lingbot_map_ros.kernels.qk_rope") == []
+    assert private_imports("from ..kernels import _qk_rope_triton\n", "lingbot_map_ros.model.layers") != []
+
+
 def test_the_finder_sees_relative_lazy_and_submodule_imports():
     """The parser itself: the import forms this package uses resolve to the right modules."""
     source = ("from .. import kernels\nfrom ..config import StreamConfig\nfrom .graphs import GraphedStep\n"
