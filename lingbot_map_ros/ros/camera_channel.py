@@ -54,7 +54,6 @@ from ..runtime.worker import Command, Throttle
 NODE_NAME = "lingbot_map"
 ARRIVAL_WINDOW = 64  # images whose age on arrival /diagnostics summarises
 PLACED_FRAMES = 64  # frames whose placement is remembered until their clouds are published
-POOL_REFRESH_S = 0.5  # the shared pool's status is read at most this often (inference thread)
 
 
 def stamp_seconds(stamp: TimeMsg) -> float:
@@ -102,12 +101,12 @@ class RosOutputs:
 
     def __init__(self, node: Node, settings: NodeSettings, prefix: str = "", placer: Placer | None = None,
                  camera: str = "", tf_settings: NodeSettings | None = None,
-                 tf_shared: SharedTf | None = None) -> None:
+                 tf_shared: SharedTf | None = None, pool: Callable[[], Any] | None = None) -> None:
         s = self.settings = settings
         self.node = node
         self.camera = camera
         self.placer = placer
-        self.pool: Callable[[], Any] | None = None  # the shared pool's status (several cameras; set by the node)
+        self.pool = pool  # () -> the shared pool's status (named cameras), for ~/<c>/status
         p = prefix
         self.status = node.create_publisher(Status, f"~/{p}status", qos_profile(depth=20))
         self.pose = node.create_publisher(PoseStamped, f"~/{p}pose", qos_profile()) if s.publish_pose else None
@@ -286,14 +285,15 @@ class CameraChannel:
     node's ``SharedTf`` (several cameras: one TF listener for all); None = the camera's own."""
 
     def __init__(self, node: Node, name: str, settings: NodeSettings, placer: Placer | None = None,
-                 tf_settings: NodeSettings | None = None, tf_shared: SharedTf | None = None) -> None:
+                 tf_settings: NodeSettings | None = None, tf_shared: SharedTf | None = None,
+                 pool: Callable[[], Any] | None = None) -> None:
         self.node, self.name = node, name
         self.prefix = f"{name}/" if name else ""
         self.settings = settings
         self.log = node.get_logger().get_child(name) if name else node.get_logger()
         self._tf_override = {} if tf_settings is None else {"tf_mode": tf_settings.tf_mode}
         self.outputs = RosOutputs(node, settings, self.prefix, placer, camera=name, tf_settings=tf_settings,
-                                  tf_shared=tf_shared)
+                                  tf_shared=tf_shared, pool=pool)
         self.engine: InferenceEngine | None = None
         self.camera_info: CameraInfo | None = None
         self.camera_model: CameraModel | None = None
@@ -531,11 +531,6 @@ class CameraChannel:
         comparison = focal.compare(info.k, (info.width, info.height))
         return diag(f"{label}: intrinsics", DiagnosticStatus.WARN if comparison.warn else DiagnosticStatus.OK,
                     comparison.message(), comparison.values())
-
-    def shutdown(self) -> None:
-        """Stop the engine's threads (one camera: its own inference thread and output thread)."""
-        if self.engine is not None:
-            self.engine.stop()
 
 
 def tracking_diag(name: str, engine: InferenceEngine) -> DiagnosticStatus:

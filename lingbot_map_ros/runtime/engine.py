@@ -1,8 +1,10 @@
-"""The node's inference loop, free of rclpy: frames and commands in, outputs to a sink.
+"""A camera's inference, free of rclpy: frames and commands in, outputs to a sink.
 
-One thread (``start``) owns the ``StreamingSession``, the trajectory and the map; it
-takes work from a ``WorkQueue`` (latest frame + commands, in arrival order) and hands
-every result to a ``Sink`` (the ROS node builds and publishes the messages). ROS
+The engine has no thread of its own: the one inference thread (``scheduler.CameraScheduler``)
+calls ``run_once`` (or ``take_batch_frame``/``admit``/``launch``/``complete``), so the engine
+owns the camera's ``Session``, the trajectory and the map on that thread; it takes work from
+a ``WorkQueue`` (latest frame + commands, in arrival order) and hands every result to a
+``Sink`` (the ROS node builds and publishes the messages). ROS
 callbacks only call ``submit_frame`` / ``reject_frame`` / ``submit`` and never wait
 for inference; service callbacks wait on the returned ``Command`` with a timeout.
 
@@ -71,8 +73,8 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
-from ..geometry import optical_pose_to_map, points_to_map, unproject_pixels
-from ..io.map_save import MapSaveError, save_map_pair
+from ..geometry import optical_pose_to_map, points_to_map, rotation_angle_deg, unproject_pixels
+from ..io.map_save import MAP_FILE, TRAJECTORY_FILE, MapSaveError, save_map_pair
 from ..io.preprocess import model_input, target_size
 from ..robot.health import HealthStatus, TrackingHealth, TrackingState, config_from_parameters
 from ..robot.intrinsics import FocalTracker
@@ -80,7 +82,6 @@ from ..robot.map_offset import OutputTransform, SequenceAnchor, invert_rigid, od
 from ..robot.undistort import CameraModel, Undistorter
 from ..robot.scale import DepthScaleEstimator, FixedScale, OdometryScaleEstimator, scale_depth
 from ..stream import CacheFullError, FrameMismatchError, FrameResult, InvalidFrameError, Session, SessionError
-from ..stream.alignment import rotation_angle_deg
 from .mapping import MapAccumulator, PoseEntry, Trajectory
 from .output_worker import OutputWorker
 from .params import NodeSettings
@@ -90,7 +91,6 @@ WARN_PERIOD = 5.0  # seconds between two warnings of one kind
 MAX_RESIZE_ASPECT = 8  # an image is resized to image_width x (at most this many times image_width) before cropping
 HEARTBEAT_PERIOD = 1.0  # longest silence of ~/status
 CONFIDENCE_SAMPLE = 4  # ~/frame's confidence statistics read every 4th pixel (0.2 ms instead of 1 ms at 518x378)
-MAP_FILE, TRAJECTORY_FILE = "map.ply", "trajectory.tum"
 DEPTH_MATCH_S = 0.05  # scale_source depth: a sensor depth image counts for a colour image within 50 ms
 
 
@@ -291,8 +291,6 @@ class InferenceEngine:
         self._collected: list[InputFrame] = []  # pushed, waiting for their (scale-frame) results
         self._last_stamp: Any = None
         self._last_index = 0  # 1-based index of the last processed frame
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
         self._warned_thinning = False
         self._behind = False  # on_time_jump=drop: stamps are behind the last processed frame's
         self._client_gone = False  # deferred_eviction_timeout passed: commit at once until a client commits
@@ -360,24 +358,12 @@ class InferenceEngine:
         last = self.input_rate.last()
         return None if last is None else self.monotonic() - last
 
-    # ------------------------------------------------------------------ thread
-    def start(self) -> None:
-        self.outputs.start()
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._loop, name="lingbot_map_inference", daemon=True)
-        self._thread.start()
-
+    # ------------------------------------------------------------------ driven by the scheduler
     def stop(self, timeout: float = 5.0) -> None:
-        self._stop.set()
+        """Close the queue (pending commands are cancelled) and drain and stop the output thread;
+        ``CameraScheduler.stop`` calls it once its inference thread has left."""
         self.queue.close()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
         self.outputs.stop(timeout)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.run_once(0.1)
 
     def run_once(self, timeout: float = 0.0) -> bool:
         """Process one queued item; False when nothing came within ``timeout`` seconds.
@@ -1285,7 +1271,7 @@ def _freeze_long_lived_objects() -> None:
     """Once per process, after the first results: move every object alive now (the model, the
     CUDA graph, FlashInfer's plans, rclpy's entities) out of the garbage collector's reach.
     A full collection stops the whole process for as long as it takes to scan them: ~130 ms
-    each, 56 times in a 3-minute GPU node run before this (benchmarks/node_probe.py)."""
+    each, 56 times in a 3-minute GPU node run before this (benchmarks/node/node_probe.py)."""
     global _frozen
     if not _frozen:
         _frozen = True
@@ -1311,5 +1297,4 @@ def _release_device_memory(session) -> None:
 
 
 __all__ = ["InferenceEngine", "InputFrame", "FrameOutput", "FrameSummary", "StatusFields", "State", "Sink",
-           "SaveError", "SaveSnapshot", "write_map_files",
-           "MAP_FILE", "TRAJECTORY_FILE"]
+           "SaveError", "SaveSnapshot", "write_map_files"]

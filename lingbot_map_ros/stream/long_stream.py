@@ -75,7 +75,8 @@ from ..cache.pages import CacheStats
 from ..config import KEYFRAME_POLICIES, LongStreamConfig, StreamConfig
 from ..geometry import matrix_to_quaternion
 from ..io.preprocess import input_size
-from .alignment import AlignmentFit, Sim3, estimate_window_sim3, rotation_angle_deg
+from ..geometry import rotation_angle_deg
+from .alignment import AlignmentFit, Sim3, estimate_window_sim3
 from .errors import FrameMismatchError, SessionError
 from .results import FrameResult
 from .session import PendingResults, StreamingSession

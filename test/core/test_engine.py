@@ -17,6 +17,7 @@ from lingbot_map_ros.io.preprocess import preprocess_array
 from lingbot_map_ros.geometry import optical_pose_to_map, points_to_map
 from lingbot_map_ros.runtime.engine import InferenceEngine, InputFrame, SaveError, State
 from lingbot_map_ros.runtime.params import resolve_settings
+from lingbot_map_ros.runtime.scheduler import CameraScheduler
 from lingbot_map_ros.stream.session import SessionError, StreamingSession
 
 from engine_fakes import Log, Sink  # test/ is on sys.path (conftest.py)
@@ -323,8 +324,10 @@ def test_reset_and_save_map(model, tmp_path):
 
 
 def test_thread_processes_frames_and_commands(model):
+    """The engine has no thread of its own: the node's one inference thread (the scheduler) drives it."""
     engine, sink, _, _ = make_engine(model)
-    engine.start()
+    driver = CameraScheduler({"": engine})
+    driver.start()
     try:
         for i, rgb in enumerate(frames(3)):
             engine.submit_frame(InputFrame(rgb=rgb, stamp=float(i), stamp_s=float(i), camera_frame="c"))
@@ -332,7 +335,7 @@ def test_thread_processes_frames_and_commands(model):
             assert cmd.wait(30)
         assert engine.counters.snapshot().frames_processed == 3
     finally:
-        engine.stop()
+        driver.stop()
     assert torch.get_num_threads() >= 1
 
 
@@ -398,7 +401,8 @@ def test_poses_do_not_wait_for_the_map(model):
         real_add(index, points, colors)
 
     engine.map.add = blocking_add
-    engine.start()
+    driver = CameraScheduler({"": engine})
+    driver.start()
     try:
         images = frames(8)
         for i, rgb in enumerate(images):  # one frame at a time, each fully handled by the inference thread
@@ -410,7 +414,7 @@ def test_poses_do_not_wait_for_the_map(model):
         gate.set()
         assert engine.outputs.flush(30)
     finally:
-        engine.stop()
+        driver.stop()
     assert len(added) == 3 and len(engine.map) > 0
     with_clouds = [o.frame_index for o in sink.frames if o.points is not None]
     assert with_clouds == [i + 1 for i in added]

@@ -158,13 +158,15 @@ def test_config_errors_name_the_field(kwargs, field):
 def test_every_health_parameter_is_declared_with_the_config_default():
     """The node declares each ``health_*`` parameter, run-time settable, with HealthConfig's default."""
     from lingbot_map_ros.robot.health import HEALTH_PARAMETERS
-    from lingbot_map_ros.runtime.params import PARAMETERS
+    from lingbot_map_ros.runtime.params import PARAMETERS, NodeSettings
 
     table = {p.name: p for p in PARAMETERS}
     defaults = HealthConfig()
     for param, field in HEALTH_PARAMETERS.items():
         assert table[param].dynamic and table[param].description, param
         assert table[param].default == getattr(defaults, field), param
+        assert NodeSettings.__dataclass_fields__[param].default == getattr(defaults, field), param
+        assert type(table[param].default) is type(getattr(defaults, field)), param
     assert sorted(p for p in table if p.startswith("health_")) == sorted(HEALTH_PARAMETERS)
 
 
