@@ -268,7 +268,9 @@ def instrument(probe: Probe, session) -> None:
 
     engine_module.InferenceEngine.submit_frame = timed_submit
     engine_module.InferenceEngine._process = timed_process
-    probe.time_calls(engine_module, "model_input")
+    from lingbot_map_ros.runtime import model_input as model_input_module
+
+    probe.time_calls(model_input_module, "model_input")
     probe.time_calls(session, "push")
     probe.time_calls(engine_module.InferenceEngine, "_publish_clouds")
     probe.time_calls(engine_module.InferenceEngine, "_publish_status")

@@ -44,7 +44,8 @@ from ..robot.map_offset import OutputTransform
 from ..robot.undistort import CameraModel
 from .conversions import (camera_info_msg, compressed_to_rgb, depth_to_image_msg, image_to_rgb, make_pointcloud2,
                           odometry_msg, pose_to_msg, sensor_depth_array)
-from ..runtime.engine import FrameOutput, FrameSummary, InferenceEngine, InputFrame, StatusFields
+from ..runtime.engine import InferenceEngine
+from ..runtime.frames import FrameOutput, FrameSummary, InputFrame, StatusFields
 from ..runtime.mapping import PoseEntry
 from ..runtime.multi_map import MapAligner, Placement, transform_points, unpublished
 from ..runtime.params import DEFAULT_CAMERA_FRAME, NodeSettings
@@ -54,6 +55,7 @@ from ..runtime.worker import Command, Throttle
 NODE_NAME = "lingbot_map"
 ARRIVAL_WINDOW = 64  # images whose age on arrival /diagnostics summarises
 PLACED_FRAMES = 64  # frames whose placement is remembered until their clouds are published
+SETTINGS_WAIT_S = 0.5  # s; longest wait of a parameter set for the inference thread to take the new settings
 
 
 def stamp_seconds(stamp: TimeMsg) -> float:
@@ -101,7 +103,8 @@ class RosOutputs:
 
     def __init__(self, node: Node, settings: NodeSettings, prefix: str = "", placer: Placer | None = None,
                  camera: str = "", tf_settings: NodeSettings | None = None,
-                 tf_shared: SharedTf | None = None, pool: Callable[[], Any] | None = None) -> None:
+                 tf_shared: SharedTf | None = None, pool: Callable[[], Any] | None = None,
+                 output: Callable[[], OutputTransform] = OutputTransform) -> None:
         s = self.settings = settings
         self.node = node
         self.camera = camera
@@ -126,8 +129,9 @@ class RosOutputs:
                            shared=tf_shared)
         self._warn = node.get_logger().warning
         self._scale_wait_throttle = Throttle(5.0)
-        # how the engine publishes its model-unit path and map now (scale, map offset; set by the channel)
-        self.output: Callable[[], OutputTransform] = OutputTransform
+        # () -> how the engine publishes its model-unit path and map now (scale, map offset)
+        self.output = output
+        self._tf_override = {} if tf_settings is None else {"tf_mode": tf_settings.tf_mode}
         self._path_output = OutputTransform()
         self._path_version: int | None = None
         self.latest_stamp = TimeMsg()
@@ -136,6 +140,12 @@ class RosOutputs:
         self._path_dirty = False
         self._placed_lock = threading.Lock()
         self._placed: OrderedDict[int, Placement] = OrderedDict()
+
+    def configure(self, s: NodeSettings) -> None:
+        """New settings (a parameter set; the engine hands them over on the inference thread). TF keeps
+        this camera's own tf_mode (several cameras: map_to_camera for all but the first)."""
+        self.settings = s
+        self.tf.settings = replace(s, **self._tf_override) if self._tf_override else s
 
     def wants(self, output: str) -> bool:
         if output == "points":
@@ -291,9 +301,8 @@ class CameraChannel:
         self.prefix = f"{name}/" if name else ""
         self.settings = settings
         self.log = node.get_logger().get_child(name) if name else node.get_logger()
-        self._tf_override = {} if tf_settings is None else {"tf_mode": tf_settings.tf_mode}
         self.outputs = RosOutputs(node, settings, self.prefix, placer, camera=name, tf_settings=tf_settings,
-                                  tf_shared=tf_shared, pool=pool)
+                                  tf_shared=tf_shared, pool=pool, output=self._engine_output)
         self.engine: InferenceEngine | None = None
         self.camera_info: CameraInfo | None = None
         self.camera_model: CameraModel | None = None
@@ -309,10 +318,13 @@ class CameraChannel:
         self.engine = InferenceEngine(session, s, self.outputs, self.log, now=now,
                                       odom_position=self.outputs.tf.camera_position,
                                       camera_pose=self.outputs.tf.camera_pose)
-        self.outputs.output = lambda: self.engine.output
         if s.scale_source == "odometry" or s.on_lost == "reset":
             self.outputs.tf.start()  # its buffer serves the odom -> camera look-ups (scale, lost-reset map)
         return self.engine
+
+    def _engine_output(self) -> OutputTransform:
+        """How the engine publishes now (``engine.output``; identity before it exists)."""
+        return self.engine.output if self.engine is not None else OutputTransform()
 
     def subscribe(self, group, accept: Callable[[Any, Callable], None] | None = None,
                   convert_raw: Callable = image_to_rgb, convert_compressed: Callable = compressed_to_rgb) -> None:
@@ -352,16 +364,15 @@ class CameraChannel:
 
     # -------------------------------------------------------------- settings
     def apply_settings(self, s: NodeSettings) -> None:
-        """Run-time parameter changes (executor thread), checked by the node before."""
-        self.settings = self.outputs.settings = s
-        self.outputs.tf.settings = replace(s, **self._tf_override) if self._tf_override else s
+        """Run-time parameter changes (executor thread), checked by the node before: the channel's own
+        copy here, the engine's and the outputs' as a value through the engine's queue (they take
+        effect between two items). Waits up to SETTINGS_WAIT_S for the inference thread to take them
+        (about one step), so that a read right after the set sees them; a longer step (the first
+        frame's compilation) is not waited for."""
+        self.settings = s
         if s.publish_tf or s.on_lost == "reset":
             self.outputs.tf.start()  # the tf2 broadcaster/listener, made once, on this (executor) thread
-        engine = self.engine
-        engine_deferred = engine.settings.deferred_eviction
-        engine.settings = replace(s, deferred_eviction=engine_deferred)
-        if s.deferred_eviction != engine_deferred:
-            engine.submit("set_deferred_eviction", lambda: engine.set_deferred_eviction(s.deferred_eviction))
+        self.engine.configure(s).wait(SETTINGS_WAIT_S)
 
     # -------------------------------------------------------------- input
     def camera_frame(self, header_frame: str) -> str:
@@ -419,10 +430,9 @@ class CameraChannel:
 
     # -------------------------------------------------------------- timers
     def beat(self, clock_problem: str) -> None:
-        """1 Hz: the clock state for the engine's status, and a heartbeat when the last one ran."""
-        self.engine.clock_problem = clock_problem
+        """1 Hz: a heartbeat (with the clock state for its status text) when the last one ran."""
         if self._heartbeat is None or self._heartbeat.wait(0):
-            self._heartbeat = self.engine.heartbeat()
+            self._heartbeat = self.engine.heartbeat(clock_problem)
 
     # -------------------------------------------------------------- services
     def run(self, name: str, fn) -> tuple[bool, Any, str]:

@@ -98,12 +98,13 @@ from lingbot_map_ros.srv import SaveMap
 from ..config import ConfigError
 from ..io.map_save import MAP_FILE, MapSaveError
 from ..robot.map_offset import OutputTransform
-from ..runtime.engine import SaveError, StatusFields, write_map_files
+from ..runtime.frames import StatusFields
 from ..runtime.multi_map import MapAligner, base_motion_from_odometry, own_map_frame, transform_points, transform_poses
 from ..runtime.multi_save import CameraMap, SavedMaps, save_camera_maps
 from ..runtime.params import (CAMERA_PARAMETERS, CAMERA_PREFIX, PARAMETERS, NodeSettings, Param, apply_camera_dynamic,
                               apply_dynamic, camera_param_name, camera_values, resolve_camera_settings,
                               resolve_settings)
+from ..runtime.saving import SaveError, write_map_files
 from ..runtime.scheduler import CameraScheduler
 from ..stream.multi import PoolStatus
 from .camera_channel import NODE_NAME, AlignedPlacer, CameraChannel, diag, qos_profile, stamp_seconds

@@ -53,225 +53,60 @@ the health's motion checks stay in model units; the scale ``s`` (metres per mode
 ``applied_scale``; 1 until the source converged) multiplies what leaves: the frame's
 ``T_map_cam`` translation (pose, odometry, TF, ~/frame), its points and depth, the path
 and the map at publication (node) and both saved files. Frames published before the
-scale converged keep model units. Distorted cameras: each frame is undistorted with its
-``InputFrame.camera`` before preprocessing (parameter ``undistort``): on the session's device
-when that is a GPU (the frame goes there anyway: bytes up, remap, resize and crop there,
-``robot/undistort.model_input_torch``), else with numpy on the host.
+scale converged keep model units. Distorted cameras are undistorted before preprocessing
+(``model_input``). Intrinsics (``robot/intrinsics.py``): ``focal`` keeps the model's focal
+lengths of the last frames in input-image pixels, for /diagnostics to compare with CameraInfo's.
 
-Intrinsics (``robot/intrinsics.py``): ``focal`` keeps the model's focal lengths of the last
-frames in input-image pixels, for /diagnostics to compare with CameraInfo's.
+The engine orchestrates parts with one job each, every one tested alone:
+``stamps.StampGate`` (which frames may enter, by stamp and age), ``decisions.KeyframeDecisions``
+(hold, its deadline, the motion reference, the deferral deadline), ``anchor.MapAnchor`` (metric
+scale, lost-reset alignment: the ``OutputTransform`` of what leaves), ``model_input.ModelInput``
+(undistortion and preprocessing), ``clouds`` (a frame's point cloud and depth image, confidence
+statistics), ``status`` (the ~/status fields), ``saving`` (~/save_map's snapshot and files).
+Settings changes arrive as values through the queue (``configure``): no other thread writes
+the engine's state.
 """
 from __future__ import annotations
 
-import enum
 import gc
-import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Callable
 
 import numpy as np
 
-from ..geometry import optical_pose_to_map, points_to_map, rotation_angle_deg, unproject_pixels
-from ..io.map_save import MAP_FILE, TRAJECTORY_FILE, MapSaveError, save_map_pair
-from ..io.preprocess import model_input, target_size
+from ..geometry import optical_pose_to_map, rotation_angle_deg
 from ..robot.health import HealthStatus, TrackingHealth, TrackingState, config_from_parameters
 from ..robot.intrinsics import FocalTracker
-from ..robot.map_offset import OutputTransform, SequenceAnchor, invert_rigid, odometry_alignment
-from ..robot.undistort import CameraModel, Undistorter
-from ..robot.scale import DepthScaleEstimator, FixedScale, OdometryScaleEstimator, scale_depth
 from ..stream import CacheFullError, FrameMismatchError, FrameResult, InvalidFrameError, Session, SessionError
+from .anchor import Lookup, MapAnchor
+from .clouds import ConfidenceSample, frame_clouds
+from .decisions import KeyframeDecisions
+from .frames import FrameOutput, FrameSummary, InputFrame, Logger, Sink, State
 from .mapping import MapAccumulator, PoseEntry, Trajectory
+from .model_input import ModelInput, gpu_device
 from .output_worker import OutputWorker
 from .params import NodeSettings
+from .saving import SaveError, SaveSnapshot, write_map_files
+from .stamps import ZERO_STAMP_WARNING, StampGate
+from .status import HEARTBEAT_PERIOD, Latency, Tracking, release_device_memory, status_fields
 from .worker import Command, Counters, RateMeter, Throttle, WorkQueue
 
 WARN_PERIOD = 5.0  # seconds between two warnings of one kind
-MAX_RESIZE_ASPECT = 8  # an image is resized to image_width x (at most this many times image_width) before cropping
-HEARTBEAT_PERIOD = 1.0  # longest silence of ~/status
-CONFIDENCE_SAMPLE = 4  # ~/frame's confidence statistics read every 4th pixel (0.2 ms instead of 1 ms at 518x378)
-DEPTH_MATCH_S = 0.05  # scale_source depth: a sensor depth image counts for a colour image within 50 ms
-
-
-class State(enum.IntEnum):
-    """Mirrors the STATE_* constants of lingbot_map_ros/msg/Status."""
-
-    INITIALIZING = 0
-    TRACKING = 1
-    WAITING_FOR_IMAGES = 2
-    RESETTING = 3
-    ERROR = 4
-
-
-class Logger(Protocol):
-    def debug(self, message: str) -> Any: ...
-    def info(self, message: str) -> Any: ...
-    def warning(self, message: str) -> Any: ...
-    def error(self, message: str) -> Any: ...
-
-
-@dataclass
-class InputFrame:
-    """A converted image waiting for inference."""
-
-    rgb: np.ndarray  # [H, W, 3] uint8 RGB, as received
-    stamp: Any  # the image's builtin_interfaces/Time
-    stamp_s: float  # the same, in seconds
-    camera_frame: str  # optical frame id of the image
-    convert_ms: float = 0.0  # message -> array time
-    preprocess_ms: float = 0.0  # set by the engine
-    camera: CameraModel | None = None  # the latest camera_info when the frame arrived (undistortion)
-
-
-@dataclass
-class FrameOutput:
-    """What the sink publishes for one processed frame (map frame, image stamp)."""
-
-    frame_index: int  # 1-based since start/reset
-    stamp: Any
-    stamp_s: float
-    camera_frame: str
-    is_keyframe: bool
-    T_map_cam: np.ndarray  # [4, 4] camera optical frame -> map
-    intrinsics: np.ndarray  # [3, 3] at the depth resolution, pixels
-    depth: np.ndarray | None  # [H, W] float32 z-depth, NaN where not > 0; None when nobody wants it
-    points: np.ndarray | None  # [N, 3] float32 in the map frame; None when not computed
-    colors: np.ndarray | None  # [N, 3] uint8 RGB
-    confidence: np.ndarray | None  # [N] float32
-    covariance: np.ndarray | None = None  # [36] float64 row-major 6x6 pose covariance (x y z roll pitch yaw)
-    scale: float = 1.0  # metres per model unit applied to T_map_cam, points and depth (1 = model units)
-    scale_ready: bool = True  # False while an estimated scale has not converged (TF may wait, see node)
-
-
-@dataclass
-class StatusFields:
-    """Fields of lingbot_map_ros/msg/Status except the header (same names)."""
-
-    state: int = 0
-    state_text: str = ""
-    frame_index: int = 0
-    window_index: int = 0
-    is_keyframe: bool = False
-    deferred_eviction: bool = False
-    pending_evictions: int = 0
-    stored_frames: int = 0
-    temporal_index: int = 0
-    scale_pages: int = 0
-    window_pages: int = 0
-    free_pages: int = 0
-    special_tokens: int = 0
-    latency_preprocess_ms: float = 0.0
-    latency_model_ms: float = 0.0
-    latency_postprocess_ms: float = 0.0
-    latency_publish_ms: float = 0.0
-    latency_total_ms: float = 0.0
-    gpu_memory_allocated_mb: float = 0.0
-    gpu_memory_reserved_mb: float = 0.0
-    frames_received: int = 0
-    frames_processed: int = 0
-    frames_dropped_stale: int = 0
-    frames_dropped_invalid: int = 0
-    frames_dropped_error: int = 0
-    frames_dropped_stamp: int = 0
-    time_jumps: int = 0
-    evictions_auto_committed: int = 0
-    decision_pending: bool = False
-    decisions_kept: int = 0
-    decisions_dropped: int = 0
-    decisions_timed_out: int = 0
-    decisions_refused: int = 0
-    tracking_state: str = "initializing"
-    tracking_reasons: str = ""
-    lost_resets: int = 0
-    scale: float = 1.0
-    scale_source: str = "none"
-    scale_spread: float = 0.0
-    scale_converged: bool = False
-
-
-@dataclass
-class FrameSummary:
-    """Fields of lingbot_map_ros/msg/FrameInfo except header and pose (same names), plus the pose."""
-
-    frame_index: int
-    window_index: int
-    stored: bool
-    is_keyframe: bool
-    decision_pending: bool
-    pending_eviction_pages: int
-    confidence_mean: float
-    confidence_median: float
-    valid_fraction: float
-    translation_since_keyframe: float
-    rotation_since_keyframe_deg: float
-    latency_ms: float
-
-
-@dataclass
-class _Hold:
-    """A stored frame waiting for a keep/drop decision (keyframe_decision_timeout > 0)."""
-
-    index: int  # 1-based
-    deadline: float  # monotonic seconds
-
-
-@dataclass(frozen=True)
-class _GoodPose:
-    """The last frame published while the health was ``tracking`` (the anchor of a lost reset)."""
-
-    index: int  # 1-based frame index in its sequence
-    stamp: Any
-    stamp_s: float
-    camera_frame: str
-    T_map_cam: np.ndarray  # [4, 4] as published (scale and map offset applied)
-    metric: bool  # its translation was in metres (a metric scale was applied)
-
-
-@dataclass(frozen=True)
-class _PendingAlignment:
-    """A lost reset waiting for the new sequence's first results to place them."""
-
-    good: _GoodPose
-    T_odom_cam: np.ndarray  # [4, 4] metres, odometry at good.stamp
-
-
-class Sink(Protocol):
-    def wants(self, output: str) -> bool:
-        """Whether anyone consumes ``output`` ("points" or "depth") right now."""
-
-    def publish_frame(self, out: FrameOutput) -> None: ...
-    def publish_clouds(self, out: FrameOutput) -> None: ...  # points and depth of an already published frame
-    def publish_path(self, entries: list[PoseEntry]) -> None: ...
-    def publish_status(self, status: StatusFields, stamp: Any) -> None: ...
-    def publish_frame_info(self, info: FrameSummary, out: FrameOutput) -> None: ...
-
-
-class SaveError(RuntimeError):
-    """~/save_map cannot write what was asked."""
-
-
-@dataclass
-class _Latency:
-    preprocess: float = 0.0
-    model: float = 0.0
-    postprocess: float = 0.0
-    publish: float = 0.0
 
 
 class InferenceEngine:
-    """Owns the session and the node's per-sequence memory; runs on one thread."""
+    """A camera's session and per-sequence memory, driven by the one inference thread; see the
+    module docstring. ``odom_position`` / ``camera_pose``: (image stamp, camera optical frame) ->
+    the camera centre [3] / ``T_odom_cam`` [4, 4] in odom_frame (metres), or None when TF lacks
+    it; never waiting (``anchor.MapAnchor``)."""
 
     def __init__(self, session: Session, settings: NodeSettings, sink: Sink, log: Logger,
                  now: Callable[[], float], monotonic: Callable[[], float] = time.monotonic,
-                 odom_position: Callable[[Any, str], np.ndarray | None] | None = None,
-                 camera_pose: Callable[[Any, str], np.ndarray | None] | None = None) -> None:
-        """``odom_position`` / ``camera_pose``: (image stamp, camera optical frame) -> the camera
-        centre [3] / ``T_odom_cam`` [4, 4] in odom_frame (metres), or None when TF lacks it; never
-        waiting. The scale source uses the first given (a position from ``camera_pose`` otherwise),
-        the alignment after a lost reset needs ``camera_pose``."""
+                 odom_position: Lookup | None = None, camera_pose: Lookup | None = None) -> None:
         self.session = session
-        self.settings = settings
+        self.settings = settings  # in force on the inference thread; replaced through ``configure``
         self.sink = sink
         self.log = log
         self.now = now  # ROS time in seconds (image stamps live on this clock)
@@ -288,47 +123,30 @@ class InferenceEngine:
         self.state_text = "ready, waiting for images"
         self.last_stats = session.stats()
         self.last_intrinsics: tuple[np.ndarray, int, int] | None = None  # K, width, height of the model input
-        self._collected: list[InputFrame] = []  # pushed, waiting for their (scale-frame) results
-        self._last_stamp: Any = None
-        self._last_index = 0  # 1-based index of the last processed frame
-        self._warned_thinning = False
-        self._behind = False  # on_time_jump=drop: stamps are behind the last processed frame's
-        self._client_gone = False  # deferred_eviction_timeout passed: commit at once until a client commits
-        self.clock_problem = ""  # set by the node: "no clock: ..." while sim time does not advance
-        self._last_status_time = -float("inf")
-        self._last_stamp_s: float | None = None  # stamp of the last frame taken for inference (seconds)
-        self._pending_since: float | None = None  # monotonic time the oldest deferred eviction started waiting
-        self._hold: _Hold | None = None  # decision hold
-        self._decided: tuple[int, str] | None = None  # last decided frame (hold mode): (index, how)
-        self._last_stored_index = 0  # 1-based index of the newest stored frame still in the cache; 0 = none
-        self._keyframe_poses: list[tuple[int, np.ndarray]] = []  # (1-based index, T_map_cam) of stored frames
-        # tracking health (robot/health.py): judged once per processed frame on the model's own pose
-        self.health = TrackingHealth(config_from_parameters(settings))
-        self._health_settings = settings  # the settings the health's thresholds were read from
+        self.stamps = StampGate()
+        self.decisions = KeyframeDecisions(self.counters)
+        self.anchor = MapAnchor(settings.scale_source, settings.metric_scale, settings.conf_threshold,
+                                settings.odom_frame, log, self.throttle, odom_position, camera_pose)
+        self.inputs = ModelInput()
+        self.health = TrackingHealth(config_from_parameters(settings))  # judged once per processed frame
         self.tracking_reasons: tuple[str, ...] = ()
         self.lost_resets = 0  # sequences restarted by on_lost=reset (cleared by ~/reset)
-        # metric scale (robot/scale.py): the trajectory and the map stay in model units; published
-        # outputs and saved files are multiplied by ``applied_scale`` (1 until the source converged)
-        self.odom_position = odom_position  # (image stamp, camera frame) -> camera centre in odom [3] m, or None
-        self.camera_pose = camera_pose  # (image stamp, camera frame) -> T_odom_cam [4, 4] m, or None
-        # published map frame (robot/map_offset.py): scale and map offset of what leaves the engine
-        self.output = OutputTransform()  # replaced, never mutated (the node's timers read it)
-        self._output_anchor: SequenceAnchor | None = None  # the anchor ``output`` was made with
-        self.map_alignment = "origin at the first camera of the sequence"  # what the map frame is anchored to
-        self._anchor: SequenceAnchor | None = None  # this sequence's place in the map (after a lost reset)
-        self._last_good: _GoodPose | None = None  # kept across lost resets, cleared with the map frame
-        self._pending_alignment: _PendingAlignment | None = None
-        self._status_note = ""  # said once, in the next frame's status text
         self.focal = FocalTracker()  # the model's focal lengths in input pixels (diagnostics)
-        self.scale_source = _make_scale_source(settings)
-        self.applied_scale = 1.0
-        self._scale_window = 0  # session.window_index the estimator's samples belong to
-        self.undistorter = Undistorter()  # remap grids cached per CameraInfo
-        self.depth_cache = DepthCache()  # scale_source depth: the latest sensor depth images (node fills it)
-        self.frames_undistorted = 0
+        self._collected: list[InputFrame] = []  # pushed, waiting for their (scale-frame) results
+        self._last_index = 0  # 1-based index of the last processed frame
+        self._warned_thinning = False
+        self._last_status_time = -float("inf")
         # clouds, depth images and the map on their own thread (see output_worker.py)
         self.clouds_skipped = 0  # frames whose clouds the output thread dropped (it fell behind)
         self.outputs = OutputWorker(max_pending=2, on_skip=self._clouds_skipped, on_error=self._outputs_failed)
+
+    # what the node's timers and diagnostics read (each replaced as a whole, never mutated)
+    output = property(lambda self: self.anchor.output, doc="OutputTransform of what leaves the engine now")
+    map_alignment = property(lambda self: self.anchor.map_alignment, doc="what the map frame is anchored to")
+    applied_scale = property(lambda self: self.anchor.applied_scale, doc="metres per model unit applied")
+    scale_source = property(lambda self: self.anchor.scale_source, doc="the scale source, None for none")
+    depth_cache = property(lambda self: self.anchor.depth_cache, doc="sensor depth images (scale_source depth)")
+    frames_undistorted = property(lambda self: self.inputs.frames_undistorted)
 
     # ------------------------------------------------------------------ producer side (any thread)
     def submit_frame(self, frame: InputFrame) -> None:
@@ -350,28 +168,35 @@ class InferenceEngine:
         """Queue ``fn`` to run on the inference thread between frames; wait on the result."""
         return self.queue.put_command(Command(name, fn))
 
-    def heartbeat(self) -> Command:
-        """Queue a status publication (state WAITING_FOR_IMAGES when the input went quiet)."""
-        return self.submit("heartbeat", self._heartbeat)
+    def configure(self, settings: NodeSettings) -> Command:
+        """Hand new settings (a parameter set) to the inference thread: they take effect between two
+        items, the sink's with them (``Sink.configure``). The deferral in force stays until
+        ``settings.deferred_eviction`` differs from it (then it is set as by ~/set_deferred_eviction)."""
+        return self.submit("settings", lambda: self._configure(settings))
+
+    def heartbeat(self, clock_problem: str = "") -> Command:
+        """Queue a status publication (state WAITING_FOR_IMAGES when the input went quiet);
+        ``clock_problem`` ("no clock: ...") is added to its text."""
+        return self.submit("heartbeat", lambda: self._heartbeat(clock_problem))
 
     def seconds_since_input(self) -> float | None:
         last = self.input_rate.last()
         return None if last is None else self.monotonic() - last
 
-    # ------------------------------------------------------------------ driven by the scheduler
     def stop(self, timeout: float = 5.0) -> None:
         """Close the queue (pending commands are cancelled) and drain and stop the output thread;
         ``CameraScheduler.stop`` calls it once its inference thread has left."""
         self.queue.close()
         self.outputs.stop(timeout)
 
+    # ------------------------------------------------------------------ driven by the scheduler
     def run_once(self, timeout: float = 0.0) -> bool:
         """Process one queued item; False when nothing came within ``timeout`` seconds.
 
         While a frame is held for a keep/drop decision only commands are taken (a frame that
         arrives waits in the latest-frame slot) until the decision or its deadline."""
         self._check_hold_deadline()
-        hold = self._hold
+        hold = self.decisions.hold
         if hold is not None:
             timeout = max(0.0, min(timeout, hold.deadline - self.monotonic()))
         item = self.queue.get(timeout, frames=hold is None)
@@ -387,7 +212,6 @@ class InferenceEngine:
                 self.log.error(f"unexpected error while handling a frame: {type(exc).__name__}: {exc}")
         return True
 
-    # ------------------------------------------------------------------ frames
     def _process(self, frame: InputFrame) -> None:
         image = self._admit(frame)
         if image is None:
@@ -398,15 +222,14 @@ class InferenceEngine:
             return self._push_failed(frame, exc)
         self._pushed(frame, results)
 
-    # the two halves of ``_process`` around the session's step, so that a scheduler can run
-    # several cameras' steps together (``CameraScheduler(batch=...)``: ``take_batch_frame``,
-    # ``admit``, the batched submit, then ``complete`` with each camera's outcome) or overlap
-    # one camera's step with the next camera's (``pipeline=True``: ``launch`` for the submit)
+    # the parts of ``_process`` around the session's step, so that the scheduler can run several
+    # cameras' steps together (``take_batch_frame``, ``admit``, the batched submit, ``complete``) or
+    # overlap one camera's step with the next camera's (``launch`` for the submit)
     def take_batch_frame(self) -> InputFrame | None:
         """The waiting frame, taken, when this camera's next item is a frame that may run now
         (no keep/drop decision held, no command queued); else None and nothing is taken."""
         self._check_hold_deadline()
-        if self._hold is not None:
+        if self.decisions.hold is not None:
             return None
         return self.queue.take_frame()
 
@@ -421,9 +244,8 @@ class InferenceEngine:
             return None
 
     def launch(self, image: Any) -> Any:
-        """Submit an admitted frame's step without waiting for it (pipelined steps,
-        ``CameraScheduler(pipeline=True)``): its pending results, or the exception the submit
-        raised, for ``complete``."""
+        """Submit an admitted frame's step without waiting for it (pipelined steps): its pending
+        results, or the exception the submit raised, for ``complete``."""
         try:
             return self.session.submit(image)
         except Exception as exc:  # as push would raise it: complete() reports it
@@ -443,19 +265,29 @@ class InferenceEngine:
         except Exception as exc:  # never let the inference thread die
             self.log.error(f"unexpected error while handling a frame: {type(exc).__name__}: {exc}")
 
+    # ------------------------------------------------------------------ frames
     def _admit(self, frame: InputFrame) -> Any | None:
         s = self.settings
-        if s.max_frame_age > 0 and self.now() - frame.stamp_s > s.max_frame_age:
-            self.counters.add("frames_dropped_stale")
-            self.throttle.emit(self.log.warning, f"dropped a frame older than max_frame_age={s.max_frame_age} s "
-                                                 f"(age {self.now() - frame.stamp_s:.2f} s)", kind="too old")
+        verdict = self.stamps.check(frame.stamp_s, self.now(), s.max_frame_age, s.time_jump_threshold,
+                                    s.on_time_jump)
+        if verdict.zero_stamp:  # processed once (a later zero stamp is a repeat), never silently
+            self.throttle.emit(self.log.warning, ZERO_STAMP_WARNING, kind="zero stamp")
+        if verdict.time_jump:
+            self.counters.add("time_jumps")
+        if not verdict.accept:
+            self.counters.add(verdict.counter)
+            self.throttle.emit(self.log.warning, verdict.reason, kind=verdict.kind)
+            if verdict.status:
+                self._publish_status(verdict.reason, frame.stamp)
             return None
-        if not self._stamp_ok(frame):
-            return None
+        if verdict.new_sequence:  # on_time_jump=reset
+            self.log.warning(verdict.reason)
+            self._clear_sequence()
+            self._set_state(State.INITIALIZING, "time jump: new sequence")
         self._check_deferral_deadline()
         t0 = time.perf_counter()
         try:
-            image = self._model_image(frame)
+            image = self.inputs.image(frame, s.image_width, s.undistort, gpu_device(self.session))
         except ValueError as exc:
             self._drop_invalid(frame.stamp, str(exc))
             return None
@@ -465,9 +297,13 @@ class InferenceEngine:
             self._drop_invalid(frame.stamp, f"image {frame.rgb.shape[1]}x{frame.rgb.shape[0]}: {exc}")
             return None
         frame.preprocess_ms = frame.convert_ms + (time.perf_counter() - t0) * 1e3
-        self._last_stamp, self._last_stamp_s = frame.stamp, frame.stamp_s
+        self.stamps.taken(frame.stamp, frame.stamp_s)
         self._collected.append(frame)
         return image
+
+    def undistort_device(self) -> Any:
+        """The session's device when undistortion should run there (not the CPU), else None."""
+        return gpu_device(self.session)
 
     def _push_failed(self, frame: InputFrame, exc: Exception) -> None:
         if isinstance(exc, CacheFullError):
@@ -487,35 +323,6 @@ class InferenceEngine:
         self._note_pending()
         _freeze_long_lived_objects()
 
-    def _model_image(self, frame: InputFrame) -> Any:
-        """What to push for ``frame``: uint8 [H, W, 3] when it is already the model's size, float32
-        [3, H', W'] otherwise, on the host; undistorted first when its camera is distorted (the
-        model assumes a pinhole camera), on the session's device when that is a GPU (a float
-        tensor there). Raises ValueError with the reason to report (camera_info of another size,
-        an image too tall to resize)."""
-        s = self.settings
-        camera = frame.camera if s.undistort and frame.camera is not None and frame.camera.distorted else None
-        if camera is not None:
-            camera.check_image(*frame.rgb.shape[:2])  # "CameraInfo is WxH (WxH) but the image is ..."
-        try:
-            _check_resize(frame.rgb.shape, s.image_width)
-            if camera is None:
-                return model_input(frame.rgb, s.image_width)  # uint8 as it came when no resize is needed
-            device = self.undistort_device()
-            if device is not None:
-                image = self.undistorter.model_input_torch(frame.rgb, camera, s.image_width, device)
-            else:
-                image = model_input(self.undistorter.undistort(frame.rgb, camera), s.image_width)
-        except ValueError as exc:
-            raise ValueError(f"cannot preprocess the image: {exc}") from None
-        self.frames_undistorted += 1
-        return image
-
-    def undistort_device(self) -> Any:
-        """The session's device when undistortion should run there (not the CPU), else None."""
-        device = getattr(self.session, "device", None)
-        return device if device is not None and getattr(device, "type", "cpu") != "cpu" else None
-
     def _handle_results(self, results: list[FrameResult], frames: list[InputFrame]) -> None:
         stored = results[0].is_keyframe
         bad = [r.frame_index + 1 for r in results if not np.isfinite(r.c2w).all()]
@@ -525,7 +332,7 @@ class InferenceEngine:
                 try:
                     self.session.rollback_last_frame(results[-1].frame_index)
                     note = "rolled back from the cache"
-                    self._forget_keyframes_from(results[0].frame_index + 1)
+                    self.decisions.forget_from(results[0].frame_index + 1)
                 except SessionError as exc:
                     note = f"could not be rolled back ({exc})"
             dropped = len(results) if stored else len(bad)
@@ -536,8 +343,8 @@ class InferenceEngine:
             self._publish_status(f"dropped frame(s) {bad}: non-finite pose", frames[-1].stamp)
             self._reset_if_lost(frames[-1].stamp)
             return
-        if self._pending_alignment is not None:
-            self._align_sequence(results, frames)
+        if self.anchor.aligning:
+            self.anchor.align(results, frames)
         if stored and self.map is not None:
             first, acc = results[0].frame_index, self.map
             self.outputs.op(lambda: acc.protect_from(first))
@@ -547,8 +354,8 @@ class InferenceEngine:
         for r, frame in zip(results, frames):
             published |= self._publish_result(r, frame, hold)
         if hold and published:
-            self._hold = _Hold(results[0].frame_index + 1, self.monotonic() + self.settings.keyframe_decision_timeout)
-            self._decided = None
+            self.decisions.start_hold(results[0].frame_index + 1,
+                                      self.monotonic() + self.settings.keyframe_decision_timeout)
         if published and self.settings.publish_path:
             self.sink.publish_path(self.trajectory.entries())
         self.last_stats = self.session.stats()
@@ -571,14 +378,13 @@ class InferenceEngine:
         index = r.frame_index + 1
         self.trajectory.append(PoseEntry(r.frame_index, frame.stamp, frame.stamp_s, T_map_cam))
         self.focal.add(r.intrinsics, (w, h), (frame.rgb.shape[1], frame.rgb.shape[0]))
-        conf_stats = _ConfidenceSample(r.confidence, self.settings.conf_threshold)
+        conf_stats = ConfidenceSample(r.confidence, self.settings.conf_threshold)
         self._judge_health(conf_stats.valid, r.c2w)
-        scale, ready = self._update_scale(T_map_cam, frame, r)
-        transform = self.output  # scale and map offset of this frame's outputs
+        scale, ready = self.anchor.update_scale(T_map_cam, frame, r, self.session.window_index)
+        transform = self.anchor.output  # scale and map offset of this frame's outputs
         T_out = transform.pose(T_map_cam)
         if self.health.state == TrackingState.TRACKING:
-            metric = ready and self.settings.scale_source != "none"
-            self._last_good = _GoodPose(index, frame.stamp, frame.stamp_s, frame.camera_frame, T_out, metric)
+            self.anchor.good(index, frame, T_out, ready)
         t1 = time.perf_counter()
         pose = FrameOutput(index, frame.stamp, frame.stamp_s, frame.camera_frame, r.is_keyframe, T_out,
                            r.intrinsics, None, None, None, None,
@@ -592,10 +398,10 @@ class InferenceEngine:
         self.output_rate.tick()
         self._last_index = index
         self._set_state(State.TRACKING, "tracking")
-        latency = _Latency(preprocess=frame.preprocess_ms, model=r.timings.get("model_ms", 0.0),
-                           postprocess=r.timings.get("postprocess_ms", 0.0) + (t1 - t0) * 1e3,
-                           publish=(t2 - t1) * 1e3)
-        note, self._status_note = self._status_note, ""
+        latency = Latency(preprocess=frame.preprocess_ms, model=r.timings.get("model_ms", 0.0),
+                          postprocess=r.timings.get("postprocess_ms", 0.0) + (t1 - t0) * 1e3,
+                          publish=(t2 - t1) * 1e3)
+        note = self.anchor.take_note()
         self._publish_status(self.state_text + (f"; {note}" if note else ""), frame.stamp, frame_index=index,
                              is_keyframe=r.is_keyframe, latency=latency, stamp_s=frame.stamp_s)
         self.log.debug(f"frame {index}{' (keyframe)' if r.is_keyframe else ''}: preprocess {latency.preprocess:.1f} "
@@ -604,14 +410,13 @@ class InferenceEngine:
         return True
 
     def _publish_frame_summary(self, r: FrameResult, pose: FrameOutput, hold: bool,
-                               conf_stats: "_ConfidenceSample | None" = None) -> None:
+                               conf_stats: ConfidenceSample | None = None) -> None:
         """~/frame: what a keyframe client needs about this frame (see msg/FrameInfo.msg); also notes
         a stored frame's pose as the reference of the next frames' motion."""
         index = r.frame_index + 1
-        ref = self._keyframe_poses[-1][1] if self._keyframe_poses else None
+        ref = self.decisions.reference()
         if r.is_keyframe:
-            self._last_stored_index = index
-            self._keyframe_poses = self._keyframe_poses[-7:] + [(index, pose.T_map_cam)]
+            self.decisions.stored(index, pose.T_map_cam)
         if not self.sink.wants("frame"):
             return
         translation = rotation = 0.0
@@ -628,86 +433,8 @@ class InferenceEngine:
             translation_since_keyframe=translation, rotation_since_keyframe_deg=rotation,
             latency_ms=max(0.0, (self.now() - pose.stamp_s) * 1e3)), pose)
 
-    def _update_scale(self, T_map_cam: np.ndarray, frame: InputFrame, r: FrameResult) -> tuple[float, bool]:
-        """Feed the scale source with this frame; (scale to apply, whether it is ready). The model's
-        position is the camera centre in the map frame (model units), the odometry's the camera
-        centre in odom_frame (metres) at the image stamp."""
-        src = self.scale_source
-        if src is None:
-            return 1.0, True
-        window = self.session.window_index
-        if window != self._scale_window:
-            self._scale_window = window
-            src.restart_window()
-        if isinstance(src, OdometryScaleEstimator) and (self.odom_position or self.camera_pose) is not None:
-            odom = self._odom_position(frame)
-            if odom is None:
-                self.throttle.emit(self.log.warning, "scale_source odometry: no odom -> camera transform at the "
-                                   "image stamp; this frame gives no scale sample", kind="odom missing")
-            else:
-                src.update(T_map_cam[:3, 3], odom)
-        if isinstance(src, DepthScaleEstimator) and r.depth is not None and r.confidence is not None:
-            sensor = self.depth_cache.nearest(frame.stamp_s)
-            if sensor is None:
-                self.throttle.emit(self.log.warning, f"scale_source depth: no depth image within "
-                                   f"{1e3 * DEPTH_MATCH_S:.0f} ms of the colour image; no scale sample",
-                                   kind="depth missing")
-            else:
-                try:
-                    src.update(r.depth, r.confidence, sensor, frame.rgb.shape[:2])
-                except ValueError as exc:
-                    self.throttle.emit(self.log.warning, f"depth image unusable for the scale: {exc}",
-                                       kind="depth bad")
-        value = src.scale
-        converged = value is not None and src.converged  # an estimator holds its value while refitting
-        if converged and value != self.applied_scale:
-            self.log.info(f"metric scale {value:.4f} m per model unit ({src.source}, spread {src.spread:.3f})")
-        self.applied_scale = float(value) if converged else 1.0
-        self._refresh_output()
-        return self.applied_scale, converged
-
-    def _odom_position(self, frame: InputFrame) -> np.ndarray | None:
-        """Camera centre [3] in odom_frame (metres) at the frame's stamp, or None."""
-        try:
-            if self.odom_position is not None:
-                return self.odom_position(frame.stamp, frame.camera_frame)
-            pose = self.camera_pose(frame.stamp, frame.camera_frame)
-            return None if pose is None else np.asarray(pose, dtype=np.float64)[:3, 3]
-        except Exception as exc:  # a look-up must never cost the frame
-            self.throttle.emit(self.log.warning, f"odometry look-up for the scale failed: {exc}", kind="odom")
-            return None
-
-    def _odom_pose(self, stamp: Any, camera_frame: str) -> np.ndarray | None:
-        """``T_odom_cam`` [4, 4] (metres) at ``stamp`` through ``camera_pose``, or None (no look-up,
-        not in TF, or not a finite [4, 4] transform)."""
-        if self.camera_pose is None:
-            return None
-        try:
-            pose = self.camera_pose(stamp, camera_frame)
-        except Exception as exc:  # a look-up must never cost the frame
-            self.throttle.emit(self.log.warning, f"odometry look-up for the map alignment failed: {exc}",
-                               kind="odom pose")
-            return None
-        if pose is None:
-            return None
-        pose = np.asarray(pose, dtype=np.float64)
-        return pose if pose.shape == (4, 4) and np.isfinite(pose).all() else None
-
-    def _refresh_output(self) -> None:
-        """``output`` from the applied scale and this sequence's anchor (a new object only on a change)."""
-        scale, anchor = self.applied_scale, self._anchor
-        if self.output.scale == scale and (anchor is None) == (self.output.offset is None) and (
-                anchor is None or self._output_anchor is anchor):
-            return
-        self.output = OutputTransform(scale, None if anchor is None else anchor.offset(scale))
-        self._output_anchor = anchor
     def _judge_health(self, valid_fraction: float | None, c2w: np.ndarray | None, finite: bool = True) -> HealthStatus:
         """Update the tracking health with one frame (``c2w`` [4, 4] in model units, OpenCV world)."""
-        if self.settings is not self._health_settings:  # the node replaced them (a parameter set)
-            self._health_settings = self.settings
-            config = config_from_parameters(self.settings)  # checked when the settings were made
-            if config != self.health.config:
-                self.health.reconfigure(config)
         status = self.health.update(valid_fraction, c2w, finite=finite)
         self.tracking_reasons = status.reasons
         if status.changed:
@@ -720,104 +447,39 @@ class InferenceEngine:
 
     def _reset_if_lost(self, stamp: Any) -> None:
         """on_lost=reset: a lost track starts a new sequence (logged, counted in lost_resets), placed
-        in the same map frame through odometry when it can be (see ``_align_sequence``)."""
+        in the same map frame through odometry when it can be (``MapAnchor``)."""
         if self.settings.on_lost != "reset" or self.health.state != TrackingState.LOST:
             return
         reasons = ", ".join(self.tracking_reasons) or "lost"
         self.lost_resets += 1
-        good, why = self._last_good, ""
-        odom = None
-        if good is None:
-            why = "no pose was tracked since the map frame started"
-        elif self.camera_pose is None:
-            why = "no odometry look-up (odom_frame -> camera TF) is available to the engine"
-        else:
-            odom = self._odom_pose(good.stamp, good.camera_frame)
-            if odom is None:
-                why = (f"no TF {self.settings.odom_frame} -> {good.camera_frame} at the last good pose's stamp "
-                       f"{good.stamp_s:.3f} s")
+        pending, why = self.anchor.lost()
         self._clear_sequence(keep_map_frame=True)
-        if odom is not None:
-            self._pending_alignment = _PendingAlignment(good, odom)
+        if pending is not None:
+            self.anchor.continue_from(pending)
             self.log.warning(f"tracking lost ({reasons}): on_lost=reset, starting a new sequence; it continues the "
-                             f"map from the last good pose (frame {good.index}) through odometry")
+                             f"map from the last good pose (frame {pending.good.index}) through odometry")
             text = f"tracking lost ({reasons}): new sequence, aligned to the last good pose through odometry"
         else:
-            self._new_map_origin()
+            self.anchor.new_origin()
             self.throttle.emit(self.log.warning, f"tracking lost ({reasons}): on_lost=reset starts a new sequence at "
                                f"a NEW map origin (the map frame jumps): {why}", kind="lost origin")
             text = f"tracking lost ({reasons}): new sequence at a new map origin ({why})"
         self._set_state(State.INITIALIZING, text)
         self._publish_status(self.state_text, stamp)
 
-    def _align_sequence(self, results: list[FrameResult], frames: list[InputFrame]) -> None:
-        """Place a sequence started by a lost reset in the map: its first frame with odometry ``a``
-        gets ``T_map_cam(good) · inv(T_odom_cam(good)) · T_odom_cam(a)`` (``robot/map_offset.py``)."""
-        pending, self._pending_alignment = self._pending_alignment, None
-        good = pending.good
-        for r, frame in zip(results, frames):
-            odom = self._odom_pose(frame.stamp, frame.camera_frame)
-            if odom is None:
-                continue
-            base = odometry_alignment(good.T_map_cam, pending.T_odom_cam, odom)
-            self._anchor = SequenceAnchor(base, optical_pose_to_map(r.c2w))
-            self._refresh_output()
-            motion = invert_rigid(pending.T_odom_cam) @ odom
-            moved = float(np.linalg.norm(motion[:3, 3]))
-            turned = float(rotation_angle_deg(np.eye(3), motion[:3, :3]))
-            self.map_alignment = (f"continued from frame {good.index} of the previous sequence through odometry "
-                                  f"(moved {moved:.3f} m, turned {turned:.1f} deg in between)")
-            self.log.info(f"new sequence placed in the map: {self.map_alignment}")
-            self._status_note = "map continued from the last good pose through odometry"
-            if not good.metric and moved > 0:
-                self.throttle.emit(self.log.warning, f"on_lost=reset alignment: the odometry moved {moved:.3f} m "
-                                   "between the last good pose and the new sequence, added in model units (no "
-                                   "metric scale was applied: scale_source none or not converged): the new "
-                                   "sequence's position is off by the model's scale error times that motion",
-                                   kind="align units")
-            return
-        stamps = ", ".join(f"{f.stamp_s:.3f}" for f in frames)
-        why = f"no TF {self.settings.odom_frame} -> {frames[0].camera_frame} at its first frames' stamps ({stamps} s)"
-        self._new_map_origin()
-        self.throttle.emit(self.log.warning, f"on_lost=reset: the new sequence starts a NEW map origin (the map "
-                           f"frame jumps): {why}", kind="lost origin")
-        self._status_note = f"new map origin after a lost reset: {why}"
-
-    def _new_map_origin(self) -> None:
-        """The map frame restarts at this sequence's first camera (no anchor, no last good pose)."""
-        self._anchor = self._last_good = self._pending_alignment = None
-        self._refresh_output()
-        self.map_alignment = "origin at the first camera of the sequence"
-
-    def _forget_keyframes_from(self, index: int) -> None:
-        """Frames from 1-based ``index`` on left the cache: they are no motion reference any more."""
-        self._keyframe_poses = [(i, T) for i, T in self._keyframe_poses if i < index]
-        if self._last_stored_index >= index:
-            self._last_stored_index = 0
-
     def _publish_clouds(self, r: FrameResult, pose: FrameOutput, need_points: bool, need_depth: bool,
-                        transform: OutputTransform | None = None) -> None:
+                        transform=None) -> None:
         """Output thread: the frame's point cloud (~/points, map) and depth image; ``transform`` = the
         frame's scale and map offset (the map keeps the sequence's own frame and units)."""
         s = self.settings
-        points = colors = conf = depth = None
-        if need_points:
-            # the viewer's selection (confidence > threshold, then every stride-th), unprojected
-            # for the selected pixels only: select_points(unproject_depth(...)) at ~1/stride the work
-            index = np.flatnonzero(r.confidence.reshape(-1) > s.conf_threshold)[::s.point_stride]
-            pts = unproject_pixels(r.depth, r.intrinsics, r.c2w, index)  # OpenCV world
-            colors = r.colors(index)
-            points = points_to_map(pts.astype(np.float32))
-            conf = r.confidence.reshape(-1)[index].astype(np.float32)
-            if self.map is not None:
-                self.map.add(r.frame_index, points, colors)  # model units (transformed at publication and save)
-                self._warn_if_thinned()
-            points = (transform or OutputTransform(pose.scale)).points(points)
-        if need_depth:
-            depth = np.where(r.depth > 0, r.depth, np.nan).astype(np.float32)
-            if pose.scale != 1.0:
-                depth = scale_depth(depth, pose.scale).astype(np.float32)
-        self.sink.publish_clouds(replace(pose, depth=depth, points=points, colors=colors, confidence=conf))
+        out, for_map = frame_clouds(r, pose, need_points, need_depth, s.conf_threshold, s.point_stride, transform)
+        if for_map is not None and self.map is not None:
+            self.map.add(r.frame_index, *for_map)  # model units (transformed at publication and save)
+            if self.map.thinned and not self._warned_thinning:
+                self._warned_thinning = True
+                self.log.warning(f"the map reached map_max_points={s.map_max_points}: its older part is thinned "
+                                 "uniformly; raise map_voxel_size or map_max_points for a denser map")
+        self.sink.publish_clouds(out)
 
     def _clouds_skipped(self) -> None:
         self.clouds_skipped += 1
@@ -827,12 +489,7 @@ class InferenceEngine:
     def _outputs_failed(self, exc: Exception) -> None:
         self.log.error(f"unexpected error while publishing clouds: {type(exc).__name__}: {exc}")
 
-    def _warn_if_thinned(self) -> None:
-        if self.map is not None and self.map.thinned and not self._warned_thinning:
-            self._warned_thinning = True
-            self.log.warning(f"the map reached map_max_points={self.settings.map_max_points}: its older part is "
-                             "thinned uniformly; raise map_voxel_size or map_max_points for a denser map")
-
+    # ------------------------------------------------------------------ failures
     def _drop_invalid(self, stamp: Any, reason: str) -> None:
         self.counters.add("frames_dropped_invalid")
         self.throttle.emit(self.log.warning, f"dropped invalid image: {reason}")
@@ -852,12 +509,12 @@ class InferenceEngine:
         self.counters.add("frames_dropped_error", lost)
         text = f"inference failed: {type(exc).__name__}: {exc}"
         self.log.error(f"{text}; {lost} frame(s) lost, resetting the session (a new sequence starts)")
-        stamp = self._collected[-1].stamp if self._collected else self._last_stamp
+        stamp = self._collected[-1].stamp if self._collected else self.stamps.last_stamp
         self._set_state(State.ERROR, text)
         self._publish_status(text, stamp)
         try:
             self._clear_sequence()
-            _release_device_memory(self.session)
+            release_device_memory(self.session)
         except Exception as reset_exc:
             self._set_state(State.ERROR, f"{text}; reset failed: {type(reset_exc).__name__}: {reset_exc}")
             self.log.error(self.state_text)
@@ -879,34 +536,33 @@ class InferenceEngine:
         if self.settings.publish_path:
             self.sink.publish_path([])
         self.last_stats = self.session.stats()
-        self._hold = self._decided = self._pending_since = None
-        self._last_stored_index = 0
-        self._keyframe_poses = []
+        self.decisions.clear()
         self.health.reset()
         self.tracking_reasons = ()
-        if self.scale_source is not None:
-            self.scale_source.reset()
-        self.applied_scale = 1.0
-        self._scale_window = 0
         self.focal.clear()
-        if keep_map_frame:
-            self._anchor = self._pending_alignment = None
-            self._refresh_output()
-        else:
-            self._new_map_origin()
+        self.anchor.clear(keep_map_frame)
 
     # ------------------------------------------------------------------ commands (inference thread)
+    def _configure(self, settings: NodeSettings) -> None:
+        in_force = self.settings.deferred_eviction
+        self.settings = replace(settings, deferred_eviction=in_force)
+        config = config_from_parameters(settings)  # checked when the settings were made
+        if config != self.health.config:
+            self.health.reconfigure(config)
+        self.sink.configure(settings)
+        if settings.deferred_eviction != in_force:
+            self.set_deferred_eviction(settings.deferred_eviction)
+
     def reset(self) -> str:
         """Empty the cache, path, map and counters; the next image starts a new sequence."""
         self._set_state(State.RESETTING, "resetting")
-        self._publish_status(self.state_text, self._last_stamp)
+        self._publish_status(self.state_text, self.stamps.last_stamp)
         self._clear_sequence()
         self.counters.reset()
         self.lost_resets = 0
         self.input_rate.clear()
         self.output_rate.clear()
-        self._last_stamp = self._last_stamp_s = None
-        self._behind = False
+        self.stamps.clear()
         self._set_state(State.WAITING_FOR_IMAGES, "reset; waiting for images")
         self._publish_status(self.state_text, None)
         return "cache, path, map and counters cleared; the next image starts a new sequence"
@@ -914,10 +570,10 @@ class InferenceEngine:
     def set_deferred_eviction(self, enabled: bool) -> str:
         self.session.set_deferred_eviction(enabled)
         self.settings = replace(self.settings, deferred_eviction=enabled)
-        self._client_gone = False
+        self.decisions.client_back()
         self.last_stats = self.session.stats()
         self._note_pending()
-        self._publish_status(self.state_text, self._last_stamp)
+        self._publish_status(self.state_text, self.stamps.last_stamp)
         pending = self.last_stats.pending_evictions if self.last_stats else 0
         return f"deferred eviction {'on' if enabled else 'off'} ({pending} eviction(s) pending)"
 
@@ -926,14 +582,15 @@ class InferenceEngine:
         ``expected_frame_index``; 0 = whichever it is). With a decision hold this is the "keep"
         decision about the held frame. Returns the pages freed; raises SessionError (nothing
         changed) when the index names another frame or one already decided."""
-        held = self._check_decision(expected_frame_index, commit=True)
+        held = self.decisions.check(expected_frame_index, commit=True,
+                                    hold_mode=self.settings.keyframe_decision_timeout > 0)
         freed = self.session.commit_eviction()
-        self._client_gone = False
+        self.decisions.client_back()
         if held is not None:
-            self._decide(held, "kept")
+            self.decisions.decide(held, "kept")
         self.last_stats = self.session.stats()
         self._note_pending()
-        self._publish_status(self.state_text, self._last_stamp)
+        self._publish_status(self.state_text, self.stamps.last_stamp)
         return freed
 
     def rollback(self, expected_frame_index: int) -> int:
@@ -943,12 +600,13 @@ class InferenceEngine:
         the session forgot. With a decision hold this is the "drop" decision about the held
         frame. Returns its 1-based index; raises SessionError (nothing changed).
         """
-        held = self._check_decision(expected_frame_index)
+        held = self.decisions.check(expected_frame_index, commit=False,
+                                    hold_mode=self.settings.keyframe_decision_timeout > 0)
         index = self._rollback_stored(held if held is not None else expected_frame_index)
-        self._client_gone = False
+        self.decisions.client_back()
         if held is not None:
-            self._decide(held, "dropped")
-        self._publish_status(f"rolled back frame {index}", self._last_stamp, frame_index=self._last_index)
+            self.decisions.decide(held, "dropped")
+        self._publish_status(f"rolled back frame {index}", self.stamps.last_stamp, frame_index=self._last_index)
         return index
 
     def _rollback_stored(self, expected_frame_index: int) -> int:
@@ -967,7 +625,7 @@ class InferenceEngine:
                 acc.protect_from(forgotten_from)
 
             self.outputs.op(forget)
-        self._forget_keyframes_from(index + 1)
+        self.decisions.forget_from(index + 1)
         self._last_index = min(self._last_index, forgotten_from)
         self.last_stats = self.session.stats()
         self._note_pending()
@@ -975,37 +633,11 @@ class InferenceEngine:
             self.sink.publish_path(self.trajectory.entries())
         return index + 1
 
-    # ------------------------------------------------------------------ keyframe decisions
-    def _check_decision(self, expected: int, commit: bool = False) -> int | None:
-        """The held frame a decision is about (None without a hold); SessionError when ``expected``
-        (1-based, 0 = the latest) names another frame or a frame already decided (a rollback's index
-        is checked by the session)."""
-        hold = self._hold
-        if hold is not None:
-            if expected not in (0, hold.index):
-                self.counters.add("decisions_refused")
-                raise SessionError(f"frame {expected} is not the frame waiting for a decision ({hold.index}); "
-                                   "nothing changed")
-            return hold.index
-        if self._decided is not None and expected == self._decided[0]:
-            self.counters.add("decisions_refused")
-            raise SessionError(f"frame {expected} was already decided ({self._decided[1]}); nothing changed")
-        if commit and expected not in (0, self._last_stored_index):
-            if self.settings.keyframe_decision_timeout > 0:
-                self.counters.add("decisions_refused")
-            latest = self._last_stored_index or "none (nothing stored since the last reset or rollback)"
-            raise SessionError(f"the last stored frame is {latest}, not {expected}; nothing changed")
-        return None
-
-    def _decide(self, index: int, how: str) -> None:
-        self._hold = None
-        self._decided = (index, how)
-        self.counters.add({"kept": "decisions_kept", "dropped": "decisions_dropped"}.get(how, "decisions_timed_out"))
-
+    # ------------------------------------------------------------------ deadlines
     def _check_hold_deadline(self) -> None:
         """Apply keyframe_decision_default to a held frame whose decision did not come in time."""
-        hold = self._hold
-        if hold is None or self.monotonic() < hold.deadline:
+        hold = self.decisions.expired(self.monotonic())
+        if hold is None:
             return
         default = self.settings.keyframe_decision_default
         try:
@@ -1017,80 +649,35 @@ class InferenceEngine:
             note = ""
         except SessionError as exc:
             note = f" (could not be applied: {exc})"
-        self._decide(hold.index, f"{default} by timeout")
+        self.decisions.decide(hold.index, f"{default} by timeout")
         self.throttle.emit(self.log.warning, f"no decision about frame {hold.index} within keyframe_decision_timeout="
                            f"{self.settings.keyframe_decision_timeout} s: applied keyframe_decision_default={default}"
                            f"{note}", kind="decision timeout")
         self.last_stats = self.session.stats()
-        self._publish_status(f"frame {hold.index}: {default} by timeout", self._last_stamp,
+        self._publish_status(f"frame {hold.index}: {default} by timeout", self.stamps.last_stamp,
                              frame_index=self._last_index)
 
-    # ------------------------------------------------------------------ deferral deadline, stamps
     def _note_pending(self) -> None:
         """Start (or stop) the clock of deferred_eviction_timeout from the session's pending evictions."""
         stats = self.session.stats()
-        if stats is not None and stats.pending_evictions > 0:
-            if self._pending_since is None:
-                self._pending_since = self.monotonic()
-        else:
-            self._pending_since = None
+        self.decisions.note_pending(stats is not None and stats.pending_evictions > 0, self.monotonic())
 
     def _check_deferral_deadline(self) -> None:
         """Commit deferred evictions that waited longer than deferred_eviction_timeout: a keyframe
         client that died must not blind the robot (the cache would fill and refuse every frame)."""
         timeout = self.settings.deferred_eviction_timeout
-        since = self._pending_since
-        if timeout <= 0 or since is None or not (self._client_gone or self.monotonic() - since >= timeout):
+        if not self.decisions.deferral_due(timeout, self.monotonic()):
             return
         freed = self.session.commit_eviction()
-        self._pending_since = None
-        self._client_gone = True  # until the client commits, rolls back or sets the deferral again
+        self.decisions.auto_committed()
         self.counters.add("evictions_auto_committed")
         self.last_stats = self.session.stats()
         self.throttle.emit(self.log.warning, f"a deferred eviction waited more than deferred_eviction_timeout="
                            f"{timeout} s for ~/commit_eviction: committed automatically ({freed} page(s) freed); "
                            "later ones are committed at once until a client commits again", kind="auto commit")
 
-    def _stamp_ok(self, frame: InputFrame) -> bool:
-        """Refuse zero, repeated and backwards stamps (the trajectory stays monotonic); a stamp more than
-        time_jump_threshold before the last one is a time jump: on_time_jump=reset starts a new sequence."""
-        s, last = self.settings, self._last_stamp_s
-        if frame.stamp_s == 0.0:  # processed once (a later zero stamp is a repeat), never silently
-            self.throttle.emit(self.log.warning, "image with a zero stamp: its driver does not stamp images (TF, "
-                               "latency and the trajectory need the capture time; repeats are dropped)",
-                               kind="zero stamp")
-        if last is None or frame.stamp_s > last:
-            self._behind = False
-            return True
-        if frame.stamp_s == last:
-            return self._drop_stamp(frame, f"dropped an image with the same stamp as the previous frame "
-                                           f"({frame.stamp_s:.9f} s): a duplicate", "repeated stamp")
-        back = last - frame.stamp_s
-        if back <= s.time_jump_threshold:
-            return self._drop_stamp(frame, f"dropped an image {1e3 * back:.1f} ms older than the previous frame "
-                                           "(out of order; the trajectory stays monotonic)", "older stamp")
-        if not self._behind:
-            self.counters.add("time_jumps")
-        if s.on_time_jump == "drop":
-            self._behind = True
-            return self._drop_stamp(frame, f"time jump: image stamp {frame.stamp_s:.3f} s is {back:.3f} s before the "
-                                           f"previous frame's; on_time_jump=drop: dropping frames until the stamps "
-                                           f"pass {last:.3f} s (or call ~/reset)", "time jump drop")
-        self.log.warning(f"time jump: image stamp {frame.stamp_s:.3f} s is {back:.3f} s before the previous frame's "
-                         f"(more than time_jump_threshold={s.time_jump_threshold} s): on_time_jump=reset, starting a "
-                         "new sequence")
-        self._clear_sequence()
-        self._behind = False
-        self._set_state(State.INITIALIZING, "time jump: new sequence")
-        return True
-
-    def _drop_stamp(self, frame: InputFrame, reason: str, kind: str) -> bool:
-        self.counters.add("frames_dropped_stamp")
-        self.throttle.emit(self.log.warning, reason, kind=kind)
-        self._publish_status(reason, frame.stamp)
-        return False
-
-    def save_snapshot(self) -> "SaveSnapshot":
+    # ------------------------------------------------------------------ saving
+    def save_snapshot(self) -> SaveSnapshot:
         """Inference thread (fast): the trajectory as it is now, and the map once the output thread
         has added the clouds of every frame up to now (a snapshot queued behind them). The files are
         written by ``write_map_files`` on the caller's thread: a slow disk never holds up inference."""
@@ -1098,7 +685,7 @@ class InferenceEngine:
             raise SaveError("the map is not accumulated (accumulate_map is false); nothing to save")
         snapshot = Command("map snapshot", self.map.snapshot)
         self.outputs.op(snapshot.run)
-        out = self.output
+        out = self.anchor.output
         return SaveSnapshot(self.trajectory.stamps(), self.trajectory.poses(), snapshot, out.scale, out.offset)
 
     def save_map(self, directory: str) -> tuple[Path, Path]:
@@ -1107,7 +694,7 @@ class InferenceEngine:
                                self.settings.service_timeout)
 
     # ------------------------------------------------------------------ status
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, clock_problem: str = "") -> None:
         """Publish a status when none went out for HEARTBEAT_PERIOD (or the input went quiet)."""
         self._check_hold_deadline()
         self._check_deferral_deadline()
@@ -1119,149 +706,23 @@ class InferenceEngine:
             changed = self.state != State.WAITING_FOR_IMAGES
             self._set_state(State.WAITING_FOR_IMAGES, waited)
         if changed or self.monotonic() - self._last_status_time >= HEARTBEAT_PERIOD:
-            clock = self.clock_problem
-            self._publish_status(self.state_text + (f"; {clock}" if clock else ""), self._last_stamp)
+            self._publish_status(self.state_text + (f"; {clock_problem}" if clock_problem else ""),
+                                 self.stamps.last_stamp)
 
     def _set_state(self, state: State, text: str) -> None:
         self.state, self.state_text = state, text
 
     def _publish_status(self, text: str, stamp: Any, frame_index: int | None = None, is_keyframe: bool = False,
-                        latency: _Latency | None = None, stamp_s: float | None = None) -> None:
-        stats = self.session.stats()
-        c = self.counters.snapshot()
-        st = StatusFields(state=int(self.state), state_text=text,
-                          frame_index=self._last_index if frame_index is None else frame_index,
-                          window_index=self.session.window_index,
-                          is_keyframe=is_keyframe, deferred_eviction=bool(self.session.deferred_eviction),
-                          frames_received=c.frames_received, frames_processed=c.frames_processed,
-                          frames_dropped_stale=c.frames_dropped_stale,
-                          frames_dropped_invalid=c.frames_dropped_invalid,
-                          frames_dropped_error=c.frames_dropped_error,
-                          frames_dropped_stamp=c.frames_dropped_stamp, time_jumps=c.time_jumps,
-                          evictions_auto_committed=c.evictions_auto_committed,
-                          decision_pending=self._hold is not None, decisions_kept=c.decisions_kept,
-                          decisions_dropped=c.decisions_dropped, decisions_timed_out=c.decisions_timed_out,
-                          decisions_refused=c.decisions_refused, tracking_state=self.health.state.value,
-                          tracking_reasons=",".join(self.tracking_reasons), lost_resets=self.lost_resets,
-                          scale=self.applied_scale, scale_source=self.settings.scale_source)
-        if self.scale_source is not None:
-            st.scale_spread = float(self.scale_source.spread) if np.isfinite(self.scale_source.spread) else -1.0
-            st.scale_converged = bool(self.scale_source.converged)
-        if stats is not None:
-            st.pending_evictions, st.stored_frames = stats.pending_evictions, stats.resident_frames
-            st.temporal_index, st.scale_pages = stats.temporal_index, stats.scale_pages
-            st.window_pages, st.free_pages = stats.window_pages, stats.free_pages
-            st.special_tokens = stats.special_tokens
-        if latency is not None:
-            st.latency_preprocess_ms, st.latency_model_ms = latency.preprocess, latency.model
-            st.latency_postprocess_ms, st.latency_publish_ms = latency.postprocess, latency.publish
-            if stamp_s is not None:
-                st.latency_total_ms = max(0.0, (self.now() - stamp_s) * 1e3)
-        st.gpu_memory_allocated_mb, st.gpu_memory_reserved_mb = _device_memory_mb(self.session)
+                        latency: Latency | None = None, stamp_s: float | None = None) -> None:
+        spread, converged = self.anchor.status()
+        tracking = Tracking(self.health.state.value, self.tracking_reasons, self.lost_resets,
+                            self.anchor.applied_scale, self.settings.scale_source, spread, converged)
+        total = None if latency is None or stamp_s is None else max(0.0, (self.now() - stamp_s) * 1e3)
+        st = status_fields(int(self.state), text, self._last_index if frame_index is None else frame_index,
+                           self.session, self.counters.snapshot(), self.decisions.hold is not None, tracking,
+                           is_keyframe, latency, total)
         self.sink.publish_status(st, stamp)
         self._last_status_time = self.monotonic()
-
-
-@dataclass
-class SaveSnapshot:
-    """What one ~/save_map writes: poses [N] (TUM: image stamps, camera optical frame in the map
-    frame) and the map [M] (map frame), taken at one moment of the stream."""
-
-    stamps: np.ndarray  # [N] float64 seconds
-    poses: np.ndarray  # [N, 4, 4] T_map_cam
-    map: Command  # runs on the output thread; result (points [M, 3] float32, colors [M, 3] uint8, version)
-    scale: float = 1.0  # metres per model unit applied to both files (1 = model units)
-    offset: np.ndarray | None = None  # [4, 4] map offset T_map_seq applied after the scale (None = identity)
-
-    def output(self, timeout: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(points [M, 3] float32, colors [M, 3] uint8, poses [N, 4, 4]) as they leave the node:
-        the map once the output thread has taken it (SaveError after ``timeout`` s or on its
-        error), both through the scale and the map offset."""
-        if not self.map.wait(timeout):
-            raise SaveError("the output thread did not catch up in time; try again")
-        if self.map.error is not None:
-            raise SaveError(f"cannot take the map: {self.map.error}")
-        points, colors, _ = self.map.result
-        poses = self.poses
-        transform = OutputTransform(self.scale, self.offset)
-        if not transform.identity:
-            points, poses = transform.points(points).astype(np.float32), transform.pose(poses)
-        return points, colors, poses
-
-
-def write_map_files(snapshot: SaveSnapshot, directory: str, output_directory: str,
-                    timeout: float) -> tuple[Path, Path]:
-    """Write ``snapshot`` as one crash-safe PLY + TUM pair (``io.map_save.save_map_pair``): ``directory``
-    empty = ``output_directory``, relative = under it (may not leave it), absolute = as given; an empty
-    map is refused and existing files stay as they were (any thread; see ``save_snapshot``)."""
-    points, colors, poses = snapshot.output(timeout)
-    try:
-        return save_map_pair(directory, output_directory, points, colors, snapshot.stamps, poses,
-                             map_name=MAP_FILE, trajectory_name=TRAJECTORY_FILE)
-    except MapSaveError as exc:
-        raise SaveError(str(exc)) from None
-
-
-class DepthCache:
-    """The last few sensor depth images [H, W] (uint16 mm or float32 m) by stamp; thread-safe
-    (the node's depth callback puts, the inference thread takes the nearest)."""
-
-    def __init__(self, size: int = 8) -> None:
-        self._lock = threading.Lock()
-        self._items: list[tuple[float, np.ndarray]] = []
-        self.size = size
-
-    def put(self, stamp_s: float, depth: np.ndarray) -> None:
-        with self._lock:
-            self._items = (self._items + [(stamp_s, depth)])[-self.size:]
-
-    def nearest(self, stamp_s: float, tolerance: float | None = None) -> np.ndarray | None:
-        """The image nearest in time to ``stamp_s`` within ``tolerance`` s (DEPTH_MATCH_S), or None."""
-        tol = DEPTH_MATCH_S if tolerance is None else tolerance
-        with self._lock:
-            items = list(self._items)
-        if not items:
-            return None
-        stamp, depth = min(items, key=lambda item: abs(item[0] - stamp_s))
-        return depth if abs(stamp - stamp_s) <= tol else None
-
-
-def _make_scale_source(settings: NodeSettings) -> FixedScale | OdometryScaleEstimator | DepthScaleEstimator | None:
-    """The scale source of ``scale_source`` (None for ``none``)."""
-    if settings.scale_source == "fixed":
-        return FixedScale(settings.metric_scale)
-    if settings.scale_source == "odometry":
-        return OdometryScaleEstimator()
-    if settings.scale_source == "depth":
-        return DepthScaleEstimator(conf_threshold=settings.conf_threshold)
-    return None
-
-
-class _ConfidenceSample:
-    """Every CONFIDENCE_SAMPLE-th pixel of a confidence map [H, W] (a strided view, no copy): its
-    fraction above ``threshold`` (health, every frame) and, only when ~/frame is published, its mean
-    and median (the median is the costly part: skipped when nobody listens)."""
-
-    def __init__(self, confidence: np.ndarray | None, threshold: float) -> None:
-        self.sample = None if confidence is None else confidence.reshape(-1)[::CONFIDENCE_SAMPLE]
-        self.valid = None if self.sample is None else (
-            float(np.count_nonzero(self.sample > threshold)) / self.sample.size if self.sample.size else 0.0)
-
-    def summary(self) -> tuple[float, float, float]:
-        if self.sample is None or self.sample.size == 0:
-            return 0.0, 0.0, 0.0
-        return float(self.sample.mean()), float(np.median(self.sample)), self.valid
-
-
-def _check_resize(shape: tuple[int, ...], width: int) -> None:
-    """Refuse (ValueError) an image so tall that its resize before the centre crop would be huge:
-    preprocessing resizes the whole image to ``width`` x ``H'`` (float32) and keeps a centred square,
-    so a 1 x 60000 image would cost gigabytes."""
-    height_in, width_in = shape[:2]
-    w_out, h_out = target_size(width_in, height_in, width)
-    if h_out > MAX_RESIZE_ASPECT * w_out:
-        raise ValueError(f"image {width_in}x{height_in} (WxH) is too tall: resized to width {w_out} it would be "
-                         f"{h_out} px high, more than {MAX_RESIZE_ASPECT} times its width")
 
 
 _frozen = False
@@ -1279,22 +740,4 @@ def _freeze_long_lived_objects() -> None:
         gc.freeze()
 
 
-def _device_memory_mb(session) -> tuple[float, float]:
-    device = getattr(session, "device", None)
-    if device is None or getattr(device, "type", "cpu") != "cuda":
-        return 0.0, 0.0
-    import torch
-
-    return torch.cuda.memory_allocated(device) / 2**20, torch.cuda.memory_reserved(device) / 2**20
-
-
-def _release_device_memory(session) -> None:
-    device = getattr(session, "device", None)
-    if device is not None and getattr(device, "type", "cpu") == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
-
-
-__all__ = ["InferenceEngine", "InputFrame", "FrameOutput", "FrameSummary", "StatusFields", "State", "Sink",
-           "SaveError", "SaveSnapshot", "write_map_files"]
+__all__ = ["InferenceEngine", "WARN_PERIOD"]

@@ -15,8 +15,10 @@ from lingbot_map_ros.io.checkpoint import load_model
 from lingbot_map_ros.io.export import read_ply, read_tum
 from lingbot_map_ros.io.preprocess import preprocess_array
 from lingbot_map_ros.geometry import optical_pose_to_map, points_to_map
-from lingbot_map_ros.runtime.engine import InferenceEngine, InputFrame, SaveError, State
+from lingbot_map_ros.runtime.engine import InferenceEngine
+from lingbot_map_ros.runtime.frames import InputFrame, State
 from lingbot_map_ros.runtime.params import resolve_settings
+from lingbot_map_ros.runtime.saving import SaveError
 from lingbot_map_ros.runtime.scheduler import CameraScheduler
 from lingbot_map_ros.stream.session import SessionError, StreamingSession
 
@@ -776,7 +778,7 @@ def test_camera_info_of_another_size_refuses_the_frame_and_zero_distortion_passe
     assert engine.frames_undistorted == 0 and len(sink.frames) == 2
     expected = replay(model, imgs[1:3])
     np.testing.assert_array_equal(sink.frames[-1].T_map_cam, optical_pose_to_map(expected[-1].c2w))
-    engine.settings = resolve_settings({**SETTINGS, "undistort": False})
+    engine.configure(resolve_settings({**SETTINGS, "undistort": False}))  # a value through the queue
     engine.submit_frame(InputFrame(rgb=imgs[0], stamp=3.0, stamp_s=3.0, camera_frame="cam", camera=_camera()))
     while engine.run_once(0):
         pass
@@ -804,7 +806,7 @@ def test_depth_scale_converges_to_the_sensor_ratio(model):
 
 
 def test_depth_cache_matches_within_50_ms_only():
-    from lingbot_map_ros.runtime.engine import DepthCache
+    from lingbot_map_ros.runtime.anchor import DepthCache
 
     cache = DepthCache(size=2)
     a, b, c = (np.full((2, 2), v, np.uint16) for v in (1, 2, 3))
@@ -934,12 +936,12 @@ def test_health_thresholds_follow_the_settings_at_run_time(model):
         feed(engine, imgs[i], float(i))
     assert [st.tracking_reasons for st, _ in sink.statuses if st.frames_processed] == [""] * 5
     assert sink.statuses[-1][0].tracking_state == "initializing"  # 5 good frames < 6
-    engine.settings = resolve_settings({**loose, "health_init_frames": 6, "health_max_rotation_deg": 0.001})
+    engine.configure(resolve_settings({**loose, "health_init_frames": 6, "health_max_rotation_deg": 0.001}))
     feed(engine, imgs[5], 5.0)
     st = sink.statuses[-1][0]
     assert st.tracking_state == "initializing" and st.tracking_reasons == "rotation_jump"
     assert engine.health.config.max_rotation_step_deg == 0.001
-    engine.settings = resolve_settings({**loose, "health_init_frames": 2})
+    engine.configure(resolve_settings({**loose, "health_init_frames": 2}))
     feed(engine, imgs[6], 6.0)
     assert sink.statuses[-1][0].tracking_state == "initializing"  # one good frame since the jump
     feed(engine, imgs[7], 7.0)
@@ -1010,3 +1012,18 @@ def test_distorted_frames_are_undistorted_on_the_sessions_device_when_it_is_a_gp
     assert max(np.abs(h - im.numpy()).max() for h, im in zip(host, session.pushed)) <= 2 / 255 + 1e-6
     cpu_engine, _, _, cpu_session = make_engine(model, wants=())
     assert cpu_engine.undistort_device() is None and devices == [torch.device("cuda", 0)] * 3
+
+
+def test_settings_reach_the_inference_thread_as_a_value_through_the_queue(model):
+    """``configure`` changes nothing on the caller's thread: the new settings take effect when the
+    inference thread runs the command (between two items), the sink gets them there too, and a
+    changed deferred_eviction is applied as by ~/set_deferred_eviction."""
+    engine, sink, _, session = make_engine(model)
+    new = resolve_settings({**SETTINGS, "conf_threshold": 3.0, "deferred_eviction": True})
+    command = engine.configure(new)
+    assert engine.settings.conf_threshold == 0.0 and not hasattr(sink, "settings")  # nothing yet
+    assert not command.wait(0)
+    assert engine.run_once(0) and command.wait(0) and command.error is None
+    assert engine.settings.conf_threshold == 3.0 and sink.settings is new
+    assert engine.settings.deferred_eviction and session.deferred_eviction
+    assert sink.statuses[-1][0].deferred_eviction  # the status of set_deferred_eviction

@@ -986,7 +986,7 @@ def test_throttle_kinds_and_tall_images_are_bounded():
     """The two node fixes this module's fuzz needed, checked directly: an object address in a
     decoder's message does not make every warning a new kind, and an extremely tall image is
     refused before preprocessing resizes it (1 x 60000 would be resized to 98 x 5.9 M)."""
-    from lingbot_map_ros.runtime.engine import _check_resize
+    from lingbot_map_ros.runtime.model_input import check_resize as _check_resize
     from lingbot_map_ros.runtime.worker import message_kind
 
     assert message_kind("cannot identify image file <_io.BytesIO object at 0x7f694b88c770>") == \
