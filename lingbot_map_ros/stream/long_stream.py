@@ -308,7 +308,7 @@ class LongStreamSession:
         """The first half of ``submit``: check the frame, decide whether it is stored, restart the
         window when it is full; returns the decision to hand the inner session with the frame
         (None: a scale frame, the inner session's own). The caller then submits the frame to
-        ``inner`` (alone, or batched with other cameras' frames: ``stream.session.submit_batch``)
+        ``inner`` (alone, or batched with other cameras' frames: ``stream.multi.submit_batch``)
         and hands the result to ``after_inner_submit``."""
         self.check_frame(image)
         stats = self.inner.stats()
