@@ -272,7 +272,9 @@ def instrument(probe: Probe, session) -> None:
 
     probe.time_calls(model_input_module, "model_input")
     probe.time_calls(session, "push")
-    probe.time_calls(engine_module.InferenceEngine, "_publish_clouds")
+    from lingbot_map_ros.runtime import clouds as clouds_module
+
+    probe.time_calls(clouds_module.CloudOutput, "publish", "_publish_clouds")
     probe.time_calls(engine_module.InferenceEngine, "_publish_status")
     probe.time_calls(camera_channel.RosOutputs, "publish_frame")
     inner = getattr(session, "session", None)  # LongStreamSession -> StreamingSession

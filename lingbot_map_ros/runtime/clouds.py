@@ -5,7 +5,7 @@ Points: the pixels with confidence above ``conf_threshold``, every ``point_strid
 them, unprojected with the frame's depth, intrinsics and pose (OpenCV world), then in the
 REP-103 map frame; the map keeps them in model units, the published cloud goes through the
 frame's ``OutputTransform`` (scale, map offset). Depth: z-depth [H, W] float32, NaN where
-not > 0, times the frame's scale. Runs on the camera's output thread; no ROS.
+not > 0, times the frame's scale. ``CloudOutput`` runs them on the camera's output thread; no ROS.
 """
 from __future__ import annotations
 
@@ -17,7 +17,10 @@ from ..geometry import points_to_map, unproject_pixels
 from ..robot.map_offset import OutputTransform
 from ..robot.scale import scale_depth
 from ..stream import FrameResult
-from .frames import FrameOutput
+from .frames import FrameOutput, Logger, Sink
+from .mapping import MapAccumulator
+from .output_worker import OutputWorker
+from .worker import Throttle
 
 CONFIDENCE_SAMPLE = 4  # ~/frame's confidence statistics read every 4th pixel (0.2 ms instead of 1 ms at 518x378)
 
@@ -47,6 +50,47 @@ def frame_clouds(r: FrameResult, pose: FrameOutput, need_points: bool, need_dept
     return replace(pose, depth=depth, points=points, colors=colors, confidence=conf), for_map
 
 
+class CloudOutput:
+    """A camera's output thread (``worker``): each frame's clouds go into the map (model units)
+    and out to the sink (``Sink.publish_clouds``) there, never holding up the inference thread;
+    at most two frames wait, older ones are skipped (counted in ``skipped``, warned)."""
+
+    def __init__(self, sink: Sink, map_: MapAccumulator | None, log: Logger, throttle: Throttle,
+                 map_max_points: int = 0) -> None:
+        self.sink, self.map, self.log, self.throttle = sink, map_, log, throttle
+        self.map_max_points = map_max_points
+        self.skipped = 0  # frames whose clouds the output thread dropped (it fell behind)
+        self._warned_thinning = False
+        self.worker = OutputWorker(max_pending=2, on_skip=self._skipped, on_error=self._failed)
+
+    def submit(self, r: FrameResult, pose: FrameOutput, need_points: bool, need_depth: bool, conf_threshold: float,
+               point_stride: int, transform: OutputTransform | None = None) -> None:
+        """Queue the clouds of a frame whose pose went out (inference thread; values, not settings)."""
+        self.worker.frame_job(lambda: self.publish(r, pose, need_points, need_depth, conf_threshold, point_stride,
+                                                   transform))
+
+    def publish(self, r: FrameResult, pose: FrameOutput, need_points: bool, need_depth: bool, conf_threshold: float,
+                point_stride: int, transform: OutputTransform | None = None) -> None:
+        """Output thread: the frame's point cloud (~/points, map) and depth image; ``transform`` = the
+        frame's scale and map offset (the map keeps the sequence's own frame and units)."""
+        out, for_map = frame_clouds(r, pose, need_points, need_depth, conf_threshold, point_stride, transform)
+        if for_map is not None and self.map is not None:
+            self.map.add(r.frame_index, *for_map)  # model units (transformed at publication and save)
+            if self.map.thinned and not self._warned_thinning:
+                self._warned_thinning = True
+                self.log.warning(f"the map reached map_max_points={self.map_max_points}: its older part is thinned "
+                                 "uniformly; raise map_voxel_size or map_max_points for a denser map")
+        self.sink.publish_clouds(out)
+
+    def _skipped(self) -> None:
+        self.skipped += 1
+        self.throttle.emit(self.log.warning, "point cloud / depth outputs of a frame skipped: the output thread "
+                                             "falls behind (raise point_stride or map_voxel_size)", kind="clouds")
+
+    def _failed(self, exc: Exception) -> None:
+        self.log.error(f"unexpected error while publishing clouds: {type(exc).__name__}: {exc}")
+
+
 class ConfidenceSample:
     """Every CONFIDENCE_SAMPLE-th pixel of a confidence map [H, W] (a strided view, no copy): its
     fraction above ``threshold`` (health, every frame) and, only when ~/frame is published, its mean
@@ -63,4 +107,4 @@ class ConfidenceSample:
         return float(self.sample.mean()), float(np.median(self.sample)), self.valid
 
 
-__all__ = ["frame_clouds", "ConfidenceSample", "CONFIDENCE_SAMPLE"]
+__all__ = ["frame_clouds", "CloudOutput", "ConfidenceSample", "CONFIDENCE_SAMPLE"]

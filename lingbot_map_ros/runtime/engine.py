@@ -81,12 +81,11 @@ from ..robot.health import HealthStatus, TrackingHealth, TrackingState, config_f
 from ..robot.intrinsics import FocalTracker
 from ..stream import CacheFullError, FrameMismatchError, FrameResult, InvalidFrameError, Session, SessionError
 from .anchor import Lookup, MapAnchor
-from .clouds import ConfidenceSample, frame_clouds
+from .clouds import CloudOutput, ConfidenceSample
 from .decisions import KeyframeDecisions
 from .frames import FrameOutput, FrameSummary, InputFrame, Logger, Sink, State
 from .mapping import MapAccumulator, PoseEntry, Trajectory
 from .model_input import ModelInput, gpu_device
-from .output_worker import OutputWorker
 from .params import NodeSettings
 from .saving import SaveError, SaveSnapshot, write_map_files
 from .stamps import ZERO_STAMP_WARNING, StampGate
@@ -134,11 +133,10 @@ class InferenceEngine:
         self.focal = FocalTracker()  # the model's focal lengths in input pixels (diagnostics)
         self._collected: list[InputFrame] = []  # pushed, waiting for their (scale-frame) results
         self._last_index = 0  # 1-based index of the last processed frame
-        self._warned_thinning = False
         self._last_status_time = -float("inf")
-        # clouds, depth images and the map on their own thread (see output_worker.py)
-        self.clouds_skipped = 0  # frames whose clouds the output thread dropped (it fell behind)
-        self.outputs = OutputWorker(max_pending=2, on_skip=self._clouds_skipped, on_error=self._outputs_failed)
+        # clouds, depth images and the map on the camera's output thread
+        self.clouds = CloudOutput(sink, self.map, log, self.throttle, settings.map_max_points)
+        self.outputs = self.clouds.worker  # the output thread (the scheduler starts it; ops run in order there)
 
     # what the node's timers and diagnostics read (each replaced as a whole, never mutated)
     output = property(lambda self: self.anchor.output, doc="OutputTransform of what leaves the engine now")
@@ -147,6 +145,7 @@ class InferenceEngine:
     scale_source = property(lambda self: self.anchor.scale_source, doc="the scale source, None for none")
     depth_cache = property(lambda self: self.anchor.depth_cache, doc="sensor depth images (scale_source depth)")
     frames_undistorted = property(lambda self: self.inputs.frames_undistorted)
+    clouds_skipped = property(lambda self: self.clouds.skipped, doc="frames whose clouds the output thread skipped")
 
     # ------------------------------------------------------------------ producer side (any thread)
     def submit_frame(self, frame: InputFrame) -> None:
@@ -393,7 +392,8 @@ class InferenceEngine:
         self._publish_frame_summary(r, pose, hold, conf_stats)
         t2 = time.perf_counter()
         if need_points or need_depth:
-            self.outputs.frame_job(lambda: self._publish_clouds(r, pose, need_points, need_depth, transform))
+            s = self.settings
+            self.clouds.submit(r, pose, need_points, need_depth, s.conf_threshold, s.point_stride, transform)
         self.counters.add("frames_processed")
         self.output_rate.tick()
         self._last_index = index
@@ -466,28 +466,6 @@ class InferenceEngine:
             text = f"tracking lost ({reasons}): new sequence at a new map origin ({why})"
         self._set_state(State.INITIALIZING, text)
         self._publish_status(self.state_text, stamp)
-
-    def _publish_clouds(self, r: FrameResult, pose: FrameOutput, need_points: bool, need_depth: bool,
-                        transform=None) -> None:
-        """Output thread: the frame's point cloud (~/points, map) and depth image; ``transform`` = the
-        frame's scale and map offset (the map keeps the sequence's own frame and units)."""
-        s = self.settings
-        out, for_map = frame_clouds(r, pose, need_points, need_depth, s.conf_threshold, s.point_stride, transform)
-        if for_map is not None and self.map is not None:
-            self.map.add(r.frame_index, *for_map)  # model units (transformed at publication and save)
-            if self.map.thinned and not self._warned_thinning:
-                self._warned_thinning = True
-                self.log.warning(f"the map reached map_max_points={s.map_max_points}: its older part is thinned "
-                                 "uniformly; raise map_voxel_size or map_max_points for a denser map")
-        self.sink.publish_clouds(out)
-
-    def _clouds_skipped(self) -> None:
-        self.clouds_skipped += 1
-        self.throttle.emit(self.log.warning, "point cloud / depth outputs of a frame skipped: the output thread "
-                                             "falls behind (raise point_stride or map_voxel_size)", kind="clouds")
-
-    def _outputs_failed(self, exc: Exception) -> None:
-        self.log.error(f"unexpected error while publishing clouds: {type(exc).__name__}: {exc}")
 
     # ------------------------------------------------------------------ failures
     def _drop_invalid(self, stamp: Any, reason: str) -> None:
