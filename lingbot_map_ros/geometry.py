@@ -429,3 +429,10 @@ def points_to_map(points: np.ndarray) -> np.ndarray:
     pts = np.asarray(points)
     rot = OPTICAL_TO_REP103[:3, :3].astype(np.result_type(pts.dtype, np.float32))
     return rotate(pts, rot)
+
+
+def rotation_angle_deg(rot_a: np.ndarray, rot_b: np.ndarray) -> np.ndarray:
+    """Angle (degrees) of the relative rotation ``rot_aᵀ · rot_b`` for [..., 3, 3] inputs."""
+    rel = np.swapaxes(np.asarray(rot_a, dtype=np.float64), -1, -2) @ np.asarray(rot_b, dtype=np.float64)
+    cos = (np.trace(rel, axis1=-2, axis2=-1) - 1.0) / 2.0
+    return np.degrees(np.arccos(np.clip(cos, -1.0, 1.0)))

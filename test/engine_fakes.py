@@ -31,6 +31,9 @@ class Sink:
     def publish_frame_info(self, info, out):
         pass
 
+    def configure(self, settings):
+        self.settings = settings
+
 
 class Log:
     """Records (level, message) lines."""

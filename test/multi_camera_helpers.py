@@ -6,10 +6,26 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from lingbot_map_ros.cache.attention import make_backend
 from lingbot_map_ros.config import StreamConfig
+from lingbot_map_ros.stream.graphs import GraphedStep, StepSite
 from lingbot_map_ros.stream.session import StreamingSession
 
 TOL = 1e-4
+
+
+class EagerStaticSteps:
+    """A step capture for CPU tests (``StreamingSession(steps=...)``, ``CameraSessions(steps=...)``):
+    the graphed steps' static-shape path run eagerly (no capture), each with a backend of its own,
+    so the batched trunk and everything around it (plans, speculation, landing, per-camera heads)
+    run on the CPU."""
+
+    def applies(self, cfg: StreamConfig, device: torch.device, backend) -> bool:
+        return device.type == "cpu"
+
+    def make(self, site: StepSite) -> GraphedStep:
+        return GraphedStep(site.model, site.pool, site.camera, make_backend(site.cfg.backend, site.pool.k.device),
+                           site.resolution, site.options, capture=False)
 
 
 def cfg(fixture_config, **kw) -> StreamConfig:

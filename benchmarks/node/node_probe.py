@@ -238,17 +238,19 @@ def _rss_summary(samples: list[tuple[float, float]]) -> dict:
 
 def instrument(probe: Probe, session) -> None:
     """Time the node's per-frame work: conversion, preprocessing, the session's parts, the outputs."""
-    from lingbot_map_ros.ros import engine as engine_module
+    from lingbot_map_ros.ros import camera_channel
+    from lingbot_map_ros.runtime import engine as engine_module
 
     probe.time_calls(node_module, "image_to_rgb")
     ages = probe.calls["image age at the callback (stamp -> executor)"]
-    accept = node_module.LingBotMapNode._accept
+    accept = camera_channel.CameraChannel.accept
 
-    def aged_accept(self, msg, convert):
-        ages.append((self._now() - node_module.stamp_seconds(msg.header.stamp)) * 1e3)
-        return accept(self, msg, convert)
+    def aged_accept(self, msg, convert, now=None):
+        now = now if now is not None else self.node.get_clock().now().nanoseconds * 1e-9
+        ages.append((now - camera_channel.stamp_seconds(msg.header.stamp)) * 1e3)
+        return accept(self, msg, convert, now)
 
-    node_module.LingBotMapNode._accept = aged_accept
+    camera_channel.CameraChannel.accept = aged_accept
     # hand-over: the executor's submit_frame until the inference thread starts on the frame
     handover = probe.calls["hand-over (submit -> inference thread)"]
     submitted: dict[int, float] = {}
@@ -266,11 +268,15 @@ def instrument(probe: Probe, session) -> None:
 
     engine_module.InferenceEngine.submit_frame = timed_submit
     engine_module.InferenceEngine._process = timed_process
-    probe.time_calls(engine_module, "model_input")
+    from lingbot_map_ros.runtime import model_input as model_input_module
+
+    probe.time_calls(model_input_module, "model_input")
     probe.time_calls(session, "push")
-    probe.time_calls(engine_module.InferenceEngine, "_publish_clouds")
+    from lingbot_map_ros.runtime import clouds as clouds_module
+
+    probe.time_calls(clouds_module.CloudOutput, "publish", "_publish_clouds")
     probe.time_calls(engine_module.InferenceEngine, "_publish_status")
-    probe.time_calls(node_module.RosOutputs, "publish_frame")
+    probe.time_calls(camera_channel.RosOutputs, "publish_frame")
     inner = getattr(session, "session", None)  # LongStreamSession -> StreamingSession
     if inner is not None:
         from lingbot_map_ros.stream import graphs, session as session_module
@@ -289,21 +295,22 @@ def main() -> int:
     host_ms = float(os.environ.get("LINGBOT_SIM_HOST_MS", "2"))
     out = os.environ.get("LINGBOT_PROBE_OUT")
     probe = Probe(out) if out else None
-    real_load = node_module.LingBotMapNode._load_session
+    real_load = node_module.LingBotMapNode._load_sessions
 
-    def load_session(self):
+    def load_sessions(self):
         if step is not None:
             self.get_logger().warning(f"SIMULATED model: {step} ms per frame ({host_ms} ms holding the GIL); "
                                       "outputs are synthetic")
-            session = SimulatedSession(self.settings.stream, float(step), host_ms)
+            sessions = {name: SimulatedSession(cs.stream, float(step), host_ms)
+                        for name, cs in self.camera_settings.items()}
         else:
-            session = real_load(self)
+            sessions = real_load(self)
         if probe is not None:
-            instrument(probe, session)
+            instrument(probe, next(iter(sessions.values())))  # the first camera's (the benchmark runs one)
             probe.start()
-        return session
+        return sessions
 
-    node_module.LingBotMapNode._load_session = load_session
+    node_module.LingBotMapNode._load_sessions = load_sessions
     try:
         return node_module.main()
     finally:

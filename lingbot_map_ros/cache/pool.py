@@ -164,6 +164,9 @@ class PoolAttention:
     itself) and then calls ``attend_written``.
     """
 
+    fusable = True  # offers destinations / attend_written
+    framewise = None  # one cache for every frame of the step
+
     def __init__(self, pool: KVPool, backend, write_slots: Tensor) -> None:
         self.pool, self.backend, self.write_slots = pool, backend, write_slots
 
@@ -188,13 +191,20 @@ class PoolAttention:
 class FramewiseAttention:
     """Global attention of a step whose frames belong to different caches (several cameras'
     frames in one trunk pass): frame i writes and reads only through ``parts[i]`` (a
-    ``PoolAttention`` of its camera). The aggregator's fused path asks ``parts`` itself;
+    ``PoolAttention`` of its camera). The aggregator's fused path asks ``framewise`` itself;
     called with q, k, v of all frames' tokens ([S*P, H, D], frame-major) it splits them."""
+
+    fusable = True  # the fused path goes through each part's destinations / attend_written
 
     def __init__(self, parts: list[PoolAttention]) -> None:
         if not parts:
             raise ValueError("FramewiseAttention needs at least one frame")
         self.parts = list(parts)
+
+    @property
+    def framewise(self) -> list[PoolAttention]:
+        """The per-frame attentions (frame i writes and reads through ``framewise[i]``)."""
+        return self.parts
 
     def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         n = q.shape[0]

@@ -319,7 +319,7 @@ class Setup:
 def prepare(args: argparse.Namespace, tmp: Path) -> Setup:
     """Output folder, ROS environment (ROS_DOMAIN_ID, LOCALHOST discovery, also set in this
     process), images (generated into ``tmp`` when needed) and the node's parameters file."""
-    from ..ros.params import write_params_file
+    from ..runtime.params import write_params_file
 
     out = args.out.resolve()
     out.mkdir(parents=True, exist_ok=True)

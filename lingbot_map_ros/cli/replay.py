@@ -73,8 +73,8 @@ class UserError(Exception):
 
 
 def _node_default(name: str) -> Any:
-    """The node's default of parameter ``name`` (one table for both: ros/params.py, which imports no rclpy)."""
-    from ..ros.params import PARAMETERS
+    """The node's default of parameter ``name`` (one table for both: runtime/params.py, which imports no rclpy)."""
+    from ..runtime.params import PARAMETERS
 
     return next(p.default for p in PARAMETERS if p.name == name)
 

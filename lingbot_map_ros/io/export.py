@@ -43,11 +43,11 @@ def write_ply(path: str | Path, points: np.ndarray, colors: np.ndarray | None = 
             rounded — stored as uchar red, green, blue; None for no colour.
         comments: header ``comment`` lines (one line of ASCII each).
     """
-    vertices, header = _ply_content(points, colors, comments)
-    atomic_write(path, lambda f: _write_ply_to(f, header, vertices))
+    vertices, header = ply_content(points, colors, comments)
+    atomic_write(path, lambda f: write_ply_to(f, header, vertices))
 
 
-def _ply_content(points: np.ndarray, colors: np.ndarray | None,
+def ply_content(points: np.ndarray, colors: np.ndarray | None,
                  comments: Sequence[str]) -> tuple[np.ndarray, bytes]:
     """(vertex records [N] structured, header bytes) of a PLY; validates the arrays."""
     points = np.asarray(points)
@@ -71,7 +71,7 @@ def _ply_content(points: np.ndarray, colors: np.ndarray | None,
     return vertices, ("\n".join(header) + "\n").encode("ascii")
 
 
-def _write_ply_to(f: BinaryIO, header: bytes, vertices: np.ndarray) -> None:
+def write_ply_to(f: BinaryIO, header: bytes, vertices: np.ndarray) -> None:
     f.write(header)
     _write_chunked(f, vertices.view(np.uint8) if vertices.size else b"")
 
@@ -162,11 +162,11 @@ def write_tum(path: str | Path, timestamps: np.ndarray, c2w: np.ndarray,
             centre, (qx, qy, qz, qw) the rotation camera → world, w ≥ 0.
         comments: extra ``# `` lines after the header line (one line of ASCII each).
     """
-    text = _tum_text(timestamps, c2w, comments).encode("ascii")
+    text = tum_text(timestamps, c2w, comments).encode("ascii")
     atomic_write(path, lambda f: f.write(text))
 
 
-def _tum_text(timestamps: np.ndarray, c2w: np.ndarray, comments: Sequence[str]) -> str:
+def tum_text(timestamps: np.ndarray, c2w: np.ndarray, comments: Sequence[str]) -> str:
     timestamps = np.asarray(timestamps, dtype=np.float64).reshape(-1)
     c2w = np.asarray(c2w, dtype=np.float64)
     if c2w.shape != (timestamps.shape[0], 4, 4):

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from lingbot_map_ros.io.atomic import StagedFile, fsync_directory, stage
-from lingbot_map_ros.io.export import _ply_content, _tum_text, _write_ply_to, read_ply, read_tum
+from lingbot_map_ros.io.export import ply_content, tum_text, write_ply_to, read_ply, read_tum
 
 __all__ = ["MAP_FILE", "MapSaveError", "SaveTag", "TRAJECTORY_FILE", "check_map_pair", "new_save_id",
            "read_save_id", "read_save_tag", "resolve_save_directory", "save_map_pair"]
@@ -112,15 +112,15 @@ def save_map_pair(requested: str, output_directory: str, points: np.ndarray, col
             unchanged, except in the reported case where only the PLY got renamed.
     """
     save_id = new_save_id()
-    ply_header, vertices, tum_text = _content(points, colors, stamps, poses, save_id)
+    ply_header, vertices, trajectory_text = _content(points, colors, stamps, poses, save_id)
     folder = resolve_save_directory(requested, output_directory)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise MapSaveError(f"cannot create folder {folder}: {exc.strerror or exc}") from None
     ply, tum = folder / map_name, folder / trajectory_name
-    tum_bytes = tum_text.encode("ascii")
-    _write_pair(ply, lambda f: _write_ply_to(f, ply_header, vertices), tum, lambda f: f.write(tum_bytes))
+    tum_bytes = trajectory_text.encode("ascii")
+    _write_pair(ply, lambda f: write_ply_to(f, ply_header, vertices), tum, lambda f: f.write(tum_bytes))
     return ply, tum
 
 
@@ -136,8 +136,8 @@ def _content(points, colors, stamps, poses, save_id: str) -> tuple[bytes, np.nda
     if colors is not None and np.asarray(colors).dtype != np.uint8:
         raise MapSaveError(f"map colours must be uint8, got {np.asarray(colors).dtype}")
     try:
-        vertices, header = _ply_content(points, colors, [f"{TAG} {save_id} poses {n_poses}"])
-        text = _tum_text(stamps, poses, [f"{TAG} {save_id} points {points.shape[0]}"])
+        vertices, header = ply_content(points, colors, [f"{TAG} {save_id} poses {n_poses}"])
+        text = tum_text(stamps, poses, [f"{TAG} {save_id} points {points.shape[0]}"])
     except ValueError as exc:
         raise MapSaveError(f"cannot encode the map: {exc}") from None
     return header, vertices, text

@@ -8,23 +8,30 @@ and reads the visible set, or anything equivalent).
 """
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Protocol, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ..config import SPECIAL_TOKENS, ModelConfig
 from .dino import DinoEncoder
-from .layers import Block, _apply_mlp, _apply_norm, sdpa_nhd
+from .layers import Block, apply_mlp, apply_norm, sdpa_nhd
 from .rope import Rope3DTables, apply_rope2d, apply_rope3d_complex, rope2d_tables, rope3d_rotation
 
-# global_attend(layer, q, k, v) -> out, each [S*P, H, D]; q/k rotated (float32), v as computed.
-# With the fused kernels the aggregator also uses, where the object has them,
-# ``destinations(layer, n, heads, dim) -> (q_out, k_rows, v_rows, slots)`` (where the
-# kernel writes rotated q and the K/V rows) and ``attend_written(layer, q_out) -> out``.
-# An object with ``parts`` (``cache.pool.FramewiseAttention``, one per frame of the step)
-# makes each frame attend over its own cache: several cameras' frames in one step.
-GlobalAttend = Callable[[int, Tensor, Tensor, Tensor], Tensor]
+class GlobalAttend(Protocol):
+    """Cross-frame attention of one step over the cache (``cache.pool.PoolAttention``,
+    ``cache.pool.FramewiseAttention``); the aggregator picks its path from the two flags.
+
+    ``attend(layer, q, k, v) -> out``, each [S*P, H, D]; q/k rotated (float32), v as computed.
+    ``fusable``: it also offers, for the fused kernels, ``destinations(layer, n, heads, dim) ->
+    (q_out, k_rows, v_rows, slots)`` (where the kernel writes rotated q and the K/V rows) and
+    ``attend_written(layer, q_out) -> out``. ``framewise``: None, or one such attention per frame
+    of the step (each frame attends over its own cache: several cameras' frames in one step)."""
+
+    fusable: bool
+    framewise: Sequence["GlobalAttend"] | None
+
+    def __call__(self, layer: int, q: Tensor, k: Tensor, v: Tensor) -> Tensor: ...
 
 
 class _Attend:
@@ -122,7 +129,7 @@ class Aggregator(nn.Module):
         ropes = self.rope_set(grid_h, grid_w, images.device)
         cos3, sin3 = ropes.rope3d.lookup(positions)  # [S, P, 32]
         heads, head_dim = self.cfg.num_heads, self.cfg.embed_dim // self.cfg.num_heads
-        norm, mlp, residual = _apply_norm, _apply_mlp, None
+        norm, mlp, residual = apply_norm, apply_mlp, None
         if fused:
             from ..kernels.layer_norm import layer_norm
             from ..kernels.qk_rope import XOR_HALVES, XOR_INTERLEAVED, qk_norm_rope, tables_interleaved
@@ -143,10 +150,10 @@ class Aggregator(nn.Module):
 
             cos2h, sin2h = ropes.halves()
         # a FramewiseAttention: frame i attends over its own cache through ``framewise[i]``
-        framewise = getattr(global_attend, "parts", None)
+        framewise = global_attend.framewise
         if framewise is not None and len(framewise) != s:
             raise ValueError(f"{len(framewise)} per-frame attentions for a step of {s} frames")
-        global_fusable = fused and (framewise is not None or hasattr(global_attend, "destinations"))
+        global_fusable = fused and global_attend.fusable
         if global_fusable:
             cos3i, sin3i = (t.reshape(-1, t.shape[-1]) for t in tables_interleaved(cos3, sin3))
         else:

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..config import ModelConfig
-from .layers import Block, MlpFn, NormFn, ResidualFn, _apply_mlp, _apply_norm
+from .layers import Block, MlpFn, NormFn, ResidualFn, apply_mlp, apply_norm
 
 
 class PatchProjection(nn.Module):
@@ -19,7 +19,7 @@ class PatchProjection(nn.Module):
         super().__init__()
         self.proj = nn.Conv2d(3, dim, kernel_size=patch_size, stride=patch_size)
 
-    def forward(self, images: Tensor, norm: NormFn = _apply_norm) -> Tensor:
+    def forward(self, images: Tensor, norm: NormFn = apply_norm) -> Tensor:
         return self.proj(images).flatten(2).transpose(1, 2)  # [S, gh*gw, C]
 
 
@@ -59,7 +59,7 @@ class DinoEncoder(nn.Module):
         self._pos_cache[key] = table
         return table
 
-    def forward(self, images: Tensor, norm: NormFn = _apply_norm, mlp: MlpFn = _apply_mlp,
+    def forward(self, images: Tensor, norm: NormFn = apply_norm, mlp: MlpFn = apply_mlp,
                 residual: ResidualFn | None = None) -> Tensor:
         s, _, h, w = images.shape
         grid_h, grid_w = h // self.patch_size, w // self.patch_size

@@ -28,11 +28,11 @@ MlpFn = Callable[[nn.Module, Tensor], Tensor]
 ResidualFn = Callable[[Tensor, Tensor, Tensor, "nn.LayerNorm | None"], "tuple[Tensor, Tensor | None]"]
 
 
-def _apply_norm(norm: nn.Module, x: Tensor) -> Tensor:
+def apply_norm(norm: nn.Module, x: Tensor) -> Tensor:
     return norm(x)
 
 
-def _apply_mlp(mlp: nn.Module, x: Tensor) -> Tensor:
+def apply_mlp(mlp: nn.Module, x: Tensor) -> Tensor:
     return mlp(x)
 
 
@@ -98,8 +98,8 @@ class Block(nn.Module):
         self.mlp = Mlp(dim, int(dim * mlp_ratio))
         self.ls2 = LayerScale(dim)
 
-    def forward(self, x: Tensor, attend: AttendFn = sdpa_nhd, norm: NormFn = _apply_norm,
-                mlp: MlpFn = _apply_mlp, residual: ResidualFn | None = None) -> Tensor:
+    def forward(self, x: Tensor, attend: AttendFn = sdpa_nhd, norm: NormFn = apply_norm,
+                mlp: MlpFn = apply_mlp, residual: ResidualFn | None = None) -> Tensor:
         if residual is not None:  # fused: the first update also writes norm2 of its result
             x, h = residual(x, self.attn(norm(self.norm1, x), attend), self.ls1.gamma, self.norm2)
             return residual(x, mlp(self.mlp, h), self.ls2.gamma, None)[0]

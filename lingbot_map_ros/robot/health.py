@@ -50,7 +50,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..config import ConfigError
-from ..stream.alignment import rotation_angle_deg
+from ..geometry import rotation_angle_deg
 
 log = logging.getLogger(__name__)
 

@@ -44,24 +44,25 @@ from ..robot.map_offset import OutputTransform
 from ..robot.undistort import CameraModel
 from .conversions import (camera_info_msg, compressed_to_rgb, depth_to_image_msg, image_to_rgb, make_pointcloud2,
                           odometry_msg, pose_to_msg, sensor_depth_array)
-from .engine import FrameOutput, FrameSummary, InferenceEngine, InputFrame, StatusFields
-from .mapping import PoseEntry
-from .multi_map import MapAligner, Placement, transform_points, unpublished
-from .params import DEFAULT_CAMERA_FRAME, NodeSettings
+from ..runtime.engine import InferenceEngine
+from ..runtime.frames import FrameOutput, FrameSummary, InputFrame, StatusFields
+from ..runtime.mapping import PoseEntry
+from ..runtime.multi_map import MapAligner, Placement, transform_points, unpublished
+from ..runtime.params import DEFAULT_CAMERA_FRAME, NodeSettings
 from .tf_tools import SharedTf, TfOutput
-from .worker import Command, Throttle
+from ..runtime.worker import Command, Throttle
 
 NODE_NAME = "lingbot_map"
 ARRIVAL_WINDOW = 64  # images whose age on arrival /diagnostics summarises
 PLACED_FRAMES = 64  # frames whose placement is remembered until their clouds are published
-POOL_REFRESH_S = 0.5  # the shared pool's status is read at most this often (inference thread)
+SETTINGS_WAIT_S = 0.5  # s; longest wait of a parameter set for the inference thread to take the new settings
 
 
 def stamp_seconds(stamp: TimeMsg) -> float:
     return stamp.sec + stamp.nanosec * 1e-9
 
 
-def _qos(reliable: bool = True, latched: bool = False, depth: int = 10) -> QoSProfile:
+def qos_profile(reliable: bool = True, latched: bool = False, depth: int = 10) -> QoSProfile:
     return QoSProfile(depth=depth,
                       reliability=ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT,
                       durability=DurabilityPolicy.TRANSIENT_LOCAL if latched else DurabilityPolicy.VOLATILE)
@@ -110,33 +111,35 @@ class RosOutputs:
 
     def __init__(self, node: Node, settings: NodeSettings, prefix: str = "", placer: Placer | None = None,
                  camera: str = "", tf_settings: NodeSettings | None = None,
-                 tf_shared: SharedTf | None = None) -> None:
+                 tf_shared: SharedTf | None = None, pool: Callable[[], Any] | None = None,
+                 output: Callable[[], OutputTransform] = OutputTransform) -> None:
         s = self.settings = settings
         self.node = node
         self.camera = camera
         self.placer = placer
-        self.pool: Callable[[], Any] | None = None  # the shared pool's status (several cameras; set by the node)
+        self.pool = pool  # () -> the shared pool's status (named cameras), for ~/<c>/status
         p = prefix
-        self.status = node.create_publisher(Status, f"~/{p}status", _qos(depth=20))
-        self.pose = node.create_publisher(PoseStamped, f"~/{p}pose", _qos()) if s.publish_pose else None
-        self.odometry = node.create_publisher(Odometry, f"~/{p}odometry", _qos()) if s.publish_odometry else None
-        self.path = node.create_publisher(Path, f"~/{p}path", _qos(latched=True, depth=1)) \
+        self.status = node.create_publisher(Status, f"~/{p}status", qos_profile(depth=20))
+        self.pose = node.create_publisher(PoseStamped, f"~/{p}pose", qos_profile()) if s.publish_pose else None
+        self.odometry = node.create_publisher(Odometry, f"~/{p}odometry", qos_profile()) if s.publish_odometry else None
+        self.path = node.create_publisher(Path, f"~/{p}path", qos_profile(latched=True, depth=1)) \
             if s.publish_path else None
-        self.points = node.create_publisher(PointCloud2, f"~/{p}points", _qos(depth=2)) if s.publish_points else None
-        self.map_points = node.create_publisher(PointCloud2, f"~/{p}map_points", _qos(latched=True, depth=1)) \
+        self.points = node.create_publisher(PointCloud2, f"~/{p}points", qos_profile(depth=2)) if s.publish_points else None
+        self.map_points = node.create_publisher(PointCloud2, f"~/{p}map_points", qos_profile(latched=True, depth=1)) \
             if s.publish_map and s.accumulate_map else None
         self.depth = self.depth_info = None
         if s.publish_depth:
-            self.depth = node.create_publisher(Image, f"~/{p}depth", _qos(depth=2))
-            self.depth_info = node.create_publisher(CameraInfo, f"~/{p}depth/camera_info", _qos(depth=2))
-        self.frame_info = node.create_publisher(FrameInfo, f"~/{p}frame", _qos(depth=10))
+            self.depth = node.create_publisher(Image, f"~/{p}depth", qos_profile(depth=2))
+            self.depth_info = node.create_publisher(CameraInfo, f"~/{p}depth/camera_info", qos_profile(depth=2))
+        self.frame_info = node.create_publisher(FrameInfo, f"~/{p}frame", qos_profile(depth=10))
         # follows publish_tf, settable at run time
         self.tf = TfOutput(node, tf_settings if tf_settings is not None else s, node.get_logger().warning,
                            shared=tf_shared)
         self._warn = node.get_logger().warning
         self._scale_wait_throttle = Throttle(5.0)
-        # how the engine publishes its model-unit path and map now (scale, map offset; set by the channel)
-        self.output: Callable[[], OutputTransform] = OutputTransform
+        # () -> how the engine publishes its model-unit path and map now (scale, map offset)
+        self.output = output
+        self._tf_override = {} if tf_settings is None else {"tf_mode": tf_settings.tf_mode}
         self._path_output = OutputTransform()
         self._path_version: int | None = None
         self.latest_stamp = TimeMsg()
@@ -145,6 +148,12 @@ class RosOutputs:
         self._path_dirty = False
         self._placed_lock = threading.Lock()
         self._placed: OrderedDict[int, Placement] = OrderedDict()
+
+    def configure(self, s: NodeSettings) -> None:
+        """New settings (a parameter set; the engine hands them over on the inference thread). TF keeps
+        this camera's own tf_mode (several cameras: map_to_camera for all but the first)."""
+        self.settings = s
+        self.tf.settings = replace(s, **self._tf_override) if self._tf_override else s
 
     def wants(self, output: str) -> bool:
         if output == "points":
@@ -294,14 +303,14 @@ class CameraChannel:
     node's ``SharedTf`` (several cameras: one TF listener for all); None = the camera's own."""
 
     def __init__(self, node: Node, name: str, settings: NodeSettings, placer: Placer | None = None,
-                 tf_settings: NodeSettings | None = None, tf_shared: SharedTf | None = None) -> None:
+                 tf_settings: NodeSettings | None = None, tf_shared: SharedTf | None = None,
+                 pool: Callable[[], Any] | None = None) -> None:
         self.node, self.name = node, name
         self.prefix = f"{name}/" if name else ""
         self.settings = settings
         self.log = node.get_logger().get_child(name) if name else node.get_logger()
-        self._tf_override = {} if tf_settings is None else {"tf_mode": tf_settings.tf_mode}
         self.outputs = RosOutputs(node, settings, self.prefix, placer, camera=name, tf_settings=tf_settings,
-                                  tf_shared=tf_shared)
+                                  tf_shared=tf_shared, pool=pool, output=self._engine_output)
         self.engine: InferenceEngine | None = None
         self.camera_info: CameraInfo | None = None
         self.camera_model: CameraModel | None = None
@@ -317,10 +326,13 @@ class CameraChannel:
         self.engine = InferenceEngine(session, s, self.outputs, self.log, now=now,
                                       odom_position=self.outputs.tf.camera_position,
                                       camera_pose=self.outputs.tf.camera_pose)
-        self.outputs.output = lambda: self.engine.output
         if s.scale_source == "odometry" or s.on_lost == "reset":
             self.outputs.tf.start()  # its buffer serves the odom -> camera look-ups (scale, lost-reset map)
         return self.engine
+
+    def _engine_output(self) -> OutputTransform:
+        """How the engine publishes now (``engine.output``; identity before it exists)."""
+        return self.engine.output if self.engine is not None else OutputTransform()
 
     def subscribe(self, group, accept: Callable[[Any, Callable], None] | None = None,
                   convert_raw: Callable = image_to_rgb, convert_compressed: Callable = compressed_to_rgb) -> None:
@@ -329,7 +341,7 @@ class CameraChannel:
         ``convert_compressed``."""
         s, p, node = self.settings, self.prefix, self.node
         take = accept if accept is not None else self.accept
-        qos = qos_profile_sensor_data if s.input_qos == "sensor_data" else _qos(depth=5)
+        qos = qos_profile_sensor_data if s.input_qos == "sensor_data" else qos_profile(depth=5)
         if s.input_transport == "compressed":
             self.image_sub = node.create_subscription(CompressedImage, f"{p}image/compressed",
                                                       lambda msg: take(msg, convert_compressed), qos,
@@ -361,16 +373,15 @@ class CameraChannel:
 
     # -------------------------------------------------------------- settings
     def apply_settings(self, s: NodeSettings) -> None:
-        """Run-time parameter changes (executor thread), checked by the node before."""
-        self.settings = self.outputs.settings = s
-        self.outputs.tf.settings = replace(s, **self._tf_override) if self._tf_override else s
+        """Run-time parameter changes (executor thread), checked by the node before: the channel's own
+        copy here, the engine's and the outputs' as a value through the engine's queue (they take
+        effect between two items). Waits up to SETTINGS_WAIT_S for the inference thread to take them
+        (about one step), so that a read right after the set sees them; a longer step (the first
+        frame's compilation) is not waited for."""
+        self.settings = s
         if s.publish_tf or s.on_lost == "reset":
             self.outputs.tf.start()  # the tf2 broadcaster/listener, made once, on this (executor) thread
-        engine = self.engine
-        engine_deferred = engine.settings.deferred_eviction
-        engine.settings = replace(s, deferred_eviction=engine_deferred)
-        if s.deferred_eviction != engine_deferred:
-            engine.submit("set_deferred_eviction", lambda: engine.set_deferred_eviction(s.deferred_eviction))
+        self.engine.configure(s).wait(SETTINGS_WAIT_S)
 
     # -------------------------------------------------------------- input
     def camera_frame(self, header_frame: str) -> str:
@@ -428,10 +439,9 @@ class CameraChannel:
 
     # -------------------------------------------------------------- timers
     def beat(self, clock_problem: str) -> None:
-        """1 Hz: the clock state for the engine's status, and a heartbeat when the last one ran."""
-        self.engine.clock_problem = clock_problem
+        """1 Hz: a heartbeat (with the clock state for its status text) when the last one ran."""
         if self._heartbeat is None or self._heartbeat.wait(0):
-            self._heartbeat = self.engine.heartbeat()
+            self._heartbeat = self.engine.heartbeat(clock_problem)
 
     # -------------------------------------------------------------- services
     def run(self, name: str, fn) -> tuple[bool, Any, str]:
@@ -540,11 +550,6 @@ class CameraChannel:
         comparison = focal.compare(info.k, (info.width, info.height))
         return diag(f"{label}: intrinsics", DiagnosticStatus.WARN if comparison.warn else DiagnosticStatus.OK,
                     comparison.message(), comparison.values())
-
-    def shutdown(self) -> None:
-        """Stop the engine's threads (one camera: its own inference thread and output thread)."""
-        if self.engine is not None:
-            self.engine.stop()
 
 
 def tracking_diag(name: str, engine: InferenceEngine) -> DiagnosticStatus:

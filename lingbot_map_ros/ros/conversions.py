@@ -39,7 +39,7 @@ from nav_msgs.msg import Odometry
 from sensor_msgs.msg import CameraInfo, CompressedImage, Image, PointCloud2, PointField
 from std_msgs.msg import Header
 
-from lingbot_map_ros.geometry import (OPTICAL_TO_REP103, matrix_to_quaternion, optical_pose_to_map,  # noqa: F401
+from lingbot_map_ros.geometry import (OPTICAL_TO_REP103, matrix_to_quaternion, optical_pose_to_map,
                                       points_to_map, quaternion_to_matrix)
 from lingbot_map_ros.io.demosaic import BAYER_PATTERNS, demosaic_bilinear
 

@@ -36,33 +36,36 @@ guaranteed metric). A reset (service, or recovery from an error) starts a new ma
 at the next first camera.
 
 Threads. One executor thread runs the callbacks (``main``): image callbacks only
-convert the message and put it in a depth-1 latest-frame slot (a frame still waiting
-is replaced and counted as stale); one inference thread (``engine.InferenceEngine``)
-runs the model and publishes poses and status; one output thread
-(``output_worker``) builds the clouds, depth images and the map. The services are
-served by a helper node (``<name>_services``, same service names under this node)
-on a second executor thread: a call queues a command for the inference thread and
+convert the message and put it in the camera's depth-1 latest-frame slot (a frame still
+waiting is replaced and counted as stale); one inference thread
+(``runtime.scheduler.CameraScheduler``) runs every camera's engine
+(``runtime.engine.InferenceEngine``: the model step, poses and status); one output thread
+per camera (``runtime.output_worker``) builds the clouds, depth images and the map. The
+services are served by a helper node (``<name>_services``, same service names under this
+node) on a second executor thread: a call queues a command for the inference thread and
 waits for it with ``service_timeout`` without holding up image intake. Skipped when
 nobody listens: per-frame clouds, depth; the map is still accumulated when
 ``accumulate_map`` (``~/save_map`` needs it).
 
-Start-up. Parameters map onto ModelConfig/StreamConfig in ``params.resolve_settings``
-(each value logged); the model is loaded in ``_load_session``. A bad parameter,
+Start-up. Parameters map onto ModelConfig/StreamConfig in ``runtime.params.resolve_settings``
+(each value logged); the model is loaded in ``_load_sessions``. A bad parameter,
 checkpoint or backend ends the process with exit status 1 and one error line.
 
-Several cameras (parameter ``cameras``, e.g. ``[front, rear]``). One model and one K/V
-storage serve every camera (``stream.multi.CameraSessions``); each camera is a
-``camera_channel.CameraChannel`` with the names above under ``c/`` (subscriptions
-``c/image`` or ``c/image/compressed``, ``c/camera_info``, ``c/depth``) and ``~/c/``
-(outputs and the services reset, set_deferred_eviction, commit_eviction,
-rollback_last_frame), its own engine (sequence, trajectory, map, latest-frame slot) and
-``camera.<c>.*`` parameters (``params.CAMERA_PARAMETERS``). One inference thread
-(``scheduler.CameraScheduler``) runs the cameras' frames and commands round-robin.
-``~/save_map`` and ``~/map_points`` cover every camera: the first camera defines
-``map_frame`` and the others join it through the TF extrinsics (``multi_map``); a camera
-that cannot (no ``base_frame``, an extrinsic missing) publishes in ``<map_frame>_<c>``.
-/diagnostics gets the shared pool and every camera's entries. One TF broadcaster, buffer
-and listener (``tf_tools.SharedTf``) serve every camera's TF output and the alignment.
+One path for one camera and several. Every camera is a ``camera_channel.CameraChannel``
+(subscriptions, outputs, services, its engine: sequence, trajectory, map, latest-frame
+slot) and every camera's engine is driven by the one ``CameraScheduler``. Without the
+parameter ``cameras`` the node has ONE unnamed camera with the names above. With
+``cameras`` (e.g. ``[front, rear]``) one model and one K/V storage serve every camera
+(``stream.multi.CameraSessions``); camera ``c`` has the names above under ``c/``
+(subscriptions ``c/image`` or ``c/image/compressed``, ``c/camera_info``, ``c/depth``) and
+``~/c/`` (outputs and the services reset, set_deferred_eviction, commit_eviction,
+rollback_last_frame) and ``camera.<c>.*`` parameters (``runtime.params.CAMERA_PARAMETERS``);
+the scheduler runs the cameras' frames and commands round-robin. ``~/save_map`` and
+``~/map_points`` cover every camera: the first camera defines ``map_frame`` and the others
+join it through the TF extrinsics (``runtime.multi_map``); a camera that cannot (no
+``base_frame``, an extrinsic missing) publishes in ``<map_frame>_<c>``. /diagnostics gets
+the shared pool and every camera's entries. One TF broadcaster, buffer and listener
+(``tf_tools.SharedTf``) serve every camera's TF output and the alignment.
 """
 from __future__ import annotations
 
@@ -87,7 +90,7 @@ from rclpy.exceptions import ParameterException
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
-from sensor_msgs.msg import CameraInfo, PointCloud2
+from sensor_msgs.msg import PointCloud2
 from std_msgs.msg import Header
 
 from lingbot_map_ros.srv import SaveMap
@@ -95,17 +98,17 @@ from lingbot_map_ros.srv import SaveMap
 from ..config import ConfigError
 from ..io.map_save import MAP_FILE, MapSaveError
 from ..robot.map_offset import OutputTransform
+from ..runtime.frames import StatusFields
+from ..runtime.multi_map import MapAligner, base_motion_from_odometry, own_map_frame, transform_points, transform_poses
+from ..runtime.multi_save import CameraMap, SavedMaps, save_camera_maps
+from ..runtime.params import (CAMERA_PARAMETERS, CAMERA_PREFIX, PARAMETERS, NodeSettings, Param, apply_camera_dynamic,
+                              apply_dynamic, camera_param_name, camera_values, resolve_camera_settings,
+                              resolve_settings)
+from ..runtime.saving import SaveError, write_map_files
+from ..runtime.scheduler import CameraScheduler
 from ..stream.multi import PoolStatus
-# RosOutputs, ARRIVAL_WINDOW, stamp_seconds: importable from here as before
-from .camera_channel import (ARRIVAL_WINDOW, NODE_NAME, SERVICE_QOS, AlignedPlacer, CameraChannel,  # noqa: F401
-                             RosOutputs, _qos, diag, stamp_seconds)
+from .camera_channel import NODE_NAME, SERVICE_QOS, AlignedPlacer, CameraChannel, diag, qos_profile, stamp_seconds
 from .conversions import compressed_to_rgb, image_to_rgb, make_pointcloud2
-from .engine import SaveError, StatusFields, write_map_files
-from .multi_map import MapAligner, base_motion_from_odometry, own_map_frame, transform_points, transform_poses
-from .multi_save import CameraMap, save_camera_maps
-from .params import (CAMERA_PARAMETERS, CAMERA_PREFIX, PARAMETERS, NodeSettings, Param, apply_camera_dynamic,
-                     apply_dynamic, camera_param_name, camera_values, resolve_camera_settings, resolve_settings)
-from .scheduler import CameraScheduler
 from .tf_tools import SharedTf
 
 _PARAMETER_TABLE = {p.name: p for p in PARAMETERS}
@@ -167,28 +170,24 @@ class LingBotMapNode(Node):
         logging.getLogger("lingbot_map_ros").setLevel(logging.INFO)
         self.settings = self._read_parameters()
         s = self.settings
-        self.multi = bool(s.cameras)
-        self.aligner: MapAligner | None = None
-        self.sessions = None  # CameraSessions with several cameras
-        self.scheduler: CameraScheduler | None = None
+        # one TF broadcaster, buffer and listener for every camera and the alignment (started by its
+        # first user: the alignment at once when base_frame is set, a camera that publishes TF)
+        self.tf_shared = SharedTf(self)
+        self.aligner: MapAligner | None = self._make_aligner() if s.cameras else None
+        self.sessions = None  # CameraSessions of the named cameras (one K/V storage); None for the unnamed one
         self.channels: dict[str, CameraChannel] = {}
-        self.tf_shared: SharedTf | None = None  # the node's TF broadcaster, buffer and listener
         self._pool_status: PoolStatus | None = None
         self._pool_at = -float("inf")
-        if self.multi:
-            self._start_cameras()
-        else:
-            self._start_camera()
-        s = self.settings
+        self._start_cameras()
 
         self._input_group = MutuallyExclusiveCallbackGroup()
         self._timer_group = MutuallyExclusiveCallbackGroup()
         for channel in self.channels.values():  # converters named here so that a profiler may wrap them
-            channel.subscribe(self._input_group, None if self.multi else self._accept, image_to_rgb, compressed_to_rgb)
-        self.diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", _qos())
-        self.map_points = None  # several cameras: every camera's map in map_frame
-        if self.multi and s.publish_map and s.accumulate_map:
-            self.map_points = self.create_publisher(PointCloud2, "~/map_points", _qos(latched=True, depth=1))
+            channel.subscribe(self._input_group, None, image_to_rgb, compressed_to_rgb)
+        self.diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", qos_profile())
+        self.map_points = None  # named cameras: every camera's map in map_frame
+        if s.cameras and s.publish_map and s.accumulate_map:
+            self.map_points = self.create_publisher(PointCloud2, "~/map_points", qos_profile(latched=True, depth=1))
         # The services live on a helper node that main() spins on its own executor thread: a
         # call waits for the inference thread (one step, or up to service_timeout while the
         # first frame compiles), and image intake, timers and diagnostics must not wait with it.
@@ -208,7 +207,7 @@ class LingBotMapNode(Node):
         self._service_handles.append(self.service_node.create_service(
             SaveMap, f"{prefix}/save_map", self._srv_save_map, qos_profile=SERVICE_QOS,
             callback_group=self._service_group))
-        self._map_version: Any = -1
+        self._map_version: dict[str, Any] = {}  # camera ("" = the combined map) -> what it last published
         # Timers run on the steady clock: with use_sim_time and no /clock, /diagnostics and the
         # status heartbeat go on (and say so) instead of stopping without a word.
         self._steady = Clock(clock_type=ClockType.STEADY_TIME)
@@ -220,10 +219,7 @@ class LingBotMapNode(Node):
         self._set_rate_timer("map", s.map_publish_rate)
         self.add_on_set_parameters_callback(self._check_parameters)
         self.add_post_set_parameters_callback(self._apply_parameters)
-        if self.multi:
-            self.scheduler.start()
-        else:
-            self.engine.start()
+        self.scheduler.start()
         transports = {c.settings.input_transport for c in self.channels.values()}
         if "raw" in transports and _fastdds_without_profile():
             log.warning("FASTDDS_DEFAULT_PROFILES_FILE is not set: with Fast DDS a raw image over 512 KB (518x378 "
@@ -238,45 +234,37 @@ class LingBotMapNode(Node):
                      f"dtype {cs.stream.dtype}")
 
     # ------------------------------------------------------------------ start-up
-    def _start_camera(self) -> None:
-        """One camera: today's names, its own inference thread (``engine.start``)."""
-        s = self.settings
-        if s.camera_batching:
-            self.get_logger().warning("camera_batching is true but cameras is empty: with one camera there is "
-                                      "nothing to batch (the parameter has no effect)")
-        channel = CameraChannel(self, "", s)
-        self.channels[""] = channel
-        self.outputs = channel.outputs
-        self.tf_shared = channel.outputs.tf.shared
-        self.outputs.publish_status(StatusFields(state=0, state_text="loading the model"), None)
-        session = self._load_session()
-        self.engine = channel.attach(session, self._now)
-
     def _start_cameras(self) -> None:
-        """Several cameras: one model, one CameraSessions, a channel each, one CameraScheduler."""
+        """A channel per camera (the unnamed one when ``cameras`` is empty: today's names), the
+        model and a session each, one ``CameraScheduler`` driving them all."""
         s = self.settings
-        cameras = s.cameras
-        # one TF broadcaster, buffer and listener for every camera and the alignment (started by its
-        # first user: the alignment at once when base_frame is set, a camera that publishes TF)
-        self.tf_shared = SharedTf(self)
-        self.aligner = self._make_aligner()
-        reference = cameras[0]
-        for name in cameras:
+        names = list(self.camera_settings)
+        reference = names[0]
+        for name in names:
             cs = self.camera_settings[name]
-            tf_settings = cs if name == reference else replace(cs, tf_mode="map_to_camera")
-            placer = AlignedPlacer(self.aligner, name, self._output_of(name), self._output_of(reference))
-            channel = CameraChannel(self, name, cs, placer, tf_settings=tf_settings, tf_shared=self.tf_shared)
-            channel.outputs.pool = self._pool
+            placer = tf_settings = pool = None
+            if self.aligner is not None:  # named cameras: placed in one map, TF of the others to the first
+                tf_settings = cs if name == reference else replace(cs, tf_mode="map_to_camera")
+                placer = AlignedPlacer(self.aligner, name, self._output_of(name), self._output_of(reference))
+                pool = self._pool
+            channel = CameraChannel(self, name, cs, placer, tf_settings=tf_settings, tf_shared=self.tf_shared,
+                                    pool=pool)
             self.channels[name] = channel
             channel.outputs.publish_status(StatusFields(state=0, state_text="loading the model"), None)
-        self.sessions = self._load_sessions()
+        sessions = self._load_sessions()
         for name, channel in self.channels.items():
-            channel.attach(self.sessions.sessions[name], self._now)
-        self.engine = self.channels[reference].engine  # the reference camera's (in-process use)
+            channel.attach(sessions[name], self._now)
+        self.engine = self.channels[reference].engine  # the first camera's (in-process use, tests)
         self.outputs = self.channels[reference].outputs
-        batch = self.sessions.submit_many if s.camera_batching else None
+        batch = self.sessions.submit_many if s.camera_batching and self.sessions is not None else None
+        pipeline = s.camera_pipelining and len(names) > 1  # one camera: nothing to overlap with
         self.scheduler = CameraScheduler({name: ch.engine for name, ch in self.channels.items()}, batch=batch,
-                                         pipeline=s.camera_pipelining)
+                                         pipeline=pipeline)
+        if not s.cameras:
+            if s.camera_batching:
+                self.get_logger().warning("camera_batching is true but cameras is empty: with one camera there "
+                                          "is nothing to batch (the parameter has no effect)")
+            return
         if s.camera_batching:
             self.get_logger().info("camera_batching: the waiting frames of several cameras run in one batched "
                                    "step where their CUDA graphs allow (bf16, FlashInfer), else in turn")
@@ -286,6 +274,7 @@ class LingBotMapNode(Node):
         self._warn_about_alignment()
 
     def _read_parameters(self) -> NodeSettings:
+        """The node's settings; ``camera_settings`` = each camera's ({"": the node's} without ``cameras``)."""
         try:
             for p in PARAMETERS:
                 if p.name == "cameras":
@@ -294,7 +283,7 @@ class LingBotMapNode(Node):
                     self.declare_parameter(p.name, p.default, descriptor(p))
             values = {p.name: self.get_parameter(p.name).value for p in PARAMETERS}
             settings = resolve_settings(values, log=self.get_logger().info)
-            self.camera_settings = self._read_camera_parameters(values, settings.cameras)
+            self.camera_settings = self._read_camera_parameters(values, settings.cameras) or {"": settings}
             return settings
         except (ParameterException, ConfigError) as exc:
             raise StartupError(f"invalid parameters: {exc}") from None
@@ -331,47 +320,39 @@ class LingBotMapNode(Node):
                 per_camera[camera][name] = self.get_parameter(full).value
         return resolve_camera_settings(values, per_camera, log=self.get_logger().info)
 
+    def _settings_after(self, params) -> tuple[NodeSettings, dict[str, NodeSettings]]:
+        """(the node's settings, each camera's) after ``params``; ConfigError for a value the node
+        cannot take at run time. Parameters that are not ours (use_sim_time, QoS overrides) pass."""
+        settings = self.settings
+        per_camera = {name: channel.settings for name, channel in self.channels.items()}
+        named = bool(settings.cameras)
+        for p in params:
+            if named and (p.name in _PARAMETER_TABLE or p.name.startswith(CAMERA_PREFIX)):
+                per_camera = apply_camera_dynamic(per_camera, p.name, p.value)
+            if p.name in _PARAMETER_TABLE:
+                settings = apply_dynamic(settings, p.name, p.value)
+        return settings, per_camera if named else {"": settings}
+
     def _check_parameters(self, params) -> SetParametersResult:
         """on_set_parameters: refuse (with the reason) a value the node cannot take at run time."""
-        settings = self.settings
-        per_camera = self._settings_by_camera()
-        for p in params:
-            ours = p.name in _PARAMETER_TABLE or (self.multi and p.name.startswith(CAMERA_PREFIX))
-            if not ours:  # rclpy's own (use_sim_time, qos overrides)
-                continue
-            try:
-                if self.multi:
-                    per_camera = apply_camera_dynamic(per_camera, p.name, p.value)
-                if p.name in _PARAMETER_TABLE:
-                    settings = apply_dynamic(settings, p.name, p.value)
-            except ConfigError as exc:
-                return SetParametersResult(successful=False, reason=str(exc))
+        try:
+            self._settings_after(params)
+        except ConfigError as exc:
+            return SetParametersResult(successful=False, reason=str(exc))
         return SetParametersResult(successful=True)
 
     def _apply_parameters(self, params) -> None:
         """post_set_parameters: the accepted values take effect (checked by ``_check_parameters``)."""
-        s = self.settings
-        per_camera = self._settings_by_camera()
-        for p in params:
-            if p.name in _PARAMETER_TABLE:
-                s = apply_dynamic(s, p.name, p.value)
-            if self.multi and (p.name in _PARAMETER_TABLE or p.name.startswith(CAMERA_PREFIX)):
-                per_camera = apply_camera_dynamic(per_camera, p.name, p.value)
-        self.settings = s
-        if not self.multi:
-            per_camera = {"": s}
+        self.settings, per_camera = self._settings_after(params)
         for name, channel in self.channels.items():
             channel.apply_settings(per_camera[name])
         names = {p.name for p in params}
         if "path_publish_rate" in names:
-            self._set_rate_timer("path", s.path_publish_rate)
+            self._set_rate_timer("path", self.settings.path_publish_rate)
         if "map_publish_rate" in names:
-            self._set_rate_timer("map", s.map_publish_rate)
+            self._set_rate_timer("map", self.settings.map_publish_rate)
         for p in params:
             self.get_logger().info(f"parameter {p.name} set to {p.value!r}")
-
-    def _settings_by_camera(self) -> dict[str, NodeSettings]:
-        return {name: channel.settings for name, channel in self.channels.items()}
 
     def _set_rate_timer(self, which: str, rate: float) -> None:
         """(Re)create the ~/path or ~/map_points timer at ``rate`` Hz (0 = none)."""
@@ -411,48 +392,38 @@ class LingBotMapNode(Node):
             self.get_logger().info(f"GPU memory estimate: {est.describe()}" + (
                 f" per camera's K/V, {len(cameras)} cameras" if len(cameras) > 1 else ""))
 
-    def _load_session(self):
-        """The one place the model is built (one camera): configs -> weights -> device -> session."""
-        from ..stream import BackendUnavailable
+    def _load_sessions(self) -> dict:
+        """The one place the model is built: configs -> weights -> device -> a session per camera.
+        The unnamed camera gets a session with its own cache; named cameras one ``CameraSessions``
+        (``self.sessions``: a session each on one K/V storage)."""
         from ..io.checkpoint import CheckpointError
+        from ..stream import BackendUnavailable
         from ..stream.long_stream import LongStreamSession
+        from ..stream.multi import CameraSessions
         from ..stream.session import StreamingSession
 
         s = self.settings
         t0 = time.perf_counter()
         try:
-            self._check_memory([s])
+            self._check_memory(list(self.camera_settings.values()) if s.cameras else [s])
             model = self._load_model()
-            session = LongStreamSession(StreamingSession(model, s.stream), s.long_stream)
-        except (CheckpointError, BackendUnavailable, ConfigError) as exc:
-            raise StartupError(str(exc)) from None
-        self.get_logger().info(f"model loaded in {time.perf_counter() - t0:.1f} s "
-                               f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters)")
-        return session
-
-    def _load_sessions(self):
-        """Several cameras: one model, one ``CameraSessions`` (a session per camera on one K/V storage)."""
-        from ..stream import BackendUnavailable
-        from ..io.checkpoint import CheckpointError
-        from ..stream.multi import CameraSessions
-
-        t0 = time.perf_counter()
-        try:
-            self._check_memory(list(self.camera_settings.values()))
-            model = self._load_model()
-            sessions = CameraSessions(model, {name: (cs.stream, cs.long_stream)
-                                              for name, cs in self.camera_settings.items()})
+            if s.cameras:
+                self.sessions = CameraSessions(model, {name: (cs.stream, cs.long_stream)
+                                                       for name, cs in self.camera_settings.items()})
+                sessions = dict(self.sessions.sessions)
+            else:
+                sessions = {"": LongStreamSession(StreamingSession(model, s.stream), s.long_stream)}
         except (CheckpointError, BackendUnavailable, ConfigError, ValueError) as exc:
             raise StartupError(str(exc)) from None
+        cameras = f" for {len(s.cameras)} cameras: {', '.join(s.cameras)}" if s.cameras else ""
         self.get_logger().info(f"model loaded in {time.perf_counter() - t0:.1f} s "
-                               f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters) for "
-                               f"{len(self.camera_settings)} cameras: {', '.join(self.camera_settings)}")
+                               f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters){cameras}")
         return sessions
 
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
 
-    # ------------------------------------------------------------------ several cameras: one map
+    # ------------------------------------------------------------------ named cameras: one map
     def _make_aligner(self) -> MapAligner:
         s = self.settings
         lookup = self.tf_shared if s.base_frame else None
@@ -509,66 +480,28 @@ class LingBotMapNode(Node):
                 self.get_logger().warning(f"cannot read the pool status: {type(exc).__name__}: {exc}")
         return self._pool_status
 
-    # ------------------------------------------------------------------ input
-    def _accept(self, msg, convert) -> None:
-        """One camera: an image message to the engine (``CameraChannel.accept``)."""
-        self.channels[""].accept(msg, convert, self._now())
-
-    @property
-    def camera_info(self) -> CameraInfo | None:
-        """One camera: the latest usable CameraInfo."""
-        channel = self.channels.get("")
-        return None if channel is None else channel.camera_info
-
     # ------------------------------------------------------------------ services
     def _srv_save_map(self, request, response):
-        if self.multi:
-            return self._srv_save_maps(request, response)
-        # the inference thread only takes the snapshot; the files are written here, on a service
-        # thread, so a slow disk holds up neither frames nor the other services
-        ok, snapshot, error = self.channels[""].run("save_map", self.engine.save_snapshot)
-        paths = None
-        if ok:
-            ok, paths, error = self._write_map(snapshot, request.directory)
-        response.success = ok
-        if ok:
-            ply, tum = paths
-            response.ply_path, response.trajectory_path = str(ply), str(tum)
-            response.message = f"wrote {ply} and {tum}"
-        else:
-            response.message = error
-        self.get_logger().info(f"~/save_map: {response.message}")
-        return response
-
-    def _write_map(self, snapshot, directory: str) -> tuple[bool, Any, str]:
-        timeout = self.settings.service_timeout
-        if not self._save_lock.acquire(timeout=timeout):
-            return False, None, f"another ~/save_map is still writing after {timeout:.1f} s; not saved"
-        try:
-            return True, write_map_files(snapshot, directory, self.settings.output_directory, timeout), ""
-        except SaveError as exc:
-            return False, None, str(exc)
-        finally:
-            self._save_lock.release()
-
-    def _srv_save_maps(self, request, response):
-        """Several cameras: every camera's snapshot (on the inference thread), then one map.ply for the
-        cameras in map_frame (map_<c>.ply for a camera in its own frame) and trajectory_<c>.tum each."""
-        snapshots = {}
+        """Every camera's snapshot (on the inference thread), then the files on this service thread,
+        so a slow disk holds up neither frames nor the other services. The unnamed camera writes
+        today's pair (map.ply, trajectory.tum); named cameras one map.ply for the cameras in
+        map_frame (map_<c>.ply for a camera in its own frame) and trajectory_<c>.tum each."""
+        snapshots, error = {}, ""
         for name, channel in self.channels.items():
             ok, snapshot, error = channel.run("save_map", channel.engine.save_snapshot)
             if not ok:
-                response.success, response.message = False, f"camera {name}: {error}"
-                self.get_logger().info(f"~/save_map: {response.message}")
-                return response
+                error = f"camera {name}: {error}" if name else error
+                break
             snapshots[name] = snapshot
-        timeout = self.settings.service_timeout
         saved = None
-        if not self._save_lock.acquire(timeout=timeout):
+        timeout = self.settings.service_timeout
+        if error:  # a camera's snapshot failed: nothing written
+            pass
+        elif not self._save_lock.acquire(timeout=timeout):
             error = f"another ~/save_map is still writing after {timeout:.1f} s; not saved"
         else:
             try:
-                saved, error = self._write_maps(snapshots, request.directory), ""
+                saved = self._write_maps(snapshots, request.directory)
             except (SaveError, MapSaveError) as exc:
                 error = str(exc)
             finally:
@@ -577,35 +510,39 @@ class LingBotMapNode(Node):
         if saved is None:
             response.message = error
         else:
-            first = self.settings.cameras[0]
+            first = next(iter(self.channels))
             response.ply_path = str(saved.maps.get(MAP_FILE, next(iter(saved.maps.values()))))
             response.trajectory_path = str(saved.trajectories.get(first, next(iter(saved.trajectories.values()))))
             files = [str(p) for p in list(saved.maps.values()) + list(saved.trajectories.values())]
             notes = "; ".join(f"camera {c} not saved: {why}" for c, why in saved.skipped.items())
-            response.message = f"wrote {', '.join(files)}" + (f" ({notes})" if notes else "")
+            listed = ", ".join(files) if self.settings.cameras else " and ".join(files)
+            response.message = f"wrote {listed}" + (f" ({notes})" if notes else "")
         self.get_logger().info(f"~/save_map: {response.message}")
         return response
 
-    def _write_maps(self, snapshots: dict, directory: str):
+    def _write_maps(self, snapshots: dict, directory: str) -> SavedMaps:
         """The cameras' snapshots -> files (service thread): scaled, placed in their map frames."""
-        timeout = self.settings.service_timeout
+        s = self.settings
+        if "" in snapshots:  # the unnamed camera: one crash-safe PLY + TUM pair
+            ply, tum = write_map_files(snapshots[""], directory, s.output_directory, s.service_timeout)
+            return SavedMaps("", {MAP_FILE: ply}, {"": tum}, {})
         maps = []
         for name, snap in snapshots.items():
             try:
-                points, colors, poses = snap.output(timeout)
+                points, colors, poses = snap.output(s.service_timeout)
             except SaveError as exc:
                 raise SaveError(f"camera {name}: {exc}") from None
             placed = self.channels[name].outputs.placement(OutputTransform(snap.scale, snap.offset))
             maps.append(CameraMap(name, placed.frame, snap.stamps, transform_poses(placed.transform, poses),
                                   transform_points(placed.transform, points).astype(np.float32), colors))
-        return save_camera_maps(directory, self.settings.output_directory, maps, self.settings.map_frame)
+        return save_camera_maps(directory, s.output_directory, maps, s.map_frame)
 
     # ------------------------------------------------------------------ timers
     def _on_second(self) -> None:
         clock = self._clock_problem()
         for channel in self.channels.values():
             channel.beat(clock)
-        self.diagnostics.publish(self._diagnostics())
+        self.diagnostics.publish(self._diagnostics(clock))
 
     def _clock_problem(self) -> str:
         """'no clock: ...' when use_sim_time is on and ROS time has not moved for 2 s, else ''."""
@@ -626,20 +563,9 @@ class LingBotMapNode(Node):
             channel.outputs.flush_path()
 
     def _on_map_timer(self) -> None:
-        if self.multi:
-            return self._on_maps_timer()
-        pub = self.outputs.map_points
-        if pub.get_subscription_count() == 0 or self.engine.map.version == self._map_version:
-            return
-        points, colors, version = self.engine.map.snapshot()
-        self.outputs.publish_map(points, colors, self.engine.output)  # the map is kept in model units
-        self._map_version = version
-
-    def _on_maps_timer(self) -> None:
-        """Several cameras: ~/<c>/map_points (its own map, in its frame) and ~/map_points (every camera
-        whose map is in map_frame now), each when someone listens and something changed."""
-        if not isinstance(self._map_version, dict):
-            self._map_version = {}
+        """~/[<c>/]map_points (each camera's own map, in its frame) and, with named cameras,
+        ~/map_points (every camera whose map is in map_frame now), each when someone listens and
+        something changed."""
         combined = self.map_points is not None and self.map_points.get_subscription_count() > 0
         parts, key = [], []
         for name, channel in self.channels.items():
@@ -652,12 +578,13 @@ class LingBotMapNode(Node):
             engine = channel.engine
             output = engine.output
             placed = channel.outputs.placement(output)
-            state = (engine.map.version, output, placed.version, placed.frame)
+            where = (None, None) if placed is None else (placed.version, placed.frame)
+            state = (engine.map.version, output, where)
             if wanted and self._map_version.get(name) != state:
                 points, colors, _ = engine.map.snapshot()
-                channel.outputs.publish_map(points, colors, output)
+                channel.outputs.publish_map(points, colors, output)  # the map is kept in model units
                 self._map_version[name] = state
-            if combined and placed.frame == self.settings.map_frame:
+            if combined and placed is not None and placed.frame == self.settings.map_frame:
                 parts.append(channel)
                 key.append((name, state))
         if combined and parts and self._map_version.get("") != key:
@@ -678,25 +605,24 @@ class LingBotMapNode(Node):
         header = Header(stamp=stamp, frame_id=self.settings.map_frame)
         self.map_points.publish(make_pointcloud2(np.concatenate(points), np.concatenate(colors), None, header))
 
-    def _diagnostics(self) -> DiagnosticArray:
+    def _diagnostics(self, clock: str) -> DiagnosticArray:
+        """/diagnostics: the clock, the shared pool (named cameras) and every camera's entries (the
+        unnamed camera's under the node's name, a named camera's under "<node>: <camera>")."""
         name = self.get_fully_qualified_name()
-        clock = self.channels[next(iter(self.channels))].engine.clock_problem
-        clock_diag = diag(f"{name}: clock", DiagnosticStatus.WARN if clock else DiagnosticStatus.OK,
-                          clock or "ok", {"use_sim_time": self.get_parameter("use_sim_time").value})
-        if not self.multi:
-            channel = self.channels[""]
-            statuses = [channel.input_diag(name), clock_diag] + channel.state_diags(name)
-            return DiagnosticArray(header=Header(stamp=self.get_clock().now().to_msg()), status=statuses)
-        statuses = [clock_diag, self._pool_diag(name)]
+        statuses = [diag(f"{name}: clock", DiagnosticStatus.WARN if clock else DiagnosticStatus.OK,
+                         clock or "ok", {"use_sim_time": self.get_parameter("use_sim_time").value})]
+        if self.sessions is not None:
+            statuses.append(self._pool_diag(name))
         for camera, channel in self.channels.items():
-            label = f"{name}: {camera}"
+            label = f"{name}: {camera}" if camera else name
             statuses.append(channel.input_diag(label))
             statuses += channel.state_diags(label)
-            waiting = self.aligner.enabled and not self.aligner.aligned(camera)  # own frames by configuration: OK
-            statuses.append(diag(f"{label}: map frame", DiagnosticStatus.WARN if waiting else DiagnosticStatus.OK,
-                                 self.aligner.describe(camera), {
-                                     "frame": channel.outputs.placement().frame,
-                                     "items run by the scheduler": self.scheduler.served.get(camera, 0)}))
+            if self.aligner is not None:
+                waiting = self.aligner.enabled and not self.aligner.aligned(camera)  # own frames by configuration: OK
+                statuses.append(diag(f"{label}: map frame", DiagnosticStatus.WARN if waiting else DiagnosticStatus.OK,
+                                     self.aligner.describe(camera), {
+                                         "frame": channel.outputs.placement().frame,
+                                         "items run by the scheduler": self.scheduler.served.get(camera, 0)}))
         return DiagnosticArray(header=Header(stamp=self.get_clock().now().to_msg()), status=statuses)
 
     def _pool_diag(self, name: str) -> DiagnosticStatus:
@@ -707,7 +633,7 @@ class LingBotMapNode(Node):
                   "size (MiB)": f"{pool.nbytes / 2**20:.1f}"}
         for camera, cp in pool.cameras.items():
             values[f"{camera}: pages / used / tokens per page"] = f"{cp.pages} / {cp.used_pages} / {cp.page_tokens}"
-        if self.scheduler is not None and self.settings.camera_pipelining:  # written by the inference thread
+        if self.settings.camera_pipelining:  # written by the inference thread
             values["steps overlapped with the next camera's"] = self.scheduler.overlapped
         if self.settings.camera_batching:  # counters written by the inference thread (plain ints)
             values["batched turns"] = self.scheduler.batches
@@ -720,10 +646,7 @@ class LingBotMapNode(Node):
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
-        if self.scheduler is not None:
-            self.scheduler.stop()
-        else:
-            self.engine.stop()
+        self.scheduler.stop()
         self.service_node.destroy_node()
         logging.getLogger("lingbot_map_ros").removeHandler(self._log_handler)
 
@@ -810,7 +733,7 @@ def main(args: list[str] | None = None) -> int:
     # One executor thread for the node's callbacks: they are short (an image is converted and
     # handed over), and a pool of executor threads only adds GIL hand-offs that delay the
     # inference thread (the multi-threaded executor measured 2x the tail latency of this one,
-    # benchmarks/node_probe.py). The services, which wait for the inference thread or write
+    # benchmarks/node/node_probe.py). The services, which wait for the inference thread or write
     # files, get executor threads of their own.
     # From here a signal only sets a flag that the loop reads: an exception raised by a handler in
     # the middle of rclpy's C++ calls (taking a message) would surface as an unrelated error.

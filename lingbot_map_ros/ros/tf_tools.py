@@ -66,7 +66,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..geometry import quaternion_to_matrix
-from .worker import Throttle
+from ..robot.map_offset import invert_rigid
+from ..runtime.worker import Throttle
 
 MODES = ("map_to_odom", "map_to_base", "map_to_camera")
 CAMERA_CHILD_SUFFIX = "_lingbot"
@@ -84,15 +85,6 @@ def transform_to_matrix(transform: Any) -> np.ndarray:
     T[:3, :3] = quaternion_to_matrix(np.array([q.x, q.y, q.z, q.w], dtype=np.float64))
     T[:3, 3] = (t.translation.x, t.translation.y, t.translation.z)
     return T
-
-
-def invert_rigid(T: np.ndarray) -> np.ndarray:
-    """Inverse of a rigid 4x4 transform (R^T, -R^T t)."""
-    T = np.asarray(T, dtype=np.float64)
-    out = np.eye(4)
-    out[:3, :3] = T[:3, :3].T
-    out[:3, 3] = -T[:3, :3].T @ T[:3, 3]
-    return out
 
 
 def map_to_base(T_map_cam: np.ndarray, T_cam_base: np.ndarray | None = None) -> np.ndarray:

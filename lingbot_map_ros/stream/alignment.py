@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..geometry import apply_sim3, apply_sim3_to_poses
+from ..geometry import apply_sim3, apply_sim3_to_poses, rotation_angle_deg
 
 _EPS = 1e-9
 
@@ -76,13 +76,6 @@ class AlignmentFit:
     depth_pixels: int  # pixels behind the depth-ratio median (0 unless scale_source == "depth")
     rotation_residual_deg: float  # largest angle between a frame's aligned and global rotation
     centre_rmse: float  # RMS distance between aligned and global camera centres (global units)
-
-
-def rotation_angle_deg(rot_a: np.ndarray, rot_b: np.ndarray) -> np.ndarray:
-    """Angle (degrees) of the relative rotation ``rot_aᵀ · rot_b`` for [..., 3, 3] inputs."""
-    rel = np.swapaxes(np.asarray(rot_a, dtype=np.float64), -1, -2) @ np.asarray(rot_b, dtype=np.float64)
-    cos = (np.trace(rel, axis1=-2, axis2=-1) - 1.0) / 2.0
-    return np.degrees(np.arccos(np.clip(cos, -1.0, 1.0)))
 
 
 def mean_rotation(rots: np.ndarray) -> np.ndarray:
@@ -164,5 +157,4 @@ def estimate_window_sim3(old_c2w: np.ndarray, new_c2w: np.ndarray, old_depth=Non
     return AlignmentFit(sim3, source, int(ok.sum()), pixels, rot_res, rmse)
 
 
-__all__ = ["Sim3", "AlignmentFit", "estimate_window_sim3", "depth_ratio_scale", "mean_rotation",
-           "rotation_angle_deg"]
+__all__ = ["Sim3", "AlignmentFit", "estimate_window_sim3", "depth_ratio_scale", "mean_rotation"]

@@ -34,6 +34,8 @@ resolution (a new pool) needs a new ``GraphedStep``.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
+from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
@@ -41,7 +43,7 @@ from torch import Tensor
 from ..cache.flashinfer_backend import FlashInferBackend
 from ..cache.varlen import FlashVarlenBackend
 from ..cache.pool import CameraKVCache, DevicePlan, FramewiseAttention, KVPool, PoolAttention
-from ..config import FA3_TILES
+from ..config import FA3_TILES, StreamConfig
 from ..model.lingbot import LingBotMap, StepOptions, StepOutput
 
 log = logging.getLogger(__name__)
@@ -397,4 +399,50 @@ def make_graphed_step(model: LingBotMap, pool: KVPool, camera: CameraKVCache, nu
                        heads_pool=heads_pool, output_stream=output_stream, hand_off=hand_off)
 
 
-__all__ = ["GraphedStep", "BatchedTrunk", "HandOff", "capture_trunk", "graphable", "make_graphed_step", "warmup_stream"]
+@dataclass(frozen=True)
+class StepSite:
+    """What a session's one-frame step is built on (``StepCapture.make``): its model, K/V pool
+    (sized ``num_pages``) and camera cache at ``resolution`` (H, W), its stream settings, dtype and
+    step options, its eager ``backend``, the split-KV merge choice, and ``graph_kwargs``: () -> the
+    CUDA graph pools and streams it shares with other sessions on one storage (made on first call;
+    {} for a session alone)."""
+
+    model: LingBotMap
+    pool: KVPool
+    camera: CameraKVCache
+    num_pages: int
+    resolution: tuple[int, int]
+    cfg: StreamConfig
+    dtype: torch.dtype
+    options: StepOptions
+    backend: object
+    fused_merge: bool | None = None
+    graph_kwargs: Callable[[], dict] = dict
+
+
+class StepCapture(Protocol):
+    """How a session captures its one-frame phase-2 step (injected: ``StreamingSession(steps=...)``).
+    ``applies`` is asked once per session; ``make`` when a step is needed (first use, a new pool)."""
+
+    def applies(self, cfg: StreamConfig, device: torch.device, backend) -> bool: ...
+    def make(self, site: StepSite) -> GraphedStep: ...
+
+
+class CudaGraphSteps:
+    """The sessions' default: the step as CUDA graphs (``make_graphed_step``) where they apply:
+    ``cuda_graphs`` on, a CUDA device and a graphable backend (``graphable``: FlashInfer's, or sdpa's
+    FlashAttention varlen form); everything else runs eagerly."""
+
+    def applies(self, cfg: StreamConfig, device: torch.device, backend) -> bool:
+        return bool(cfg.cuda_graphs) and device.type == "cuda" and graphable(backend)
+
+    def make(self, site: StepSite) -> GraphedStep:
+        cfg = site.cfg
+        return make_graphed_step(site.model, site.pool, site.camera, site.num_pages, site.resolution,
+                                 site.backend.variant, site.dtype, site.options, kv_splits=cfg.kv_splits or None,
+                                 min_pages=cfg.num_scale_frames + 2, fa3_tiles=cfg.fa3_tiles,
+                                 fused_merge=site.fused_merge, **site.graph_kwargs())
+
+
+__all__ = ["GraphedStep", "BatchedTrunk", "HandOff", "capture_trunk", "graphable", "make_graphed_step",
+           "warmup_stream", "StepSite", "StepCapture", "CudaGraphSteps"]

@@ -75,7 +75,8 @@ from ..cache.pages import CacheStats
 from ..config import KEYFRAME_POLICIES, LongStreamConfig, StreamConfig
 from ..geometry import matrix_to_quaternion
 from ..io.preprocess import input_size
-from .alignment import AlignmentFit, Sim3, estimate_window_sim3, rotation_angle_deg
+from ..geometry import rotation_angle_deg
+from .alignment import AlignmentFit, Sim3, estimate_window_sim3
 from .errors import FrameMismatchError, SessionError
 from .results import FrameResult
 from .session import PendingResults, StreamingSession
@@ -344,7 +345,7 @@ class LongStreamSession:
         """The first half of ``submit``: check the frame, decide whether it is stored, restart the
         window when it is full; returns the decision to hand the inner session with the frame
         (None: a scale frame, the inner session's own). The caller then submits the frame to
-        ``inner`` (alone, or batched with other cameras' frames: ``stream.session.submit_batch``)
+        ``inner`` (alone, or batched with other cameras' frames: ``stream.multi.submit_batch``)
         and hands the result to ``after_inner_submit``."""
         self.check_frame(image)
         stats = self.inner.stats()

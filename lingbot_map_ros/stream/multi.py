@@ -3,14 +3,15 @@
 One model in memory, one K/V storage whose pages every camera's cache draws from,
 one ``Session`` per camera (its own scale frames, window, special tokens, window
 restarts). Callers drive the sessions from ONE thread (they share the model's
-step options and the GPU), in turn: the node's scheduler (``ros.scheduler``) takes
+step options and the GPU), in turn: the node's scheduler (``runtime.scheduler``) takes
 the cameras' latest frames round-robin; ``benchmarks/stream/multi_camera.py`` feeds
 them at a camera rate and submits one camera's frame before taking another's results.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import Mapping, Sequence
 
 from ..config import LongStreamConfig, StreamConfig
 from .protocol import Session
@@ -45,7 +46,8 @@ class CameraSessions:
     kernel decision; the others share them (one copy of the weights). ``pool_tokens``:
     the storage's capacity in tokens, 0 = sized at the first camera's first frame for
     all cameras at that camera's resolution (it grows if a camera needs more, see
-    ``SharedKVStorage``).
+    ``SharedKVStorage``). ``steps``: how the sessions capture their one-frame steps
+    (``graphs.StepCapture``; default CUDA graphs where they apply).
 
     Page ownership: each camera's ``PageTable`` numbers pages 0..n-1 inside its own
     extent, its pool is a view that ends there, and every step's page ids are checked
@@ -53,10 +55,10 @@ class CameraSessions:
     """
 
     def __init__(self, model, cameras: Mapping[str, tuple[StreamConfig, LongStreamConfig | None]],
-                 pool_tokens: int = 0, with_depth: bool = True) -> None:
+                 pool_tokens: int = 0, with_depth: bool = True, steps=None) -> None:
         from ..cache.pool import SharedKVStorage
         from .long_stream import LongStreamSession
-        from .session import StreamingSession, _torch_dtype
+        from .session import StreamingSession, torch_dtype
 
         if not cameras:
             raise ValueError("CameraSessions needs at least one camera")
@@ -66,14 +68,14 @@ class CameraSessions:
         self.model = model
         mcfg = model.cfg
         device = next(model.parameters()).device
-        self.storage = SharedKVStorage(mcfg.depth, mcfg.num_heads, mcfg.head_dim, _torch_dtype(dtypes.pop()),
+        self.storage = SharedKVStorage(mcfg.depth, mcfg.num_heads, mcfg.head_dim, torch_dtype(dtypes.pop()),
                                        device, capacity_tokens=pool_tokens, reserve=len(cameras))
         self.inner: dict[str, StreamingSession] = {}
         self.sessions: dict[str, Session] = {}
         first = None
         for name, (cfg, long_cfg) in cameras.items():
             inner = StreamingSession(model, cfg, with_depth=with_depth, storage=self.storage, owner=name,
-                                     share_from=first)
+                                     share_from=first, steps=steps)
             first = first or inner
             self.inner[name] = inner
             self.sessions[name] = LongStreamSession(inner, long_cfg) if long_cfg is not None else inner
@@ -85,13 +87,11 @@ class CameraSessions:
     def submit_many(self, frames: Mapping[str, object], keyframes: Mapping[str, bool | None] | None = None
                     ) -> dict[str, object]:
         """One frame for each named camera, as each camera's ``submit`` would take it, but the
-        frames whose steps can go together run in one batched trunk (``session.submit_batch``:
+        frames whose steps can go together run in one batched trunk (``submit_batch``:
         phase-2 one-frame steps with captured CUDA graphs). Returns per camera its pending
         results, or the exception its ``submit`` raised (that camera is unchanged; the others
         are not affected). Cameras with windowed restarts decide and restart first, as in
         ``LongStreamSession.submit``."""
-        from .session import submit_batch
-
         keyframes = keyframes or {}
         unknown = [c for c in frames if c not in self.sessions]
         if unknown:
@@ -133,4 +133,103 @@ class CameraSessions:
                           nbytes=self.storage.nbytes, cameras=cams)
 
 
-__all__ = ["CameraSessions", "PoolStatus", "CameraPool"]
+def submit_batch(sessions: Sequence, images: Sequence, keyframes: Sequence[bool | None] | None = None) -> list:
+    """Submit one frame to each of several cameras' ``StreamingSession``s (on one
+    ``SharedKVStorage``, driven from one thread), running the frames that can go together in one
+    batched trunk (``graphs.BatchedTrunk``): each camera's frame attends over its own cache only,
+    and each camera gets exactly what ``sessions[i].submit(images[i], keyframes[i])`` would give.
+
+    Written against the sessions' public step seam: ``check_frame``, ``batch_key``, then
+    ``plan`` -> ``launch`` (alone) or the batched trunk -> ``complete``. A frame joins the batch
+    when its camera's one-frame step has a captured graph at the running resolution (phase 2,
+    storage unchanged: ``batch_key``); the others (scale frames, a first frame at a new size, eager
+    backends) are submitted on their own, as are the batch's frames when fewer than two can go
+    together. Returns per camera its ``PendingResults``, or the exception its ``submit`` would
+    have raised (an invalid frame, a full cache); a failing camera changes nothing of its own
+    state and nothing of the others'. When a batched trunk fails (before anything was applied),
+    its cameras' steps run on their own, and that set of cameras is not batched again
+    (``SharedGpuState.refused``, one warning)."""
+    import torch
+
+    from ..cache.attention import UngraphableStep
+
+    n = len(sessions)
+    if len(images) != n or (keyframes is not None and len(keyframes) != n):
+        raise ValueError(f"submit_batch: {n} sessions, {len(images)} images, "
+                         f"{n if keyframes is None else len(keyframes)} keyframe decisions")
+    if len({id(x) for x in sessions}) != n:
+        raise ValueError("submit_batch: a session appears twice (one frame per camera and batch)")
+    keyframes = list(keyframes) if keyframes is not None else [None] * n
+    results: list = [None] * n
+    checked = {}  # the frames as check_frame returned them
+    single: list[int] = []
+    groups: dict[tuple, list[int]] = {}
+    with torch.inference_mode():
+        for i, session in enumerate(sessions):
+            try:
+                host = checked[i] = session.check_frame(images[i])
+            except Exception as exc:  # InvalidFrameError: as submit would raise it
+                results[i] = exc
+                continue
+            key = session.batch_key(host)
+            if key is None:
+                single.append(i)
+            else:
+                groups.setdefault(key, []).append(i)
+        for members in groups.values():
+            if len(members) < 2:
+                single.extend(members)
+                continue
+            _launch_group(sessions, members, checked, keyframes, results, single, UngraphableStep)
+        for i in single:
+            try:
+                results[i] = sessions[i].submit(images[i], keyframes[i])
+            except Exception as exc:
+                results[i] = exc
+    return results
+
+
+def _launch_group(sessions, members: list[int], checked: dict, keyframes: list, results: list, single: list[int],
+                  ungraphable: type) -> None:
+    """The frames of one batch group: planned (each prepared into its graphed step), then one
+    batched trunk and each camera's heads and landing in turn; alone or one after another when
+    fewer than two are left or the trunk fails. Fills ``results``; frames that cannot use their
+    graph go to ``single``."""
+    t0 = time.perf_counter()
+    planned = []  # (index, PlannedFrame)
+    for i in members:
+        try:
+            planned.append((i, sessions[i].plan(checked[i], keyframes[i], prepare=True, t0=t0)))
+        except ungraphable:  # counted by the session: this frame goes on its own
+            single.append(i)
+        except Exception as exc:  # CacheFullError, CrossedExtentError: nothing changed
+            results[i] = exc
+    if len(planned) == 1:  # the others dropped out: this one goes on its own
+        (i, frame), = planned
+        results[i] = sessions[i].launch(frame)
+        return
+    if not planned:
+        return
+    owners = tuple(sessions[i].owner for i, _ in planned)
+    group = sessions[planned[0][0]].batch_group
+    batch = None
+    if owners not in group.refused:
+        try:
+            batch = group.batch_for(owners, [frame.graphed for _, frame in planned])
+            batch.launch([frame.frame for _, frame in planned], [frame.dplan for _, frame in planned])
+        except Exception as exc:  # nothing was applied: each camera's step runs on its own below
+            group.refuse(owners, exc)
+            batch = None
+    if batch is None:  # their own one-frame steps, one after another (the plans still hold)
+        for i, frame in planned:
+            try:
+                results[i] = sessions[i].launch(frame)
+            except Exception as exc:
+                results[i] = exc
+        return
+    for k, (i, frame) in enumerate(planned):
+        # camera k's heads, then its landing (in complete), before camera k+1's heads
+        results[i] = sessions[i].complete(frame, batch.heads(k))
+
+
+__all__ = ["CameraSessions", "PoolStatus", "CameraPool", "submit_batch"]

@@ -37,7 +37,7 @@ from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
 from ..kernels.fp8_gemm import quantize_linears_
 from ..model.lingbot import LingBotMap, StepOptions
 from .errors import FrameMismatchError, InvalidFrameError, SessionError
-from .graphs import BatchedTrunk, GraphedStep, HandOff, graphable, make_graphed_step
+from .graphs import BatchedTrunk, CudaGraphSteps, GraphedStep, HandOff, StepCapture, StepSite
 from .landing import LandingRing
 from .results import FrameResult
 
@@ -85,7 +85,29 @@ class _PlannedStep:
     graphed: GraphedStep | None  # the graphed step that may run it (None: eager)
 
 
-class _SharedGpuState:
+@dataclass
+class PlannedFrame:
+    """One checked frame's step, planned and not launched (``StreamingSession.plan``): launch it
+    with ``StreamingSession.launch``, or launch its ``graphed`` step with others (a batched trunk)
+    and hand the outputs to ``StreamingSession.complete``."""
+
+    frame: Tensor  # [1, 3, H, W] on the device
+    host: Tensor  # as ``check_frame`` returned it
+    step: _PlannedStep
+    t0: float  # perf_counter when the step's work began (the frame's model time counts from it)
+
+    @property
+    def graphed(self) -> GraphedStep | None:
+        """The captured step that runs it (None: eager)."""
+        return self.step.graphed
+
+    @property
+    def dplan(self):
+        """Its plan's device tensors (``DevicePlan``), loaded into ``graphed`` when prepared."""
+        return self.step.dplan
+
+
+class SharedGpuState:
     """Device memory that sessions on one ``SharedKVStorage`` share because their steps run in
     turn: FlashInfer's float workspace (128 MiB per backend otherwise; each session has an
     eager and a graph backend), the memory pool of the trunk CUDA graphs (all trunks replay
@@ -126,23 +148,25 @@ class _SharedGpuState:
         return {"workspace": self.workspace, **self._graphs}
 
 
-def _torch_dtype(name: str) -> torch.dtype:
+def torch_dtype(name: str) -> torch.dtype:
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
 class StreamingSession:
     def __init__(self, model: LingBotMap, cfg: StreamConfig, backend: AttentionBackend | None = None,
                  with_depth: bool = True, storage: SharedKVStorage | None = None, owner: str = "",
-                 share_from: StreamingSession | None = None) -> None:
+                 share_from: StreamingSession | None = None, steps: StepCapture | None = None) -> None:
         """``storage``/``owner``: take the K/V pages from that shared storage under that name
         (several cameras, ``stream.multi``) instead of an allocation of its own.
         ``share_from``: a session on the same model whose step options (the heads'
         reduced-precision copies, the head stream, the kernel decision) this one reuses,
-        so N sessions hold one copy of the weights; both are driven from one thread."""
+        so N sessions hold one copy of the weights; both are driven from one thread.
+        ``steps``: how the one-frame phase-2 step is captured (default ``CudaGraphSteps``:
+        CUDA graphs where they apply, else eager steps)."""
         self.model = model.eval()
         self.cfg = cfg
         self.device = next(model.parameters()).device
-        self.dtype = _torch_dtype(cfg.dtype)
+        self.dtype = torch_dtype(cfg.dtype)
         agg_dtype = next(model.aggregator.parameters()).dtype
         if agg_dtype != self.dtype:
             raise SessionError(f"the model's aggregator is {agg_dtype} but the stream dtype is {cfg.dtype}; "
@@ -163,7 +187,7 @@ class StreamingSession:
                                                fa3_tiles=cfg.fa3_tiles, fused_merge=triton,
                                                workspace=None if shared is None else shared.workspace)
         # what sessions on one storage share besides the weights (None: a session on its own)
-        self._shared = shared or (_SharedGpuState(getattr(self.backend, "workspace", None))
+        self._shared = shared or (SharedGpuState(getattr(self.backend, "workspace", None))
                                   if storage is not None else None)
         # how every step runs, eager or graphed (a test may replace it before the first frame)
         self.step_options = share_from.step_options if share_from is not None else \
@@ -184,9 +208,8 @@ class StreamingSession:
         self._graphed: GraphedStep | None = None  # the one-frame step as a CUDA graph (see graphs.py)
         self.graph_fallbacks = 0  # one-frame steps that ran without their graph (UngraphableStep)
         self.batched_steps = 0  # one-frame steps that ran in a batched trunk with other cameras' (submit_batch)
-        # tests on the CPU: run the graphed steps' static-shape path eagerly (no capture), each
-        # with a backend of its own, so batched steps (submit_batch) run there too
-        self.static_steps_on_cpu = False
+        self._steps = steps if steps is not None else CudaGraphSteps()
+        self._steps_apply = self._steps.applies(cfg, self.device, self.backend)  # asked once
         # the next graphed step, planned and loaded while the GPU ran the current one
         self._next: tuple[StepPlan, object] | None = None
         self._landing: LandingRing | None = None  # page-locked landing buffers of the outputs (CUDA)
@@ -529,6 +552,61 @@ class StreamingSession:
             self._speculate(graphed, step.tokens)
         return pending
 
+    # ------------------------------------------------------------------ the step seam: plan -> launch -> complete
+    # ``submit`` in three public parts, for a caller that launches several sessions' steps together
+    # (``stream.multi.submit_batch``: one batched trunk of several cameras' graphed steps)
+    @property
+    def owner(self) -> str:
+        """The name this session's pages are leased under in a shared storage ("" alone)."""
+        return self._owner
+
+    @property
+    def batch_group(self) -> SharedGpuState | None:
+        """What the sessions on this one's storage share (their batched trunks); None alone."""
+        return self._shared
+
+    def batch_key(self, host: Tensor) -> tuple | None:
+        """For a checked frame (``check_frame``): the key of the batched steps it can join now
+        (sessions whose frames have equal keys may run in one trunk), or None: its one-frame
+        phase-2 step at the running resolution has no captured graph on the current storage."""
+        if self._shared is None or not self._batchable(host):
+            return None
+        return (id(self._shared), self._resolution)
+
+    @torch.inference_mode()
+    def plan(self, host: Tensor, keyframe: bool | None = None, prepare: bool = False,
+             t0: float | None = None) -> PlannedFrame:
+        """The first part of ``submit`` for a checked one-frame phase-2 frame: its device copy and
+        its step's plan (no cache state changes; CacheFullError, CrossedExtentError as ``submit``
+        raises them). ``prepare``: load the plan into its graphed step now (UngraphableStep when it
+        cannot: counted as a graph fallback; nothing changed). Older steps in flight are waited for
+        until the next may launch."""
+        t0 = time.perf_counter() if t0 is None else t0
+        frame = self._device_frame(host)[None]
+        try:
+            step = self._plan_run(frame, self._store_decision(keyframe))
+            if prepare and not step.prepared:
+                step.graphed.prepare(step.dplan)
+                step.prepared = True
+        except UngraphableStep as exc:
+            self._note_graph_fallback(exc)
+            raise
+        self._make_room()
+        return PlannedFrame(frame, host, step, t0)
+
+    @torch.inference_mode()
+    def launch(self, planned: PlannedFrame) -> PendingResults:
+        """Launch a planned step on its own (its graph, or eagerly); the rest of ``submit``."""
+        return self._launch_planned(planned.frame, [planned.host], planned.step, planned.t0)
+
+    @torch.inference_mode()
+    def complete(self, planned: PlannedFrame, outputs) -> PendingResults:
+        """A planned step whose graphed trunk ran outside (a batched trunk; ``outputs``: its heads'
+        ``StepOutput``): it becomes part of the cache and its outputs start landing, as after
+        ``launch``. Counted in ``batched_steps``."""
+        self.batched_steps += 1
+        return self._complete(planned.frame, [planned.host], outputs, planned.step, planned.t0, planned.graphed)
+
     # ------------------------------------------------------------------ batched steps (several cameras)
     def _batchable(self, host: Tensor) -> bool:
         """Whether this checked frame can join a batched step now: its one-frame phase-2 step
@@ -587,21 +665,15 @@ class StreamingSession:
         self._next = (plan, dplan)
 
     def _graphed_step(self) -> GraphedStep | None:
-        """The CUDA-graph step for the current pool, made on first use; None where graphs do not apply."""
-        if self.static_steps_on_cpu and self.device.type == "cpu":
-            if self._graphed is None:
-                self._graphed = GraphedStep(self.model, self._pool, self._camera, make_backend(self.cfg.backend, self.device),
-                                            self._resolution, self.step_options, capture=False)
-            return self._graphed
-        if not self.cfg.cuda_graphs or self.device.type != "cuda" or not graphable(self.backend):
+        """The captured step for the current pool (``steps.make``), made on first use; None where the
+        session's step capture does not apply."""
+        if not self._steps_apply:
             return None
         if self._graphed is None:
-            self._graphed = make_graphed_step(self.model, self._pool, self._camera, self._pages.num_pages,
-                                              self._resolution, self.backend.variant, self.dtype,
-                                              self.step_options, kv_splits=self.cfg.kv_splits or None,
-                                              min_pages=self.cfg.num_scale_frames + 2,
-                                              fa3_tiles=self.cfg.fa3_tiles, fused_merge=self._merge_kernel,
-                                              **(self._shared.graph_kwargs() if self._shared is not None else {}))
+            self._graphed = self._steps.make(StepSite(
+                self.model, self._pool, self._camera, self._pages.num_pages, self._resolution, self.cfg, self.dtype,
+                self.step_options, self.backend, self._merge_kernel,
+                self._shared.graph_kwargs if self._shared is not None else dict))
         return self._graphed
 
     def _land(self, frames: Tensor, hosts: list[Tensor], out, plan: StepPlan, first_frame: int, t0: float,
@@ -683,106 +755,5 @@ class StreamingSession:
         return results
 
 
-@torch.inference_mode()
-def submit_batch(sessions: list[StreamingSession], images: list, keyframes: list[bool | None] | None = None
-                 ) -> list[PendingResults | Exception]:
-    """Submit one frame to each of several cameras' sessions (on one ``SharedKVStorage``, driven
-    from one thread), running the frames that can go together in one batched trunk
-    (``graphs.BatchedTrunk``): each camera's frame attends over its own cache only, and each
-    camera gets exactly what ``sessions[i].submit(images[i], keyframes[i])`` would give.
-
-    A frame joins the batch when its camera's one-frame step has a captured CUDA graph at the
-    running resolution (phase 2, storage unchanged); the others (scale frames, a first frame
-    at a new size, eager backends) are submitted on their own, as are the batch's frames when
-    fewer than two can go together. Returns per camera its ``PendingResults``, or the
-    exception its ``submit`` would have raised (an invalid frame, a full cache); a failing
-    camera changes nothing of its own state and nothing of the others'. When a batched trunk
-    fails (before anything was applied), its cameras' steps run on their own, and that set
-    of cameras is not batched again (``_SharedGpuState.refused``, one warning).
-    """
-    n = len(sessions)
-    if len(images) != n or (keyframes is not None and len(keyframes) != n):
-        raise ValueError(f"submit_batch: {n} sessions, {len(images)} images, "
-                         f"{n if keyframes is None else len(keyframes)} keyframe decisions")
-    if len({id(x) for x in sessions}) != n:
-        raise ValueError("submit_batch: a session appears twice (one frame per camera and batch)")
-    keyframes = list(keyframes) if keyframes is not None else [None] * n
-    results: list[PendingResults | Exception | None] = [None] * n
-    checked: dict[int, Tensor] = {}  # the frames as check_frame returned them
-    single: list[int] = []
-    groups: dict[tuple, list[int]] = {}
-    for i, session in enumerate(sessions):
-        try:
-            host = checked[i] = session.check_frame(images[i])
-        except Exception as exc:  # InvalidFrameError: as submit would raise it
-            results[i] = exc
-            continue
-        shared = session._shared
-        if shared is None or not session._batchable(host):
-            single.append(i)
-        else:
-            groups.setdefault((id(shared), session._resolution), []).append(i)
-    for members in groups.values():
-        if len(members) < 2:
-            single.extend(members)
-            continue
-        t0 = time.perf_counter()
-        planned, frames, hosts = [], [], []
-        for i in members:
-            session = sessions[i]
-            host = checked[i]
-            frame = session._device_frame(host)[None]
-            try:
-                step = session._plan_run(frame, session._store_decision(keyframes[i]))
-                if not step.prepared:
-                    step.graphed.prepare(step.dplan)
-                    step.prepared = True
-            except UngraphableStep as exc:
-                session._note_graph_fallback(exc)
-                single.append(i)
-                continue
-            except Exception as exc:  # CacheFullError, CrossedExtentError: nothing changed
-                results[i] = exc
-                continue
-            session._make_room()
-            planned.append((i, step))
-            frames.append(frame)
-            hosts.append(host)
-        if len(planned) == 1:  # the others dropped out: this one goes on its own
-            (i, step), = planned
-            results[i] = sessions[i]._launch_planned(frames[0], [hosts[0]], step, t0)
-            continue
-        if not planned:
-            continue
-        owners = tuple(sessions[i]._owner for i, _ in planned)
-        shared = sessions[planned[0][0]]._shared
-        batch = None
-        if owners not in shared.refused:
-            try:
-                batch = shared.batch_for(owners, [step.graphed for _, step in planned])
-                batch.launch(frames, [step.dplan for _, step in planned])
-            except Exception as exc:  # nothing was applied: each camera's step runs on its own below
-                shared.refuse(owners, exc)
-                batch = None
-        if batch is None:  # their own one-frame steps, one after another (the plans still hold)
-            for (i, step), frame, host in zip(planned, frames, hosts):
-                try:
-                    results[i] = sessions[i]._launch_planned(frame, [host], step, t0)
-                except Exception as exc:
-                    results[i] = exc
-            continue
-        for k, ((i, step), frame, host) in enumerate(zip(planned, frames, hosts)):
-            session = sessions[i]
-            session.batched_steps += 1
-            # camera k's heads, then its landing (in _complete), before camera k+1's heads
-            results[i] = session._complete(frame, [host], batch.heads(k), step, t0, step.graphed)
-    for i in single:
-        try:
-            results[i] = sessions[i].submit(images[i], keyframes[i])
-        except Exception as exc:
-            results[i] = exc
-    return results
-
-
-__all__ = ["StreamingSession", "submit_batch", "FrameResult", "PendingResults", "SessionError", "FrameMismatchError",
-           "InvalidFrameError", "CacheError", "CacheFullError"]
+__all__ = ["StreamingSession", "PlannedFrame", "SharedGpuState", "FrameResult", "PendingResults", "SessionError",
+           "FrameMismatchError", "InvalidFrameError", "CacheError", "CacheFullError"]

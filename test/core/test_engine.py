@@ -15,8 +15,11 @@ from lingbot_map_ros.io.checkpoint import load_model
 from lingbot_map_ros.io.export import read_ply, read_tum
 from lingbot_map_ros.io.preprocess import preprocess_array
 from lingbot_map_ros.geometry import optical_pose_to_map, points_to_map
-from lingbot_map_ros.ros.engine import InferenceEngine, InputFrame, SaveError, State
-from lingbot_map_ros.ros.params import resolve_settings
+from lingbot_map_ros.runtime.engine import InferenceEngine
+from lingbot_map_ros.runtime.frames import InputFrame, State
+from lingbot_map_ros.runtime.params import resolve_settings
+from lingbot_map_ros.runtime.saving import SaveError
+from lingbot_map_ros.runtime.scheduler import CameraScheduler
 from lingbot_map_ros.stream.session import SessionError, StreamingSession
 
 from engine_fakes import Log, Sink  # test/ is on sys.path (conftest.py)
@@ -28,7 +31,7 @@ SETTINGS = dict(image_width=WIDTH, num_scale_frames=2, sliding_window=3, backend
 
 
 def test_the_engine_imports_no_ros():
-    """ros/engine.py is the node's logic without ROS: importing it pulls in no rclpy and no message package."""
+    """runtime/engine.py is the node's logic without ROS: importing it pulls in no rclpy and no message package."""
     import subprocess
     import sys
 
@@ -39,7 +42,7 @@ def test_the_engine_imports_no_ros():
             "BLOCKED = {'rclpy', 'sensor_msgs', 'geometry_msgs', 'nav_msgs', 'std_msgs', 'builtin_interfaces',\n"
             "           'tf2_ros', 'diagnostic_msgs', 'std_srvs', 'rcl_interfaces'}\n"
             "sys.meta_path.insert(0, Block())\n"
-            "import lingbot_map_ros.ros.engine, lingbot_map_ros.ros.worker, lingbot_map_ros.ros.params\n"
+            "import lingbot_map_ros.runtime.engine, lingbot_map_ros.runtime.worker, lingbot_map_ros.runtime.params\n"
             "print('ok')\n")
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert run.returncode == 0 and run.stdout.strip() == "ok", run.stderr[-2000:]
@@ -323,8 +326,10 @@ def test_reset_and_save_map(model, tmp_path):
 
 
 def test_thread_processes_frames_and_commands(model):
+    """The engine has no thread of its own: the node's one inference thread (the scheduler) drives it."""
     engine, sink, _, _ = make_engine(model)
-    engine.start()
+    driver = CameraScheduler({"": engine})
+    driver.start()
     try:
         for i, rgb in enumerate(frames(3)):
             engine.submit_frame(InputFrame(rgb=rgb, stamp=float(i), stamp_s=float(i), camera_frame="c"))
@@ -332,7 +337,7 @@ def test_thread_processes_frames_and_commands(model):
             assert cmd.wait(30)
         assert engine.counters.snapshot().frames_processed == 3
     finally:
-        engine.stop()
+        driver.stop()
     assert torch.get_num_threads() >= 1
 
 
@@ -398,7 +403,8 @@ def test_poses_do_not_wait_for_the_map(model):
         real_add(index, points, colors)
 
     engine.map.add = blocking_add
-    engine.start()
+    driver = CameraScheduler({"": engine})
+    driver.start()
     try:
         images = frames(8)
         for i, rgb in enumerate(images):  # one frame at a time, each fully handled by the inference thread
@@ -410,7 +416,7 @@ def test_poses_do_not_wait_for_the_map(model):
         gate.set()
         assert engine.outputs.flush(30)
     finally:
-        engine.stop()
+        driver.stop()
     assert len(added) == 3 and len(engine.map) > 0
     with_clouds = [o.frame_index for o in sink.frames if o.points is not None]
     assert with_clouds == [i + 1 for i in added]
@@ -624,24 +630,25 @@ def test_a_shorter_decision_timeout_set_during_a_hold_counts_from_now(model):
     engine, sink, log, session, mono, imgs = held_engine(model, keyframe_decision_timeout=20.0)
     feed(engine, imgs[3], 4.0)  # waits in the slot behind held frame 3 (deadline 20 s)
     mono[0] = 5.0
-    engine.settings = replace(engine.settings, keyframe_decision_timeout=2.0)  # as a parameter set does
-    assert engine.run_once(0) is False and engine._hold is not None  # now 5 s: the deadline is 7 s
+    engine.configure(replace(engine.settings, keyframe_decision_timeout=2.0))  # as a parameter set does
+    assert engine.run_once(0) is True and engine.decisions.hold is not None  # the settings; deadline now 7 s
+    assert engine.run_once(0) is False and engine.decisions.hold.deadline == pytest.approx(7.0)
     mono[0] = 6.9
-    engine.settings = replace(engine.settings, keyframe_decision_timeout=60.0)  # longer: no extension
-    assert engine.run_once(0) is False and engine._hold is not None
+    engine.configure(replace(engine.settings, keyframe_decision_timeout=60.0))  # longer: no extension
+    assert engine.run_once(0) is True and engine.run_once(0) is False and engine.decisions.hold is not None
     mono[0] = 7.0
     while engine.run_once(0):
         pass
     c = engine.counters.snapshot()
     assert (c.decisions_timed_out, c.decisions_kept) == (1, 0)  # released at 7 s, not at 20 s
     assert session.frames_pushed == 4 and sink.infos[-1].frame_index == 4 and sink.infos[-1].decision_pending
-    assert engine._hold.deadline == pytest.approx(67.0)  # the next held frame gets the timeout in force
-    engine.settings = replace(engine.settings, keyframe_decision_timeout=0.0)  # hold mode off, frame 4 held
-    assert engine.run_once(0) is False  # released now (mono 7 s), not at 67 s
-    assert engine._hold is None and engine.counters.snapshot().decisions_timed_out == 2
+    assert engine.decisions.hold.deadline == pytest.approx(67.0)  # the next held frame gets the timeout in force
+    engine.configure(replace(engine.settings, keyframe_decision_timeout=0.0))  # hold mode off, frame 4 held
+    assert engine.run_once(0) is True  # the settings: frame 4 released now (mono 7 s), not at 67 s
+    assert engine.decisions.hold is None and engine.counters.snapshot().decisions_timed_out == 2
     assert sink.statuses[-1][0].state_text == "frame 4: keep by timeout"
     feed(engine, imgs[4], 5.0)  # and the next frame is not held
-    assert session.frames_pushed == 5 and not sink.infos[-1].decision_pending and engine._hold is None
+    assert session.frames_pushed == 5 and not sink.infos[-1].decision_pending and engine.decisions.hold is None
 
 
 def _odometry_variance_xx(out) -> float:
@@ -801,7 +808,7 @@ def test_camera_info_of_another_size_refuses_the_frame_and_zero_distortion_passe
     assert engine.frames_undistorted == 0 and len(sink.frames) == 2
     expected = replay(model, imgs[1:3])
     np.testing.assert_array_equal(sink.frames[-1].T_map_cam, optical_pose_to_map(expected[-1].c2w))
-    engine.settings = resolve_settings({**SETTINGS, "undistort": False})
+    engine.configure(resolve_settings({**SETTINGS, "undistort": False}))  # a value through the queue
     engine.submit_frame(InputFrame(rgb=imgs[0], stamp=3.0, stamp_s=3.0, camera_frame="cam", camera=_camera()))
     while engine.run_once(0):
         pass
@@ -829,7 +836,7 @@ def test_depth_scale_converges_to_the_sensor_ratio(model):
 
 
 def test_depth_cache_matches_within_50_ms_only():
-    from lingbot_map_ros.ros.engine import DepthCache
+    from lingbot_map_ros.runtime.anchor import DepthCache
 
     cache = DepthCache(size=2)
     a, b, c = (np.full((2, 2), v, np.uint16) for v in (1, 2, 3))
@@ -959,12 +966,12 @@ def test_health_thresholds_follow_the_settings_at_run_time(model):
         feed(engine, imgs[i], float(i))
     assert [st.tracking_reasons for st, _ in sink.statuses if st.frames_processed] == [""] * 5
     assert sink.statuses[-1][0].tracking_state == "initializing"  # 5 good frames < 6
-    engine.settings = resolve_settings({**loose, "health_init_frames": 6, "health_max_rotation_deg": 0.001})
+    engine.configure(resolve_settings({**loose, "health_init_frames": 6, "health_max_rotation_deg": 0.001}))
     feed(engine, imgs[5], 5.0)
     st = sink.statuses[-1][0]
     assert st.tracking_state == "initializing" and st.tracking_reasons == "rotation_jump"
     assert engine.health.config.max_rotation_step_deg == 0.001
-    engine.settings = resolve_settings({**loose, "health_init_frames": 2})
+    engine.configure(resolve_settings({**loose, "health_init_frames": 2}))
     feed(engine, imgs[6], 6.0)
     assert sink.statuses[-1][0].tracking_state == "initializing"  # one good frame since the jump
     feed(engine, imgs[7], 7.0)
@@ -1035,3 +1042,18 @@ def test_distorted_frames_are_undistorted_on_the_sessions_device_when_it_is_a_gp
     assert max(np.abs(h - im.numpy()).max() for h, im in zip(host, session.pushed)) <= 2 / 255 + 1e-6
     cpu_engine, _, _, cpu_session = make_engine(model, wants=())
     assert cpu_engine.undistort_device() is None and devices == [torch.device("cuda", 0)] * 3
+
+
+def test_settings_reach_the_inference_thread_as_a_value_through_the_queue(model):
+    """``configure`` changes nothing on the caller's thread: the new settings take effect when the
+    inference thread runs the command (between two items), the sink gets them there too, and a
+    changed deferred_eviction is applied as by ~/set_deferred_eviction."""
+    engine, sink, _, session = make_engine(model)
+    new = resolve_settings({**SETTINGS, "conf_threshold": 3.0, "deferred_eviction": True})
+    command = engine.configure(new)
+    assert engine.settings.conf_threshold == 0.0 and not hasattr(sink, "settings")  # nothing yet
+    assert not command.wait(0)
+    assert engine.run_once(0) and command.wait(0) and command.error is None
+    assert engine.settings.conf_threshold == 3.0 and sink.settings is new
+    assert engine.settings.deferred_eviction and session.deferred_eviction
+    assert sink.statuses[-1][0].deferred_eviction  # the status of set_deferred_eviction

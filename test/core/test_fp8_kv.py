@@ -110,14 +110,14 @@ def test_fp8_fused_and_static_paths_equal_the_plain_path(tiny_model, fixture_con
     import dataclasses
 
     from lingbot_map_ros.kernels import layer_norm, mlp as mlp_kernels, qk_rope, residual
+    from multi_camera_helpers import EagerStaticSteps
 
     images = torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])
     cfg = StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa", kv_cache_dtype="fp8")
 
     def run(fused: bool = False, static: bool = False):
-        session = StreamingSession(tiny_model, cfg)
+        session = StreamingSession(tiny_model, cfg, steps=EagerStaticSteps() if static else None)
         session.step_options = dataclasses.replace(session.step_options, fused=fused)
-        session.static_steps_on_cpu = static
         out = []
         for f in images[:7]:
             out += session.push(f)

@@ -1,10 +1,10 @@
-"""The package's imports run one way: cli -> ros -> robot -> stream -> io -> cache/model ->
+"""The package's imports run one way: cli -> ros -> runtime -> robot -> stream -> io -> cache/model ->
 kernels/geometry -> config; nothing lower imports anything higher, and packages of one
 tier do not import each other.
 
 Read from the source with ``ast`` (nothing is imported), lazy imports inside functions
 and ``TYPE_CHECKING`` blocks included: a deferred import is still a dependency. Imports
-inside one package (ros/engine.py -> ros/conversions.py) are that package's business.
+inside one package (ros/node.py -> ros/conversions.py) are that package's business.
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ NAME = PACKAGE.name
 TIERS: tuple[tuple[str, ...], ...] = (
     ("cli",),
     ("ros",),
+    ("runtime",),  # the node's logic without ROS: engine, scheduler, queues, map memory, parameters
     # metric scale, tracking health, undistortion: used by the node, uses stream's maths;
     # the keyframe journal: records and rebuilds sessions
     ("robot", "journal"),
@@ -50,6 +51,7 @@ ALLOWED: dict[tuple[str, str], str] = {}
 # The node's layers reach the model, the cache and the kernels through stream/ and io/
 # only (stream/ re-exports the errors they need). Today's exceptions, with who removes them:
 THROUGH_STREAM = ("cache", "model", "kernels")
+NODE_LOGIC = ROS_LAYERS + ("runtime",)  # they reach the model through stream/ and io/
 ALLOWED_DIRECT: dict[tuple[str, str], str] = {
     ("lingbot_map_ros.cli.replay", "cache"):
         "cli owner (issue 19): CacheError, BackendUnavailable from lingbot_map_ros.stream",
@@ -138,9 +140,9 @@ def test_imports_run_down_the_tiers():
 
 
 def test_the_node_layers_reach_the_model_through_stream():
-    """ros/ and cli/ import nothing from cache/, model/ or kernels/ (the session and
+    """ros/, runtime/ and cli/ import nothing from cache/, model/ or kernels/ (the session and
     io.checkpoint are their door), except today's listed imports."""
-    direct = {k: v for k, v in package_edges().items() if package_of(k[0]) in ROS_LAYERS and k[1] in THROUGH_STREAM}
+    direct = {k: v for k, v in package_edges().items() if package_of(k[0]) in NODE_LOGIC and k[1] in THROUGH_STREAM}
     unexpected = [f"{imp} imports {dst}: {', '.join(places)}" for (imp, dst), places in sorted(direct.items())
                   if (imp, dst) not in ALLOWED_DIRECT]
     assert not unexpected, "\n".join(unexpected)
@@ -157,6 +159,52 @@ def test_only_the_node_layers_import_ros():
         if target.split(".")[0] in ROS_MODULES or package_of(target) in INTERFACES:
             bad.append(f"{importer} imports {target} ({where})")
     assert not bad, "ROS imports below the node layers:\n" + "\n".join(bad)
+
+
+ROS_FREE = ("runtime", "robot", "stream", "io", "cache", "model", "kernels", "geometry", "config")
+
+
+def test_the_ros_free_folders_are_named_and_exist():
+    """The ROS-free folders are every tier below ros/ (a new package gets a tier, so it is covered)."""
+    below = {pkg for pkg, rank in RANK.items() if rank > RANK["ros"]}
+    assert below == set(ROS_FREE)
+    for pkg in ("runtime", "robot", "stream", "io", "cache", "model", "kernels"):
+        assert (PACKAGE / pkg / "__init__.py").exists(), pkg
+
+
+def private_imports(source: str, module: str, is_package: bool = False) -> list[tuple[str, int]]:
+    """(module.name, line) of every ``from X import _name`` of this package in ``source`` where X is
+    another module than ``module`` (dunder names such as ``__version__`` are public). A package's
+    private submodule (``kernels/_qk_rope_triton.py``) may be imported by the modules of that package."""
+    own_package = module if is_package else module.rpartition(".")[0]
+    out = []
+    for target, line in imports_in(source, module, is_package):
+        head, _, name = target.rpartition(".")
+        if package_of(target) is None or not name.startswith("_") or name.startswith("__"):
+            continue
+        submodule = PACKAGE.parent.joinpath(*target.split(".")).with_suffix(".py").exists()
+        if head != module and not (submodule and head == own_package):
+            out.append((target, line))
+    return out
+
+
+def test_no_module_imports_another_modules_private_names():
+    """A ``_name`` is its module's own business: a module that needs it from outside gets a public
+    name (``io.export.ply_content``), so a private helper can change without a search of the tree."""
+    bad = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for target, line in private_imports(path.read_text(), module_name(path), path.name == "__init__.py"):
+            bad.append(f"{path.relative_to(PACKAGE.parent)}:{line} imports {target}")
+    assert not bad, "private names imported across modules:\n" + "\n".join(bad)
+
+
+def test_the_private_import_finder_sees_relative_and_lazy_imports():
+    source = "from .export import _ply_content, read_ply\n\ndef f():\n    from ..stream.session import _dtype\n"
+    found = {t for t, _ in private_imports(source, "lingbot_map_ros.io.map_save")}
+    assert found == {"lingbot_map_ros.io.export._ply_content", "lingbot_map_ros.stream.session._dtype"}
+    assert private_imports("from numpy import _x\nimport lingbot_map_ros.io.export\n", "lingbot_map_ros.io.a") == []
+    assert private_imports("from . import _qk_rope_triton\n", "lingbot_map_ros.kernels.qk_rope") == []
+    assert private_imports("from ..kernels import _qk_rope_triton\n", "lingbot_map_ros.model.layers") != []
 
 
 def test_the_finder_sees_relative_lazy_and_submodule_imports():
@@ -178,7 +226,7 @@ def test_the_finder_sees_relative_lazy_and_submodule_imports():
     "InvalidFrameError, CacheError, CacheFullError)",
 ])
 def test_light_modules_import_without_torch(statement):
-    """Configuration and the stream's protocol, result type and errors (what ros/params.py
+    """Configuration and the stream's protocol, result type and errors (what runtime/params.py
     and the engine need) load without torch: the node decides when the heavy part is paid for."""
     code = f"import sys\n{statement}\nprint('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from lingbot_map_ros.ros.params import PARAMETERS, check_value, resolve_settings
+from lingbot_map_ros.runtime.params import PARAMETERS, check_value, resolve_settings
 from lingbot_map_ros.stream.memory import GIB, MemoryBudgetError, check_fits
 
 yaml = pytest.importorskip("yaml")

@@ -1,6 +1,7 @@
-"""Several cameras' frames in one batched trunk (``stream.session.submit_batch``, issue 20).
+"""Several cameras' frames in one batched trunk (``stream.multi.submit_batch``, issue 20).
 
-On the CPU the graphed steps' static-shape path runs eagerly (``static_steps_on_cpu``), so
+On the CPU the graphed steps' static-shape path runs eagerly (the step capture
+``multi_camera_helpers.EagerStaticSteps``), so
 the batched trunk (``graphs.BatchedTrunk`` with ``capture=False``) and all the bookkeeping
 around it (plans, speculation, landing, per-camera heads) run here; the GPU test
 (``test/gpu/test_multi_camera_gpu.py``) replays the same through CUDA graphs. Per camera the
@@ -20,10 +21,10 @@ from lingbot_map_ros.cache.pages import PageTable
 from lingbot_map_ros.cache.attention import make_backend
 from lingbot_map_ros.stream.errors import InvalidFrameError
 from lingbot_map_ros.stream.graphs import BatchedTrunk
-from lingbot_map_ros.stream.multi import CameraSessions
-from lingbot_map_ros.stream.session import StreamingSession, submit_batch
+from lingbot_map_ros.stream.multi import CameraSessions, submit_batch
+from lingbot_map_ros.stream.session import StreamingSession
 
-from multi_camera_helpers import assert_same, cfg, replay, sequences  # test/ is on sys.path
+from multi_camera_helpers import EagerStaticSteps, assert_same, cfg, replay, sequences  # test/ is on sys.path
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +33,8 @@ def images(fixtures):
 
 
 def batched_cameras(model, fixture_config, n: int, **kw) -> CameraSessions:
-    cams = CameraSessions(model, {f"cam{i}": (cfg(fixture_config, **kw), None) for i in range(n)})
-    for inner in cams.inner.values():
-        inner.static_steps_on_cpu = True
-    return cams
+    return CameraSessions(model, {f"cam{i}": (cfg(fixture_config, **kw), None) for i in range(n)},
+                          steps=EagerStaticSteps())
 
 
 def collect(pending, name, sink) -> None:
@@ -211,9 +210,7 @@ def test_long_stream_cameras_batch_and_restart_their_windows_like_their_own_sess
 
     config = cfg(fixture_config)
     long_cfg = LongStreamConfig(window_frames=6, overlap_frames=2)
-    cams = CameraSessions(tiny_model, {c: (config, long_cfg) for c in ("cam0", "cam1")})
-    for inner in cams.inner.values():
-        inner.static_steps_on_cpu = True
+    cams = CameraSessions(tiny_model, {c: (config, long_cfg) for c in ("cam0", "cam1")}, steps=EagerStaticSteps())
     seqs = dict(zip(cams.names, sequences(images, 2)))
     frames = {c: seqs[c] + seqs[c][::-1] for c in cams.names}  # 24 frames: several windows
     results = {c: [] for c in cams.names}

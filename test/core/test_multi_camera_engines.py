@@ -10,13 +10,15 @@ from lingbot_map_ros.config import ModelConfig
 from lingbot_map_ros.geometry import optical_pose_to_map
 from lingbot_map_ros.io.checkpoint import load_model
 from lingbot_map_ros.io.preprocess import preprocess_array
-from lingbot_map_ros.ros.engine import InferenceEngine, InputFrame
-from lingbot_map_ros.ros.params import resolve_settings
-from lingbot_map_ros.ros.scheduler import CameraScheduler
+from lingbot_map_ros.runtime.engine import InferenceEngine
+from lingbot_map_ros.runtime.frames import InputFrame
+from lingbot_map_ros.runtime.params import resolve_settings
+from lingbot_map_ros.runtime.scheduler import CameraScheduler
 from lingbot_map_ros.stream.multi import CameraSessions
 from lingbot_map_ros.stream.session import StreamingSession
 
 from engine_fakes import Log, Sink  # test/ is on sys.path (conftest.py)
+from multi_camera_helpers import EagerStaticSteps
 
 WIDTH = 98
 SETTINGS = dict(image_width=WIDTH, num_scale_frames=2, sliding_window=3, backend="sdpa", point_stride=1,
@@ -39,10 +41,8 @@ def cameras(model, batch: bool = False, pipeline: bool = False, **per_camera):
     ``camera_batching``), with the sessions' static-shape graph path run eagerly on the CPU;
     ``pipeline``: pipelined steps (the node's ``camera_pipelining``)."""
     settings = {name: resolve_settings({**SETTINGS, **own}) for name, own in per_camera.items()}
-    sessions = CameraSessions(model, {name: (s.stream, None) for name, s in settings.items()})
-    if batch:
-        for inner in sessions.inner.values():
-            inner.static_steps_on_cpu = True
+    sessions = CameraSessions(model, {name: (s.stream, None) for name, s in settings.items()},
+                              steps=EagerStaticSteps() if batch else None)
     sinks = {name: Sink(wants=()) for name in settings}
     engines = {name: InferenceEngine(sessions.sessions[name], s, sinks[name], Log(), now=lambda: 1000.0)
                for name, s in settings.items()}

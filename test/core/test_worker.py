@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from lingbot_map_ros.ros.mapping import MapAccumulator, PoseEntry, Trajectory
-from lingbot_map_ros.ros.worker import Command, Counters, RateMeter, Throttle, WorkQueue, message_kind
+from lingbot_map_ros.runtime.mapping import MapAccumulator, PoseEntry, Trajectory
+from lingbot_map_ros.runtime.worker import Command, Counters, RateMeter, Throttle, WorkQueue, message_kind
 
 
 
@@ -165,7 +165,7 @@ def test_trajectory_bounded_and_removal_from_index():
 def test_map_merge_keeps_one_point_per_voxel_across_frames():
     """Consolidation merges by voxel key: a voxel already in the map keeps its point, new
     voxels come in, the result equals a from-scratch downsample's voxel set."""
-    from lingbot_map_ros.ros.mapping import MERGE_EVERY, voxel_keys
+    from lingbot_map_ros.runtime.mapping import MERGE_EVERY, voxel_keys
 
     rng = np.random.default_rng(1)
     m = MapAccumulator(voxel_size=0.5, max_points=100_000)

@@ -15,8 +15,9 @@ from lingbot_map_ros.config import ModelConfig
 from lingbot_map_ros.io.checkpoint import load_model
 from lingbot_map_ros.io.preprocess import preprocess_array
 from lingbot_map_ros.robot.undistort import CameraModel, Undistorter
-from lingbot_map_ros.ros.engine import InferenceEngine, InputFrame
-from lingbot_map_ros.ros.params import resolve_settings
+from lingbot_map_ros.runtime.engine import InferenceEngine
+from lingbot_map_ros.runtime.frames import InputFrame
+from lingbot_map_ros.runtime.params import resolve_settings
 from lingbot_map_ros.stream.session import StreamingSession
 
 from engine_fakes import Log, Sink  # test/ is on sys.path (conftest.py)

@@ -148,7 +148,7 @@ def fixture_params(fixtures: Path, params: Mapping[str, Any]) -> dict[str, Any]:
 
 def write_node_params(path: Path, fixtures: Path, params: Mapping[str, Any]) -> Path:
     """``fixture_params(fixtures, params)`` written to the ROS parameters file ``path`` (for every node)."""
-    from lingbot_map_ros.ros.params import write_params_file
+    from lingbot_map_ros.runtime.params import write_params_file
 
     return write_params_file(path, fixture_params(fixtures, params))
 
@@ -332,7 +332,7 @@ def replay_session(fixtures: Path, params: Mapping[str, Any]):
 
     from lingbot_map_ros.config import ModelConfig
     from lingbot_map_ros.io.checkpoint import load_model
-    from lingbot_map_ros.ros.params import resolve_settings
+    from lingbot_map_ros.runtime.params import resolve_settings
     from lingbot_map_ros.stream.long_stream import LongStreamSession
     from lingbot_map_ros.stream.session import StreamingSession
 

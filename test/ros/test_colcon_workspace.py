@@ -102,7 +102,7 @@ def workspace(tmp_path_factory) -> Path:
 def test_installed_package_is_found_imported_and_runs(workspace):
     install = workspace / "install" / "lingbot_map_ros"
     out = in_workspace(workspace, "ros2 pkg prefix lingbot_map_ros; "
-                       "cd /; python3 -c 'import lingbot_map_ros, lingbot_map_ros.msg as m, lingbot_map_ros.ros.params;"
+                       "cd /; python3 -c 'import lingbot_map_ros, lingbot_map_ros.msg as m, lingbot_map_ros.runtime.params;"
                        " print(lingbot_map_ros.__file__); print(m.__file__)'", CLI_TIMEOUT)
     assert out.returncode == 0, out.stdout + out.stderr
     prefix, package_file, msg_file = out.stdout.split()[:3]

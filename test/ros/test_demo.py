@@ -98,7 +98,7 @@ def test_node_parameters_from_the_options(tmp_path):
     assert not {"backend", "dtype", "cuda_graphs"} & set(plain)
     with pytest.raises(demo.DemoError, match="NAME=VALUE"):
         demo.parse_node_params(["novalue"])
-    from lingbot_map_ros.ros.params import resolve_settings
+    from lingbot_map_ros.runtime.params import resolve_settings
 
     settings = resolve_settings({k: v for k, v in values.items() if k != "tf_mode"})
     assert settings.stream.backend == "flashinfer-fa3" and settings.stream.dtype == "bf16"

@@ -54,7 +54,7 @@ def replay(fixtures: Path, images: list[np.ndarray]) -> tuple[list[np.ndarray], 
     """(``T_map_cam`` [4, 4] model units, model depth [H, W] model units) of each image, as the node
     computes them."""
     from lingbot_map_ros.geometry import optical_pose_to_map
-    from lingbot_map_ros.ros.engine import model_input
+    from lingbot_map_ros.io.preprocess import model_input
 
     session = replay_session(fixtures, PARAMS)
     poses, depths = [], []

@@ -19,7 +19,7 @@ from rclpy.qos import DurabilityPolicy, ReliabilityPolicy  # noqa: E402
 
 from graph_helpers import InProcessNode, fixture_params, private_domain_id  # noqa: E402
 from lingbot_map_ros.ros.interface import ENDPOINTS, expected  # noqa: E402
-from lingbot_map_ros.ros.params import resolve_camera_settings, resolve_settings  # noqa: E402
+from lingbot_map_ros.runtime.params import resolve_camera_settings, resolve_settings  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
@@ -138,7 +138,7 @@ def test_two_cameras_with_their_own_input_settings(fixtures):
 def test_every_table_entry_is_seen_by_one_of_the_configurations():
     """The two configurations above cover every entry but the ones they turn off on purpose;
     those are named here, so a new entry must be covered or listed."""
-    from lingbot_map_ros.ros.params import PARAMETERS
+    from lingbot_map_ros.runtime.params import PARAMETERS
 
     defaults = {p.name: p.default for p in PARAMETERS}
     one = resolve_settings({**defaults, **BASE})

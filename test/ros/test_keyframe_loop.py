@@ -116,7 +116,7 @@ def test_hold_with_a_client_keeping_every_third_frame_equals_a_replay(loop):
 
     # in-process replay with the same pattern
     from lingbot_map_ros.ros.conversions import optical_pose_to_map
-    from lingbot_map_ros.ros.engine import model_input
+    from lingbot_map_ros.io.preprocess import model_input
 
     session = replay_session(fixtures, PARAMS)
     expected = {}

@@ -30,7 +30,7 @@ from rclpy.qos import QoSProfile  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 from std_msgs.msg import Header  # noqa: E402
 
-from lingbot_map_ros.ros.params import PARAMETER_NAMES, write_params_file  # noqa: E402
+from lingbot_map_ros.runtime.params import PARAMETER_NAMES, write_params_file  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 

@@ -15,7 +15,7 @@ DOMAIN_ID = str(1 + (os.getpid() * 11 + 29) % 100)  # a private domain, as the o
 
 
 def run_node(tmp_path, fixtures, memory_gib: str, **params):
-    from lingbot_map_ros.ros.params import write_params_file
+    from lingbot_map_ros.runtime.params import write_params_file
 
     values = {"checkpoint": str(fixtures / "weights.safetensors"), "model_config": str(fixtures / "config.json"),
               "image_width": 98, "num_scale_frames": 2, "sliding_window": 3, "device": "cpu", **params}
@@ -42,7 +42,7 @@ def test_too_little_memory_refuses_at_start_with_the_numbers(tmp_path, fixtures)
 def test_the_check_can_be_switched_off(tmp_path, fixtures):
     """gpu_memory_check false: the same configuration gets past the check (the node then runs until
     it is stopped: here the process is given a few seconds and must still be alive)."""
-    from lingbot_map_ros.ros.params import write_params_file
+    from lingbot_map_ros.runtime.params import write_params_file
 
     values = {"checkpoint": str(fixtures / "weights.safetensors"), "model_config": str(fixtures / "config.json"),
               "image_width": 98, "num_scale_frames": 2, "sliding_window": 3, "device": "cpu",

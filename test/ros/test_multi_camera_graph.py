@@ -38,7 +38,7 @@ from graph_helpers import (GraphClient, image_msg, pose_matrix, private_domain_i
 from lingbot_map_ros.geometry import OPTICAL_TO_REP103  # noqa: E402
 from lingbot_map_ros.msg import Status  # noqa: E402
 from lingbot_map_ros.ros.conversions import transform_stamped  # noqa: E402
-from lingbot_map_ros.ros.params import write_params_file  # noqa: E402
+from lingbot_map_ros.runtime.params import write_params_file  # noqa: E402
 from lingbot_map_ros.srv import CommitEviction, RollbackFrame, SaveMap  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
@@ -318,7 +318,7 @@ def test_services_of_one_camera_leave_the_other_alone(graph):
 
 def test_save_map_writes_every_camera(graph, tmp_path):
     from lingbot_map_ros.io.export import read_ply, read_tum
-    from lingbot_map_ros.ros.multi_save import check_camera_maps
+    from lingbot_map_ros.runtime.multi_save import check_camera_maps
 
     client, _, frames, _ = graph
     client.send("rear", frames["rear"][1], stamp_of(FRAMES + 2))  # rear has poses again (2 scale frames)

@@ -468,7 +468,7 @@ SUPPRESSED = re.compile(r" \(\d+ similar message\(s\) suppressed\)$")
 
 def warnings_by_kind(log: str) -> Counter:
     """Warning lines of a node log, counted by the throttle's kind (worker.message_kind)."""
-    from lingbot_map_ros.ros.worker import message_kind
+    from lingbot_map_ros.runtime.worker import message_kind
 
     counts = Counter()
     for line in log.splitlines():
@@ -491,7 +491,7 @@ class Nodes:
 
 @pytest.fixture(scope="module")
 def nodes(tmp_path_factory, fixtures):
-    from lingbot_map_ros.ros.params import write_params_file
+    from lingbot_map_ros.runtime.params import write_params_file
 
     tmp = tmp_path_factory.mktemp("faults")
     params = {**FAULT_PARAMS, "checkpoint": str(fixtures / "weights.safetensors"),
@@ -533,7 +533,7 @@ def replay(tiny_model, nodes):
     nodes' own parameters (params.resolve_settings) and fed the same frames, same preprocessing."""
     from lingbot_map_ros.io.preprocess import preprocess_array
     from lingbot_map_ros.ros.conversions import optical_pose_to_map
-    from lingbot_map_ros.ros.params import resolve_settings
+    from lingbot_map_ros.runtime.params import resolve_settings
     from lingbot_map_ros.stream.long_stream import LongStreamSession
     from lingbot_map_ros.stream.session import StreamingSession
 
@@ -556,7 +556,7 @@ def startup_runs(tmp_path_factory, fixtures):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from lingbot_map_ros.ros.params import write_params_file
+    from lingbot_map_ros.runtime.params import write_params_file
 
     tmp = tmp_path_factory.mktemp("startup")
     save_file({"not_a_model_key.weight": torch.zeros(2, 2)}, str(tmp / "wrong_keys.safetensors"))
@@ -732,7 +732,7 @@ def test_fuzz_raw_and_compressed_input(nodes):
     report.append(f"[fuzz] both phases {fuzz_seconds:.1f} s")
 
     # warnings: throttled per kind, and every problem kind sent was reported
-    from lingbot_map_ros.ros.engine import WARN_PERIOD
+    from lingbot_map_ros.runtime.engine import WARN_PERIOD
 
     time.sleep(0.3)  # let the log lines of the last messages land
     for name in (RAW, COMP):
@@ -986,8 +986,8 @@ def test_throttle_kinds_and_tall_images_are_bounded():
     """The two node fixes this module's fuzz needed, checked directly: an object address in a
     decoder's message does not make every warning a new kind, and an extremely tall image is
     refused before preprocessing resizes it (1 x 60000 would be resized to 98 x 5.9 M)."""
-    from lingbot_map_ros.ros.engine import _check_resize
-    from lingbot_map_ros.ros.worker import message_kind
+    from lingbot_map_ros.runtime.model_input import check_resize as _check_resize
+    from lingbot_map_ros.runtime.worker import message_kind
 
     assert message_kind("cannot identify image file <_io.BytesIO object at 0x7f694b88c770>") == \
         message_kind("cannot identify image file <_io.BytesIO object at 0x7f69057d3330>")

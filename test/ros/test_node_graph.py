@@ -230,7 +230,7 @@ class Client(GraphClient):
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory, fixtures):
     root = fixtures  # skips with a message when the tiny fixture set is absent
-    from lingbot_map_ros.ros.params import write_params_file
+    from lingbot_map_ros.runtime.params import write_params_file
 
     tmp = tmp_path_factory.mktemp("graph")
     params = {**NODE_PARAMS, "checkpoint": str(root / "weights.safetensors"),
@@ -523,7 +523,7 @@ def test_waiting_for_images_is_reported(graph):
 
 
 def test_a_checkpoint_that_does_not_load_fails_at_start(graph, tmp_path):
-    from lingbot_map_ros.ros.params import write_params_file
+    from lingbot_map_ros.runtime.params import write_params_file
 
     params = write_params_file(tmp_path / "bad.yaml", {**NODE_PARAMS, "checkpoint": str(tmp_path / "missing.pt")})
     proc = start_node("lingbot_map_bad", params, tmp_path / "bad.log")

@@ -78,7 +78,7 @@ def robot(fixtures, tmp_path_factory):
 def test_parameter_services_list_get_describe_and_validate_sets(robot):
     """The parameter services exist (they were dropped before), describe shows ranges and
     read-only flags, run-time parameters take effect and bad values are refused with a reason."""
-    from lingbot_map_ros.ros.params import DYNAMIC_PARAMETERS, PARAMETERS
+    from lingbot_map_ros.runtime.params import DYNAMIC_PARAMETERS, PARAMETERS
 
     node, client, _ = robot
     names = client.call(ListParameters, f"{NODE}/list_parameters", ListParameters.Request()).result.names

@@ -38,7 +38,7 @@ def test_committed_reference_is_current():
 
 def test_every_parameter_endpoint_and_field_is_in_the_reference():
     from lingbot_map_ros.ros.interface import ENDPOINTS
-    from lingbot_map_ros.ros.params import CAMERA_PARAMETERS, PARAMETERS
+    from lingbot_map_ros.runtime.params import CAMERA_PARAMETERS, PARAMETERS
 
     text = generator().render()
     for p in PARAMETERS:

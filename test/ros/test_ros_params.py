@@ -6,7 +6,7 @@ import json
 import pytest
 
 from lingbot_map_ros.config import ConfigError, ModelConfig, StreamConfig
-from lingbot_map_ros.ros.params import (PARAMETER_NAMES, PARAMETERS, check_value, params_file_text,
+from lingbot_map_ros.runtime.params import (PARAMETER_NAMES, PARAMETERS, check_value, params_file_text,
                                         resolve_settings)
 
 pytestmark = pytest.mark.ros

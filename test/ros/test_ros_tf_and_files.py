@@ -15,7 +15,7 @@ import pytest
 
 from lingbot_map_ros.geometry import quaternion_to_matrix
 from lingbot_map_ros.ros.conversions import OPTICAL_TO_REP103, optical_pose_to_map, transform_stamped
-from lingbot_map_ros.ros.params import PARAMETER_NAMES, PARAMETERS, check_value, resolve_settings
+from lingbot_map_ros.runtime.params import PARAMETER_NAMES, PARAMETERS, check_value, resolve_settings
 from lingbot_map_ros.ros.tf_tools import (AUTO_ODOM_GRACE_S, TfOutput, camera_child_frame, choose_mode, compose,
                                           edge_for, invert_rigid, map_to_base, map_to_odom, parents_from_yaml,
                                           transform_to_matrix)

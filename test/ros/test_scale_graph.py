@@ -57,7 +57,7 @@ T_BASE_CAM[:3, :3], T_BASE_CAM[:3, 3] = R_OPTICAL_IN_BASE, [0.2, 0.05, 0.5]
 def replay_poses(fixtures: Path, images: list[np.ndarray]) -> list[np.ndarray]:
     """``T_map_cam`` [4, 4] (model units) of each image, as the node computes them."""
     from lingbot_map_ros.geometry import optical_pose_to_map
-    from lingbot_map_ros.ros.engine import model_input
+    from lingbot_map_ros.io.preprocess import model_input
 
     session = replay_session(fixtures, PARAMS)
     out = []

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from lingbot_map_ros.ros.conversions import OPTICAL_TO_REP103, transform_stamped
-from lingbot_map_ros.ros.params import resolve_settings
+from lingbot_map_ros.runtime.params import resolve_settings
 from lingbot_map_ros.ros.tf_tools import SharedTf, TfOutput, transform_to_matrix
 from test_ros_tf_and_files import FakeNode  # a fake rclpy node recording what tf2_ros creates on it
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from lingbot_map_ros.ros.conversions import transform_stamped
-from lingbot_map_ros.ros.params import resolve_settings
+from lingbot_map_ros.runtime.params import resolve_settings
 from lingbot_map_ros.ros.tf_tools import TfOutput
 
 pytestmark = pytest.mark.ros

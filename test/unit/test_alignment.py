@@ -5,7 +5,8 @@ import numpy as np
 import pytest
 
 from lingbot_map_ros.geometry import quaternion_to_matrix
-from lingbot_map_ros.stream.alignment import Sim3, depth_ratio_scale, estimate_window_sim3, rotation_angle_deg
+from lingbot_map_ros.geometry import rotation_angle_deg
+from lingbot_map_ros.stream.alignment import Sim3, depth_ratio_scale, estimate_window_sim3
 
 
 def random_poses(rng, n, spread=1.0):

@@ -1,11 +1,11 @@
-"""Several cameras' parameters (ros/params.py): ``cameras``, ``camera.<c>.<p>`` parsing, checks,
+"""Several cameras' parameters (runtime/params.py): ``cameras``, ``camera.<c>.<p>`` parsing, checks,
 per-camera settings and run-time changes. No ROS graph."""
 from __future__ import annotations
 
 import pytest
 
 from lingbot_map_ros.config import ConfigError
-from lingbot_map_ros.ros.params import (CAMERA_PARAMETERS, DYNAMIC_PARAMETERS, PARAMETER_NAMES, apply_camera_dynamic,
+from lingbot_map_ros.runtime.params import (CAMERA_PARAMETERS, DYNAMIC_PARAMETERS, PARAMETER_NAMES, apply_camera_dynamic,
                                         camera_param_name, camera_values, check_camera_names,
                                         resolve_camera_settings, resolve_settings, split_camera_param)
 

@@ -158,19 +158,21 @@ def test_config_errors_name_the_field(kwargs, field):
 def test_every_health_parameter_is_declared_with_the_config_default():
     """The node declares each ``health_*`` parameter, run-time settable, with HealthConfig's default."""
     from lingbot_map_ros.robot.health import HEALTH_PARAMETERS
-    from lingbot_map_ros.ros.params import PARAMETERS
+    from lingbot_map_ros.runtime.params import PARAMETERS, NodeSettings
 
     table = {p.name: p for p in PARAMETERS}
     defaults = HealthConfig()
     for param, field in HEALTH_PARAMETERS.items():
         assert table[param].dynamic and table[param].description, param
         assert table[param].default == getattr(defaults, field), param
+        assert NodeSettings.__dataclass_fields__[param].default == getattr(defaults, field), param
+        assert type(table[param].default) is type(getattr(defaults, field)), param
     assert sorted(p for p in table if p.startswith("health_")) == sorted(HEALTH_PARAMETERS)
 
 
 def test_config_from_parameters_maps_the_names_and_errors_name_the_parameters():
     from lingbot_map_ros.robot.health import config_from_parameters
-    from lingbot_map_ros.ros.params import apply_dynamic, resolve_settings
+    from lingbot_map_ros.runtime.params import apply_dynamic, resolve_settings
 
     cfg = config_from_parameters({"health_max_rotation_deg": 180.0, "health_lost_after": 2})
     assert (cfg.max_rotation_step_deg, cfg.lost_after, cfg.jump_factor) == (180.0, 2, HealthConfig().jump_factor)

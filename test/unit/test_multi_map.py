@@ -1,4 +1,4 @@
-"""One map for several cameras (ros/multi_map.py): the alignment maths against hand-computed
+"""One map for several cameras (runtime/multi_map.py): the alignment maths against hand-computed
 transforms, and MapAligner's choice of frame per camera. No ROS."""
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import pytest
 
 from lingbot_map_ros.geometry import OPTICAL_TO_REP103, quaternion_to_matrix
 from lingbot_map_ros.robot.map_offset import OutputTransform
-from lingbot_map_ros.ros.multi_map import (MapAligner, base_motion_from_odometry, map_alignment, own_map_frame,
+from lingbot_map_ros.runtime.multi_map import (MapAligner, base_motion_from_odometry, map_alignment, own_map_frame,
                                            published, transform_points, transform_poses, unpublished)
 from lingbot_map_ros.robot.scale import apply_scale, scale_points
 

@@ -1,4 +1,4 @@
-"""``~/save_map`` files of several cameras (ros/multi_save.py): one PLY per map frame, a TUM per
+"""``~/save_map`` files of several cameras (runtime/multi_save.py): one PLY per map frame, a TUM per
 camera, one save id, refusals that leave existing files alone. No ROS."""
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 
 from lingbot_map_ros.io.export import read_ply, read_tum
 from lingbot_map_ros.io.map_save import MapSaveError, read_save_tag
-from lingbot_map_ros.ros.multi_save import CameraMap, check_camera_maps, save_camera_maps
+from lingbot_map_ros.runtime.multi_save import CameraMap, check_camera_maps, save_camera_maps
 
 
 def camera_map(camera: str, frame: str, n_poses: int, n_points: int, offset: float = 0.0) -> CameraMap:

@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from lingbot_map_ros.ros.output_worker import OutputWorker
+from lingbot_map_ros.runtime.output_worker import OutputWorker
 
 
 def test_inline_before_start_and_after_stop():

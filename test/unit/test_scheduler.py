@@ -1,4 +1,4 @@
-"""CameraScheduler (ros/scheduler.py) with fake engines: fairness, commands between another
+"""CameraScheduler (runtime/scheduler.py) with fake engines: fairness, commands between another
 camera's frames, no busy waiting, shutdown. No model, no ROS."""
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from lingbot_map_ros.ros.scheduler import CameraScheduler
-from lingbot_map_ros.ros.worker import Command, WorkQueue
+from lingbot_map_ros.runtime.scheduler import CameraScheduler
+from lingbot_map_ros.runtime.worker import Command, WorkQueue
 
 
 class FakeOutputs:

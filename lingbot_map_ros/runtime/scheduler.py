@@ -38,7 +38,7 @@ scheduler is that thread:
   no other work the step in flight is completed at once (its results do not wait for the
   next frame), and at stop. With one camera it is the same as no pipelining.
 
-The engines are duck-typed (``Engine``): the node passes ``ros.engine.InferenceEngine``s,
+The engines are duck-typed (``Engine``): the node passes ``runtime.engine.InferenceEngine``s,
 the unit tests small fakes.
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 
 from ..config import (BACKENDS, DTYPES, KEYFRAME_POLICIES, KV_CACHE_DTYPES, PRECISIONS, ConfigError, LongStreamConfig, ModelConfig, StreamConfig,
                       load_json)
-from ..robot.health import HEALTH_PARAMETERS, config_from_parameters as health_config_from
+from ..robot.health import HEALTH_PARAMETERS, HealthConfig, config_from_parameters as health_config_from
 
 INPUT_TRANSPORTS = ("raw", "compressed")
 INPUT_QOS = ("sensor_data", "reliable")
@@ -31,6 +31,12 @@ ON_TIME_JUMP = ("reset", "drop")
 ON_LOST = ("continue", "reset")
 SCALE_SOURCES = ("none", "fixed", "odometry", "depth")
 DECISION_DEFAULTS = ("keep", "drop")
+_HEALTH_DEFAULTS = HealthConfig()
+
+
+def _health_default(name: str) -> float | int:
+    """The default of parameter ``name`` (one of HEALTH_PARAMETERS): HealthConfig's, its one source."""
+    return getattr(_HEALTH_DEFAULTS, HEALTH_PARAMETERS[name])
 
 
 @dataclass(frozen=True)
@@ -145,29 +151,29 @@ PARAMETERS: tuple[Param, ...] = (
           "large covariance); reset: start a new sequence at once (logged, counted in lost_resets)",
           choices=ON_LOST, dynamic=True),
     # -- tracking health thresholds (robot/health.py; heuristics, see the README)
-    Param("health_degraded_valid_fraction", 0.20, "Tracking health: a frame whose fraction of confident pixels "
+    Param("health_degraded_valid_fraction", _health_default("health_degraded_valid_fraction"), "Tracking health: a frame whose fraction of confident pixels "
           "(confidence above conf_threshold) is below this is suspect (low_confidence: tracking -> degraded)",
           limits=(0.0, 1.0, 0.0), dynamic=True),
-    Param("health_lost_valid_fraction", 0.05, "Tracking health: a fraction of confident pixels below this is a "
+    Param("health_lost_valid_fraction", _health_default("health_lost_valid_fraction"), "Tracking health: a fraction of confident pixels below this is a "
           "confidence collapse; health_lost_after of them in a row make tracking lost (must be <= "
           "health_degraded_valid_fraction)", limits=(0.0, 1.0, 0.0), dynamic=True),
-    Param("health_lost_after", 5, "Tracking health: consecutive confidence collapses that make tracking lost "
+    Param("health_lost_after", _health_default("health_lost_after"), "Tracking health: consecutive confidence collapses that make tracking lost "
           "(a non-finite output is lost at once)", limits=(1, 1000, 1), dynamic=True),
-    Param("health_init_frames", 2, "Tracking health: good frames in a row that end initializing",
+    Param("health_init_frames", _health_default("health_init_frames"), "Tracking health: good frames in a row that end initializing",
           limits=(1, 1000, 1), dynamic=True),
-    Param("health_recover_after", 3, "Tracking health: good frames in a row that bring degraded or lost back "
+    Param("health_recover_after", _health_default("health_recover_after"), "Tracking health: good frames in a row that bring degraded or lost back "
           "to tracking", limits=(1, 1000, 1), dynamic=True),
-    Param("health_jump_factor", 5.0, "Tracking health: a camera-centre step larger than this times the median "
+    Param("health_jump_factor", _health_default("health_jump_factor"), "Tracking health: a camera-centre step larger than this times the median "
           "of the recent steps (and than health_jump_floor) is a translation_jump", limits=(0.001, 1e6, 0.0),
           dynamic=True),
-    Param("health_jump_floor", 0.10, "Tracking health: steps up to this length (model units) are never a "
+    Param("health_jump_floor", _health_default("health_jump_floor"), "Tracking health: steps up to this length (model units) are never a "
           "translation_jump", limits=(0.0, 1e6, 0.0), dynamic=True),
-    Param("health_max_rotation_deg", 30.0, "Tracking health: a rotation between consecutive frames above this "
+    Param("health_max_rotation_deg", _health_default("health_max_rotation_deg"), "Tracking health: a rotation between consecutive frames above this "
           "many degrees is a rotation_jump; 180 = never", limits=(0.001, 180.0, 0.0), dynamic=True),
-    Param("health_translation_std", 0.02, "~/odometry covariance: standard deviation of x, y, z while "
+    Param("health_translation_std", _health_default("health_translation_std"), "~/odometry covariance: standard deviation of x, y, z while "
           "tracking (model units, times the metric scale when one is applied); the variances are x10 "
           "degraded, x100 initializing, x1000 lost", limits=(1e-6, 1000.0, 0.0), dynamic=True),
-    Param("health_rotation_std_deg", 1.0, "~/odometry covariance: standard deviation of roll, pitch, yaw "
+    Param("health_rotation_std_deg", _health_default("health_rotation_std_deg"), "~/odometry covariance: standard deviation of roll, pitch, yaw "
           "while tracking (degrees), scaled with the state like health_translation_std",
           limits=(1e-6, 180.0, 0.0), dynamic=True),
     Param("undistort", True, "Undistort each image with the latest camera_info when its distortion is "
@@ -296,19 +302,19 @@ class NodeSettings:
     scale_wait_for_convergence: bool = True
     deferred_eviction: bool = False  # the value in force (the session's own flag follows it)
     # tracking health thresholds (HEALTH_PARAMETERS of robot/health.py)
-    health_degraded_valid_fraction: float = 0.20
-    health_lost_valid_fraction: float = 0.05
-    health_lost_after: int = 5
-    health_init_frames: int = 2
-    health_recover_after: int = 3
-    health_jump_factor: float = 5.0
-    health_jump_floor: float = 0.10
-    health_max_rotation_deg: float = 30.0
-    health_translation_std: float = 0.02
-    health_rotation_std_deg: float = 1.0
+    health_degraded_valid_fraction: float = _health_default("health_degraded_valid_fraction")
+    health_lost_valid_fraction: float = _health_default("health_lost_valid_fraction")
+    health_lost_after: int = _health_default("health_lost_after")
+    health_init_frames: int = _health_default("health_init_frames")
+    health_recover_after: int = _health_default("health_recover_after")
+    health_jump_factor: float = _health_default("health_jump_factor")
+    health_jump_floor: float = _health_default("health_jump_floor")
+    health_max_rotation_deg: float = _health_default("health_max_rotation_deg")
+    health_translation_std: float = _health_default("health_translation_std")
+    health_rotation_std_deg: float = _health_default("health_rotation_std_deg")
     cameras: tuple[str, ...] = ()  # empty = one camera, today's names
-    camera_batching: bool = False  # several cameras: batched steps (ros.scheduler)
-    camera_pipelining: bool = True  # several cameras: pipelined steps (ros.scheduler)
+    camera_batching: bool = False  # several cameras: batched steps (runtime.scheduler)
+    camera_pipelining: bool = True  # several cameras: pipelined steps (runtime.scheduler)
 
     def __post_init__(self) -> None:
         health_config_from(self)  # the health thresholds together (ConfigError names the parameters)

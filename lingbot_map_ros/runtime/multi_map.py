@@ -41,7 +41,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..robot.scale import apply_scale
-from .tf_tools import invert_rigid
+from ..robot.map_offset import invert_rigid
 from .worker import Throttle
 
 MAX_GAP_S = 0.5  # longest time between the pair's two poses when no odometry says how the base moved

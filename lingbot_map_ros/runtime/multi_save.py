@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..io.atomic import StagedFile, fsync_directory, stage
-from ..io.export import _ply_content, _tum_text, _write_ply_to, read_ply, read_tum
+from ..io.export import ply_content, tum_text, write_ply_to, read_ply, read_tum
 from ..io.map_save import MAP_FILE, TAG, MapSaveError, new_save_id, read_save_tag, resolve_save_directory
 
 
@@ -97,15 +97,15 @@ def _encode(groups: dict[str, list[CameraMap]], save_id: str) -> list[tuple[str,
         n_poses = sum(len(m.stamps) for m in members)
         frames = sorted({m.frame for m in members})
         try:
-            vertices, header = _ply_content(points, colors, [
+            vertices, header = ply_content(points, colors, [
                 f"{TAG} {save_id} poses {n_poses}", f"cameras {' '.join(m.camera for m in members)} frame "
                 f"{' '.join(frames)}"])
         except ValueError as exc:
             raise MapSaveError(f"cannot encode {name}: {exc}") from None
-        out.append((name, lambda f, h=header, v=vertices: _write_ply_to(f, h, v)))
+        out.append((name, lambda f, h=header, v=vertices: write_ply_to(f, h, v)))
         for m in members:
             try:
-                text = _tum_text(m.stamps, m.poses, [f"{TAG} {save_id} points {points.shape[0]}",
+                text = tum_text(m.stamps, m.poses, [f"{TAG} {save_id} points {points.shape[0]}",
                                                      f"camera {m.camera} frame {m.frame}"])
             except ValueError as exc:
                 raise MapSaveError(f"cannot encode the trajectory of camera {m.camera}: {exc}") from None

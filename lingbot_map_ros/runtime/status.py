@@ -1,0 +1,88 @@
+"""A camera's ~/status message fields: ``status_fields`` (from the session, the counters and
+the engine's parts), and the device memory it reports. No ROS; torch only when the session
+runs on a GPU (imported there, lazily)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .frames import StatusFields
+from .worker import CounterValues
+
+HEARTBEAT_PERIOD = 1.0  # longest silence of ~/status
+
+
+@dataclass
+class Latency:
+    """A frame's time in each stage (ms)."""
+
+    preprocess: float = 0.0
+    model: float = 0.0
+    postprocess: float = 0.0
+    publish: float = 0.0
+
+
+@dataclass(frozen=True)
+class Tracking:
+    """What the health and the scale add to a status."""
+
+    state: str = "initializing"
+    reasons: tuple[str, ...] = ()
+    lost_resets: int = 0
+    scale: float = 1.0
+    scale_source: str = "none"
+    scale_spread: float = 0.0
+    scale_converged: bool = False
+
+
+def status_fields(state: int, text: str, frame_index: int, session, counters: CounterValues,
+                  decision_pending: bool, tracking: Tracking, is_keyframe: bool = False,
+                  latency: Latency | None = None, total_ms: float | None = None) -> StatusFields:
+    """The fields of one ~/status (``total_ms``: image stamp to now, with a frame's latency)."""
+    c = counters
+    st = StatusFields(state=state, state_text=text, frame_index=frame_index, window_index=session.window_index,
+                      is_keyframe=is_keyframe, deferred_eviction=bool(session.deferred_eviction),
+                      frames_received=c.frames_received, frames_processed=c.frames_processed,
+                      frames_dropped_stale=c.frames_dropped_stale, frames_dropped_invalid=c.frames_dropped_invalid,
+                      frames_dropped_error=c.frames_dropped_error, frames_dropped_stamp=c.frames_dropped_stamp,
+                      time_jumps=c.time_jumps, evictions_auto_committed=c.evictions_auto_committed,
+                      decision_pending=decision_pending, decisions_kept=c.decisions_kept,
+                      decisions_dropped=c.decisions_dropped, decisions_timed_out=c.decisions_timed_out,
+                      decisions_refused=c.decisions_refused, tracking_state=tracking.state,
+                      tracking_reasons=",".join(tracking.reasons), lost_resets=tracking.lost_resets,
+                      scale=tracking.scale, scale_source=tracking.scale_source,
+                      scale_spread=tracking.scale_spread, scale_converged=tracking.scale_converged)
+    stats = session.stats()
+    if stats is not None:
+        st.pending_evictions, st.stored_frames = stats.pending_evictions, stats.resident_frames
+        st.temporal_index, st.scale_pages = stats.temporal_index, stats.scale_pages
+        st.window_pages, st.free_pages = stats.window_pages, stats.free_pages
+        st.special_tokens = stats.special_tokens
+    if latency is not None:
+        st.latency_preprocess_ms, st.latency_model_ms = latency.preprocess, latency.model
+        st.latency_postprocess_ms, st.latency_publish_ms = latency.postprocess, latency.publish
+        if total_ms is not None:
+            st.latency_total_ms = total_ms
+    st.gpu_memory_allocated_mb, st.gpu_memory_reserved_mb = device_memory_mb(session)
+    return st
+
+
+def device_memory_mb(session) -> tuple[float, float]:
+    """(allocated, reserved) MiB of the session's CUDA device; zeros elsewhere."""
+    device = getattr(session, "device", None)
+    if device is None or getattr(device, "type", "cpu") != "cuda":
+        return 0.0, 0.0
+    import torch
+
+    return torch.cuda.memory_allocated(device) / 2**20, torch.cuda.memory_reserved(device) / 2**20
+
+
+def release_device_memory(session) -> None:
+    """Give the CUDA caching allocator's free blocks back (after an inference error)."""
+    device = getattr(session, "device", None)
+    if device is not None and getattr(device, "type", "cpu") == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+__all__ = ["status_fields", "Latency", "Tracking", "HEARTBEAT_PERIOD", "device_memory_mb", "release_device_memory"]
