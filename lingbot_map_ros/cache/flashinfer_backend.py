@@ -107,9 +107,9 @@ MIN_GRAPH_RAGGED_SPLITS = 4  # automatic splits of a graphed ragged step at leas
 
 def auto_kv_splits(qo_len: int, heads: int, head_dim: int, num_pages: int, num_sms: int, variant: str,
                    max_splits: int = 12, tile_q: int | None = None, waves: float = WAVES) -> int:
-    """Split count for FA3: enough (query tile of ``tile_q`` rows, head, split) work items for
-    about ``waves`` per SM, at most ``max_splits`` and never more splits than pages. FA2
-    splits keys itself: 1.
+    """Split count for FA3 and FA2 over the runs: enough (query tile of ``tile_q`` rows, head,
+    split) work items for about ``waves`` per SM, at most ``max_splits`` and never more splits
+    than pages. The paged FA2 kernel (``fa2-paged``) splits keys itself: 1.
 
     Measured, not modelled (``benchmarks/stream/stream_fps.py --kv-splits S``, H200): in
     CUDA-graph steps on an H200 (132 SMs) more and shorter items keep FA3 busier than a few

@@ -533,9 +533,12 @@ class InferenceEngine:
         self._check_hold_deadline()  # a keyframe_decision_timeout lowered now applies to the held frame now
 
     def reset(self) -> str:
-        """Empty the cache, path, map and counters; the next image starts a new sequence."""
+        """Empty the cache, path, map and counters; the next image starts a new sequence. A frame
+        still waiting in the latest-frame slot (it arrived before the reset, e.g. behind a held
+        decision) belongs to the old sequence and is discarded."""
         self._set_state(State.RESETTING, "resetting")
         self._publish_status(self.state_text, self.stamps.last_stamp)
+        self.queue.discard_frame()
         self._clear_sequence()
         self.counters.reset()
         self.lost_resets = 0

@@ -145,6 +145,12 @@ class WorkQueue:
             c.cancel()
         return left
 
+    def discard_frame(self) -> Any:
+        """Empty the latest-frame slot (commands stay queued); the frame it held, or None."""
+        with self._cond:
+            frame, self._frame = self._frame, None
+            return frame
+
     def take_frame(self) -> Any:
         """The waiting frame when no command is queued (commands keep their turn before frames),
         taken from the slot; None otherwise (nothing taken) or when closed."""

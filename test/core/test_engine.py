@@ -621,6 +621,19 @@ def test_reset_during_a_hold_releases_it(model):
     assert len(engine._collected) == 1 and engine.counters.snapshot().decisions_timed_out == 0
 
 
+def test_reset_discards_a_frame_that_waited_behind_the_hold(model):
+    """A frame that arrived before ~/reset (waiting in the slot behind a held decision) belongs to
+    the old sequence: the reset discards it, and the next frame is frame 1 of the new one."""
+    engine, sink, _, session, mono, imgs = held_engine(model)
+    engine.submit_frame(InputFrame(rgb=imgs[3], stamp=9.0, stamp_s=9.0, camera_frame="cam"))  # arrives while frame 3 is held: it waits in the slot
+    assert engine.queue.pending_frame()
+    engine.reset()
+    assert not engine.queue.pending_frame()
+    assert engine.run_once(0) is False and session.frames_pushed == 0 and not engine._collected  # nothing old runs
+    feed(engine, imgs[4], 10.0)
+    assert len(engine._collected) == 1  # the first scale frame of the new sequence
+
+
 def test_a_shorter_decision_timeout_set_during_a_hold_counts_from_now(model):
     """keyframe_decision_timeout lowered at run time while a frame is held: the held frame's
     deadline becomes now + the new timeout (0: released at once, with the default decision),

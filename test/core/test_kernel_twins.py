@@ -147,7 +147,7 @@ def test_auto_kv_splits_fills_the_sms():
     assert auto_kv_splits(783, 16, 64, 74, 132, "fa3-paged") == 12  # 518x294: 80 items, capped
     assert auto_kv_splits(1005, 16, 64, 74, 264, "fa3", max_splits=64) == 24
     assert auto_kv_splits(1005, 16, 64, 3, 132, "fa3") <= 3  # never more splits than pages
-    assert auto_kv_splits(1005, 16, 64, 74, 132, "fa2") == 1  # FA2 splits keys itself
+    assert auto_kv_splits(1005, 16, 64, 74, 132, "fa2-paged") == 1  # the paged FA2 kernel splits keys itself
     assert auto_kv_splits(8 * 1005, 16, 64, 74, 132, "fa3") >= 1
     # a step that already fills the GPU many times over is not split
     assert auto_kv_splits(100_000, 16, 64, 74, 132, "fa3") == 1

@@ -161,14 +161,14 @@ def test_only_the_node_layers_import_ros():
     assert not bad, "ROS imports below the node layers:\n" + "\n".join(bad)
 
 
-ROS_FREE = ("runtime", "robot", "stream", "io", "cache", "model", "kernels", "geometry", "config")
+ROS_FREE = ("runtime", "robot", "journal", "stream", "io", "cache", "model", "kernels", "geometry", "config")
 
 
 def test_the_ros_free_folders_are_named_and_exist():
     """The ROS-free folders are every tier below ros/ (a new package gets a tier, so it is covered)."""
     below = {pkg for pkg, rank in RANK.items() if rank > RANK["ros"]}
     assert below == set(ROS_FREE)
-    for pkg in ("runtime", "robot", "stream", "io", "cache", "model", "kernels"):
+    for pkg in ("runtime", "robot", "journal", "stream", "io", "cache", "model", "kernels"):
         assert (PACKAGE / pkg / "__init__.py").exists(), pkg
 
 

@@ -236,3 +236,11 @@ def test_shutdown_joins_our_threads_and_names_one_that_hangs():
         release.set()
         stuck.join(5)
     assert _join_threads([], timeout=1.0) == []
+
+
+def test_discard_frame_empties_the_slot_and_keeps_the_commands():
+    q = WorkQueue()
+    q.put_frame("f1")
+    cmd = q.put_command(Command("c", lambda: 1))
+    assert q.discard_frame() == "f1" and not q.pending_frame()
+    assert q.get(0) is cmd and q.discard_frame() is None
