@@ -155,6 +155,9 @@ def test_the_selector_decides_for_front_and_rear_streams_without_holds(graph):
     assert rear.frame_index == rear.frames_processed == 2 + KEPT + DROPPED
     assert client.msgs[f"{NODE}/rear/frame"] and not any(m.decision_pending for m in client.msgs[f"{NODE}/rear/frame"])
 
+    # the node counted the second drop; the selector logs its answer a moment later: wait for it (bounded)
+    client.wait(lambda: (tmp / "selector.log").read_text().count("frame 6: drop done") >= DROPPED,
+                what="the selector's log of the second drop's answer")
     stop_processes(selector)
     assert selector.returncode == 0
     log = (tmp / "selector.log").read_text()
