@@ -149,3 +149,23 @@ def bag_types(path: Path) -> dict[str, str]:
 
     with AnyReader([path]) as reader:
         return {name: info.msgtype for name, info in reader.topics.items()}
+
+
+PROG = "lingbot-map-replay"
+
+
+def replay(capsys, *argv, observer=None) -> tuple[int, str]:
+    """Run the replay CLI in this process: (exit code, what it printed on stderr)."""
+    from lingbot_map_ros.cli.replay import main
+
+    code = main([str(a) for a in argv], observer)
+    return code, capsys.readouterr().err
+
+
+def error_line(err: str) -> str:
+    """The one error line that ends ``err`` (and no traceback before it)."""
+    assert "Traceback" not in err, err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"{PROG}: error:"), err
+    assert sum(line.startswith(f"{PROG}: error:") for line in err.splitlines()) == 1, err
+    return last

@@ -9,24 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lingbot_map_ros.cli.replay import main
 from lingbot_map_ros.io.export import read_tum
-from replay_fixtures import PERIOD, T0, compressed_image, raw_image, typestore, write_image_bag
+from replay_fixtures import (PERIOD, PROG, T0, compressed_image, error_line, raw_image, replay, typestore,
+                             write_image_bag)
 
-PROG = "lingbot-map-replay"
 TOPIC = "/camera/image"
-
-
-def replay(capsys, *argv) -> tuple[int, str]:
-    code = main([str(a) for a in argv])
-    return code, capsys.readouterr().err
-
-
-def error_line(err: str) -> str:
-    assert "Traceback" not in err, err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith(f"{PROG}: error:"), err
-    return last
 
 
 def _no_image_bag(path: Path) -> Path:

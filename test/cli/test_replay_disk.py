@@ -21,26 +21,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lingbot_map_ros.cli.replay import build_parser, main
+from lingbot_map_ros.cli.replay import build_parser
 from lingbot_map_ros.io.export import read_ply, read_tum
-from replay_fixtures import bag_types
+from replay_fixtures import PROG, bag_types, error_line, replay
 
-PROG = "lingbot-map-replay"
 FRAMES = ["--max-frames", "3"]  # 2 scale frames + 1: enough to write every output, quick
-
-
-def replay(capsys, *argv, observer=None) -> tuple[int, str]:
-    code = main([str(a) for a in argv], observer)
-    return code, capsys.readouterr().err
-
-
-def error_line(err: str) -> str:
-    """The one error line that ends ``err`` (and no traceback before it)."""
-    assert "Traceback" not in err, err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith(f"{PROG}: error:"), err
-    assert sum(line.startswith(f"{PROG}: error:") for line in err.splitlines()) == 1, err
-    return last
 
 
 def files_under(folder: Path) -> list[str]:

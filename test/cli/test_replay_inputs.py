@@ -7,22 +7,10 @@ import numpy as np
 import pytest
 
 from lingbot_map_ros.cli.replay import main
-from replay_fixtures import NS, PERIOD, T0, write_image_bag, write_video
+from replay_fixtures import NS, PERIOD, T0, error_line, replay, write_image_bag, write_video
 
 RTOL = 1e-4
 TOPIC = "/camera/image"
-
-
-def replay(capsys, *argv) -> tuple[int, str]:
-    code = main([str(a) for a in argv])
-    return code, capsys.readouterr().err
-
-
-def error_line(err: str) -> str:
-    assert "Traceback" not in err, err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith("lingbot-map-replay: error:"), err
-    return last
 
 
 @pytest.fixture(scope="module")
