@@ -184,7 +184,7 @@ import os, sys
 import numpy, torch, rclpy
 import lingbot_map_ros
 from lingbot_map_ros.msg import FrameInfo, Status
-from lingbot_map_ros.srv import CommitEviction, RollbackFrame, SaveMap
+from lingbot_map_ros.srv import CommitEviction, LoadSession, RollbackFrame, SaveMap, SaveSession
 pkg_dir = os.path.dirname(os.path.realpath(lingbot_map_ros.__file__))
 want = os.path.realpath(os.path.join(sys.argv[1], "lingbot_map_ros"))
 if pkg_dir != want:

@@ -131,7 +131,11 @@ class JournaledSession:
                tag: Any = None) -> JournaledPending:
         """``Session.submit``; the frame is journaled as described in the module docstring.
         ``stamp``: the frame's time (ns); ``tag``: anything JSON-able the caller wants back from
-        a rebuild (``Rebuilt.last_tag``: e.g. the position in a recording)."""
+        a rebuild (``Rebuilt.last_tag``: e.g. the position in a recording). Without a writer
+        (journaling off: a session that may load saved sessions) the session's own pending
+        results come back and nothing is copied."""
+        if self.writer is None:
+            return self.session.submit(image, keyframe)
         core = self._core
         scale = self._in_scale_phase()
         window = self.session.window_index
@@ -228,6 +232,8 @@ class JournaledSession:
                               [Record("begin", {"deferred": self.deferred_eviction}), *self._states.values()])
 
     def _journal_restart(self) -> None:
+        if self.writer is None:
+            return
         s = self.session
         kept = s.kept_keyframes()
         last_kf, latest = s.motion_poses()

@@ -62,6 +62,11 @@ def stamp_seconds(stamp: TimeMsg) -> float:
     return stamp.sec + stamp.nanosec * 1e-9
 
 
+def stamp_of_ns(ns: int) -> TimeMsg:
+    """A Time message of ``ns`` nanoseconds (>= 0)."""
+    return TimeMsg(sec=ns // 1_000_000_000, nanosec=ns % 1_000_000_000)
+
+
 def qos_profile(reliable: bool = True, latched: bool = False, depth: int = 10) -> QoSProfile:
     return QoSProfile(depth=depth,
                       reliability=ReliabilityPolicy.RELIABLE if reliable else ReliabilityPolicy.BEST_EFFORT,
@@ -325,7 +330,7 @@ class CameraChannel:
         s = self.settings
         self.engine = InferenceEngine(session, s, self.outputs, self.log, now=now,
                                       odom_position=self.outputs.tf.camera_position,
-                                      camera_pose=self.outputs.tf.camera_pose)
+                                      camera_pose=self.outputs.tf.camera_pose, make_stamp=stamp_of_ns)
         if s.scale_source == "odometry" or s.on_lost == "reset":
             self.outputs.tf.start()  # its buffer serves the odom -> camera look-ups (scale, lost-reset map)
         return self.engine

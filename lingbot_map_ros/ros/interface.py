@@ -123,6 +123,10 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "leave the cache, its pose is forgotten"),
     Endpoint(V, "~/save_map", "lingbot_map_ros/srv/SaveMap", "Write the map (PLY) and trajectory (TUM); several "
              "cameras: every camera's", scope="node"),
+    Endpoint(V, "~/save_session", "lingbot_map_ros/srv/SaveSession", "Save the keyframe journal as a session "
+             "folder (needs state_directory); several cameras: every camera's", scope="node"),
+    Endpoint(V, "~/load_session", "lingbot_map_ros/srv/LoadSession", "Replace the state by a saved session: "
+             "later frames are posed in its map; several cameras: every camera's", scope="node"),
 )
 
 

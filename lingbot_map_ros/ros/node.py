@@ -96,9 +96,11 @@ from std_msgs.msg import Header
 from lingbot_map_ros.srv import SaveMap
 
 from ..config import ConfigError
+from ..journal import JournalError
 from ..io.map_save import MAP_FILE, MapSaveError
 from ..robot.map_offset import OutputTransform
 from ..runtime.frames import StatusFields
+from ..runtime.journaling import SessionError
 from ..runtime.multi_map import MapAligner, base_motion_from_odometry, own_map_frame, transform_points, transform_poses
 from ..runtime.multi_save import CameraMap, SavedMaps, save_camera_maps
 from ..runtime.params import (CAMERA_PARAMETERS, CAMERA_PREFIX, PARAMETERS, NodeSettings, Param, apply_camera_dynamic,
@@ -109,6 +111,7 @@ from ..runtime.scheduler import CameraScheduler
 from ..stream.multi import PoolStatus
 from .camera_channel import NODE_NAME, SERVICE_QOS, AlignedPlacer, CameraChannel, diag, qos_profile, stamp_seconds
 from .conversions import compressed_to_rgb, image_to_rgb, make_pointcloud2
+from .sessions import SessionServices, journal_diag, open_journals
 from .tf_tools import SharedTf
 
 _PARAMETER_TABLE = {p.name: p for p in PARAMETERS}
@@ -207,6 +210,8 @@ class LingBotMapNode(Node):
         self._service_handles.append(self.service_node.create_service(
             SaveMap, f"{prefix}/save_map", self._srv_save_map, qos_profile=SERVICE_QOS,
             callback_group=self._service_group))
+        self.session_services = SessionServices(self, self.service_node, prefix, self._service_group)
+        self._service_handles += self.session_services.handles
         self._map_version: dict[str, Any] = {}  # camera ("" = the combined map) -> what it last published
         # Timers run on the steady clock: with use_sim_time and no /clock, /diagnostics and the
         # status heartbeat go on (and say so) instead of stopping without a word.
@@ -252,8 +257,10 @@ class LingBotMapNode(Node):
             self.channels[name] = channel
             channel.outputs.publish_status(StatusFields(state=0, state_text="loading the model"), None)
         sessions = self._load_sessions()
+        resumed = self._open_journals(sessions)
         for name, channel in self.channels.items():
             channel.attach(sessions[name], self._now)
+            channel.engine.resumed_from(resumed[name])
         self.engine = self.channels[reference].engine  # the first camera's (in-process use, tests)
         self.outputs = self.channels[reference].outputs
         batch = self.sessions.submit_many if s.camera_batching and self.sessions is not None else None
@@ -419,6 +426,15 @@ class LingBotMapNode(Node):
         self.get_logger().info(f"model loaded in {time.perf_counter() - t0:.1f} s "
                                f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters){cameras}")
         return sessions
+
+    def _open_journals(self, sessions: dict) -> dict:
+        """state_directory / load_session: each camera's session journaled (and rebuilt from its
+        journal or the saved session) before anything is subscribed (``ros.sessions``)."""
+        try:
+            return open_journals(self.channels, sessions, self.camera_settings)
+        except (SessionError, JournalError, OSError) as exc:
+            what = f"{exc.strerror or exc}: {exc.filename}" if isinstance(exc, OSError) and exc.filename else str(exc)
+            raise StartupError(f"state_directory / load_session: {what}") from None
 
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
@@ -617,6 +633,9 @@ class LingBotMapNode(Node):
             label = f"{name}: {camera}" if camera else name
             statuses.append(channel.input_diag(label))
             statuses += channel.state_diags(label)
+            journal = journal_diag(label, channel.engine)
+            if journal is not None:
+                statuses.append(journal)
             if self.aligner is not None:
                 waiting = self.aligner.enabled and not self.aligner.aligned(camera)  # own frames by configuration: OK
                 statuses.append(diag(f"{label}: map frame", DiagnosticStatus.WARN if waiting else DiagnosticStatus.OK,
@@ -647,6 +666,10 @@ class LingBotMapNode(Node):
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
         self.scheduler.stop()
+        for channel in self.channels.values():  # what was journaled reaches the disk
+            journal = channel.engine.journal
+            if journal is not None and journal.writer is not None:
+                journal.writer.close(timeout=JOURNAL_CLOSE_S)
         self.service_node.destroy_node()
         logging.getLogger("lingbot_map_ros").removeHandler(self._log_handler)
 
@@ -669,6 +692,7 @@ def _spin_quietly(executor) -> None:
 SERVICE_THREADS = 4  # concurrent service calls (a slow ~/save_map does not block ~/reset)
 THREAD_JOIN_S = 10.0  # s; how long shutdown waits for the service thread to leave rclpy
 SPIN_PERIOD = 0.2  # s; the main loop's longest wait, so SIGINT/SIGTERM are handled promptly
+JOURNAL_CLOSE_S = 10.0  # s; how long shutdown waits for the journal writer to write what is queued
 GIL_SWITCH_ENV = "LINGBOT_GIL_SWITCH_MS"
 GIL_SWITCH_MS = 0.5
 

@@ -62,7 +62,9 @@ The engine orchestrates parts with one job each, every one tested alone:
 (hold, its deadline, the motion reference, the deferral deadline), ``anchor.MapAnchor`` (metric
 scale, lost-reset alignment: the ``OutputTransform`` of what leaves), ``model_input.ModelInput``
 (undistortion and preprocessing), ``clouds`` (a frame's point cloud and depth image, confidence
-statistics), ``status`` (the ~/status fields), ``saving`` (~/save_map's snapshot and files).
+statistics), ``status`` (the ~/status fields), ``saving`` (~/save_map's snapshot and files), ``journaling``
+(the keyframe journal: a ``JournaledSession`` is given each frame's stamp; ``load_session``
+replaces the state by a saved session's; the counters are journaled with the heartbeat).
 Settings changes arrive as values through the queue (``configure``): no other thread writes
 the engine's state.
 """
@@ -79,11 +81,13 @@ import numpy as np
 from ..geometry import optical_pose_to_map, rotation_angle_deg
 from ..robot.health import HealthStatus, TrackingHealth, TrackingState, config_from_parameters
 from ..robot.intrinsics import FocalTracker
+from ..journal import JournaledSession
 from ..stream import CacheFullError, FrameMismatchError, FrameResult, InvalidFrameError, Session, SessionError
 from .anchor import Lookup, MapAnchor
 from .clouds import CloudOutput, ConfidenceSample
 from .decisions import KeyframeDecisions
 from .frames import FrameOutput, FrameSummary, InputFrame, Logger, Sink, State
+from .journaling import COUNTERS_STATE, Resumed, load_saved
 from .mapping import MapAccumulator, PoseEntry, Trajectory
 from .model_input import ModelInput, gpu_device
 from .params import NodeSettings
@@ -103,8 +107,14 @@ class InferenceEngine:
 
     def __init__(self, session: Session, settings: NodeSettings, sink: Sink, log: Logger,
                  now: Callable[[], float], monotonic: Callable[[], float] = time.monotonic,
-                 odom_position: Lookup | None = None, camera_pose: Lookup | None = None) -> None:
+                 odom_position: Lookup | None = None, camera_pose: Lookup | None = None,
+                 make_stamp: Callable[[int], Any] = int) -> None:
         self.session = session
+        # the keyframe journal (state_directory / load_session), else None
+        self.journal: JournaledSession | None = session if isinstance(session, JournaledSession) else None
+        self.resumed: Resumed | None = None  # what start-up or the last ~/load_session rebuilt
+        self.make_stamp = make_stamp  # nanoseconds -> the sink's stamp (a journaled frame's)
+        self._noted_counters: dict[str, int] | None = None
         self.settings = settings  # in force on the inference thread; replaced through ``configure``
         self.sink = sink
         self.log = log
@@ -216,7 +226,10 @@ class InferenceEngine:
         if image is None:
             return
         try:
-            results = self.session.push(image)
+            if self.journal is None:
+                results = self.session.push(image)
+            else:
+                results = self.journal.push(image, stamp=_stamp_ns(frame), tag=_tag(frame))
         except Exception as exc:
             return self._push_failed(frame, exc)
         self._pushed(frame, results)
@@ -246,7 +259,10 @@ class InferenceEngine:
         """Submit an admitted frame's step without waiting for it (pipelined steps): its pending
         results, or the exception the submit raised, for ``complete``."""
         try:
-            return self.session.submit(image)
+            if self.journal is None:
+                return self.session.submit(image)
+            frame = self._collected[-1]
+            return self.journal.submit(image, stamp=_stamp_ns(frame), tag=_tag(frame))
         except Exception as exc:  # as push would raise it: complete() reports it
             return exc
 
@@ -506,6 +522,10 @@ class InferenceEngine:
         whose next sequence may continue the map frame (the last good pose stays); otherwise the
         next sequence starts a new map origin."""
         self.session.reset()
+        self._forget_sequence(keep_map_frame)
+
+    def _forget_sequence(self, keep_map_frame: bool = False) -> None:
+        """``_clear_sequence`` but the session's state (a rebuilt session keeps it)."""
         self._collected.clear()
         self._last_index = 0
         self.trajectory.clear()
@@ -658,6 +678,76 @@ class InferenceEngine:
                            f"{timeout} s for ~/commit_eviction: committed automatically ({freed} page(s) freed); "
                            "later ones are committed at once until a client commits again", kind="auto commit")
 
+    # ------------------------------------------------------------------ saved sessions (journaling)
+    def load_session(self, folder: Path, progress_period: float = 0.25) -> Resumed:
+        """Replace the state by the saved session in ``folder`` (inference thread): the next frames
+        are posed in its map and numbered after its frames. A frame waiting in the latest-frame
+        slot belongs to the old map: it is dropped as stale. ``journaling.SessionError`` (state
+        unchanged) when journaling is off or the session does not fit; an exception of the model
+        during the replay ends with a new sequence (as an inference error does)."""
+        from .journaling import SessionError
+
+        if self.journal is None:
+            raise SessionError("sessions are off: start the node with state_directory (or load_session) set to "
+                               "load saved sessions")
+        if self.queue.discard_frame() is not None:
+            self.counters.add("frames_dropped_stale")
+        try:
+            rebuilt = load_saved(self.journal, Path(folder), self.settings.image_width,
+                                 self._resume_progress("loading the session", progress_period))
+        except SessionError:
+            raise
+        except Exception as exc:
+            self._on_inference_error(exc)
+            raise
+        self.resumed_from(Resumed.of("session", rebuilt))
+        return self.resumed
+
+    def resumed_from(self, resumed: Resumed | None) -> None:
+        """The session was rebuilt (start-up resume or a loaded session): forget what belonged to
+        the state before it, take the journaled counters, say so in ~/status."""
+        self.resumed = resumed
+        if resumed is None or not resumed.frames:
+            if resumed is not None and resumed.refused:
+                self._set_state(self.state, f"journal set aside ({resumed.refused}); a new journal starts")
+            return
+        self._forget_sequence()
+        self.stamps.clear()
+        counts = resumed.states.get(COUNTERS_STATE)
+        if counts:
+            self.counters.restore(counts)
+        if self.queue.discard_frame() is not None:  # it arrived during the rebuild
+            self.counters.add("frames_dropped_stale")
+        for stamp_ns, tag, rgb in resumed.collecting:  # scale frames whose results come with the next ones
+            ns = int(stamp_ns or 0)
+            self._collected.append(InputFrame(rgb=rgb, stamp=self.make_stamp(ns), stamp_s=ns * 1e-9,
+                                              camera_frame=(tag or {}).get("frame_id") or self.settings.camera_frame or "camera_optical_frame"))
+        self._noted_counters = counts
+        self.last_stats = self.session.stats()
+        self._last_index = resumed.next_frame
+        self._set_state(State.INITIALIZING, resumed.describe())
+        self._publish_status(self.state_text, None)
+
+    def _resume_progress(self, what: str, period: float) -> Callable[[int, int], None]:
+        last = [-float("inf")]
+
+        def progress(k: int, n: int) -> None:
+            now = self.monotonic()
+            if k == n or now - last[0] >= period:
+                last[0] = now
+                self._set_state(State.INITIALIZING, f"{what}: resuming {k} of {n}")
+                self._publish_status(self.state_text, None)
+        return progress
+
+    def _note_counters(self) -> None:
+        """Journal the ~/status counters when they changed (with the heartbeat: at most once a second)."""
+        if self.journal is None or self.journal.writer is None:
+            return
+        values = dict(vars(self.counters.snapshot()))
+        if values != self._noted_counters:
+            self._noted_counters = values
+            self.journal.note_state(COUNTERS_STATE, values)
+
     # ------------------------------------------------------------------ saving
     def save_snapshot(self) -> SaveSnapshot:
         """Inference thread (fast): the trajectory as it is now, and the map once the output thread
@@ -678,6 +768,7 @@ class InferenceEngine:
     # ------------------------------------------------------------------ status
     def _heartbeat(self, clock_problem: str = "") -> None:
         """Publish a status when none went out for HEARTBEAT_PERIOD (or the input went quiet)."""
+        self._note_counters()
         self._check_hold_deadline()
         self._check_deferral_deadline()
         quiet = self.seconds_since_input()
@@ -705,6 +796,16 @@ class InferenceEngine:
                            is_keyframe, latency, total)
         self.sink.publish_status(st, stamp)
         self._last_status_time = self.monotonic()
+
+
+def _stamp_ns(frame: InputFrame) -> int:
+    """The frame's stamp in nanoseconds (journaled with it)."""
+    return int(round(frame.stamp_s * 1e9))
+
+
+def _tag(frame: InputFrame) -> dict[str, str]:
+    """What the journal keeps of a frame besides its stamp (for scale frames resumed before their results)."""
+    return {"frame_id": frame.camera_frame}
 
 
 _frozen = False

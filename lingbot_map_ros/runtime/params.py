@@ -215,6 +215,14 @@ PARAMETERS: tuple[Param, ...] = (
     Param("publish_depth", True, "Publish ~/depth and ~/depth/camera_info"),
     Param("output_directory", "lingbot_map_output", "Directory ~/save_map writes to when its request "
           "names none (relative to the node's working directory)"),
+    # -- the map outlives the process (journal/, docs/sessions.md)
+    Param("state_directory", "", "Folder of the keyframe journal: the frames the model stored and the state "
+          "around them, written as the node runs (off the inference thread); a node started with a journal "
+          "there of the same model, configuration and image_width resumes its map. Several cameras: "
+          "<state_directory>/<camera>/. Empty = no journal (~/save_session refused)"),
+    Param("load_session", "", "A session saved with ~/save_session to start from (relative = under "
+          "output_directory): the node localizes in that session's map. Replaces what state_directory "
+          "holds (the journal found there is set aside as journal.replaced-<time>.lbj). Empty = none"),
     # -- frames and TF
     Param("publish_tf", True, "Broadcast the pose on TF (see tf_mode)", dynamic=True),
     Param("tf_mode", "auto", "map_to_odom: map -> odom_frame so that map -> base_frame equals the estimate "
@@ -289,6 +297,8 @@ class NodeSettings:
     base_frame: str
     camera_frame: str
     camera_tf_frame: str = ""
+    state_directory: str = ""
+    load_session: str = ""
     gpu_memory_check: bool = True
     deferred_eviction_timeout: float = 5.0
     keyframe_decision_timeout: float = 0.0
@@ -401,6 +411,9 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
         raise ConfigError("tf_mode map_to_base needs a non-empty base_frame")
 
     cameras = check_camera_names(v["cameras"])
+    if (v["state_directory"] or v["load_session"]) and v["camera_batching"] and cameras:
+        raise ConfigError("state_directory and load_session journal each camera's own steps; camera_batching "
+                          "runs them together: set camera_batching false to keep a journal")
     if cameras and v["kv_cache_dtype"] == "fp8":
         raise ConfigError("parameter kv_cache_dtype 'fp8' is for a single camera (several cameras share one bf16 "
                           "K/V storage); set kv_cache_dtype 'auto' or list no cameras")
@@ -417,7 +430,7 @@ _PLAIN_FIELDS = ("gpu_memory_check", "camera_batching", "camera_pipelining", "se
                  "input_timeout", "service_timeout", "conf_threshold", "point_stride", "accumulate_map", "map_voxel_size",
                  "map_max_points", "map_publish_rate", "path_max_length", "path_publish_rate",
                  "publish_odometry", "publish_pose", "publish_path", "publish_points", "publish_map",
-                 "publish_depth", "output_directory", "publish_tf", "tf_mode", "map_frame", "odom_frame",
+                 "publish_depth", "output_directory", "state_directory", "load_session", "publish_tf", "tf_mode", "map_frame", "odom_frame",
                  "base_frame", "camera_frame", "camera_tf_frame", "deferred_eviction_timeout",
                  "keyframe_decision_timeout", "keyframe_decision_default", "time_jump_threshold", "on_time_jump",
                  "on_lost", "undistort", "scale_source", "metric_scale", "scale_wait_for_convergence", "deferred_eviction") + tuple(HEALTH_PARAMETERS)

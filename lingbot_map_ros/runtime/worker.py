@@ -276,5 +276,11 @@ class Counters:
         with self._lock:
             self._values = CounterValues()
 
+    def restore(self, values: dict) -> None:
+        """Take ``values`` (a journaled snapshot: name -> count; unknown names ignored)."""
+        known = {f.name for f in fields(CounterValues)}
+        with self._lock:
+            self._values = CounterValues(**{k: int(v) for k, v in values.items() if k in known})
+
 
 __all__ = ["Command", "WorkQueue", "Throttle", "RateMeter", "Counters", "CounterValues", "message_kind"]

@@ -1,0 +1,175 @@
+"""The node's keyframe journal over ROS: start-up resume, ~/save_session, ~/load_session and
+the "journal" entry of /diagnostics (the logic lives in ``runtime.journaling``).
+
+- Start-up (``open_journals``): every camera's session is wrapped and, when its state
+  directory holds a journal (or ``load_session`` names a saved session), rebuilt before
+  the node subscribes; ~/status says "resuming k of n" meanwhile.
+- ``~/save_session``: every camera's journal into one saved session folder, written on the
+  service thread (a slow disk holds up neither frames nor other services).
+- ``~/load_session``: every camera's state replaced by the saved session's, on the
+  inference thread (frames that arrive meanwhile are dropped as stale and counted). All
+  cameras' journals are checked before any camera's state changes.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+from diagnostic_msgs.msg import DiagnosticStatus
+
+from lingbot_map_ros.srv import LoadSession, SaveSession
+
+from ..journal import JOURNAL_NAME, JournalError
+from ..journal.resume import read_journal
+from ..runtime.frames import StatusFields
+from ..runtime.journaling import (Resumed, SessionError, camera_folder, open_camera_journal, save_sessions,
+                                  session_folder)
+from .camera_channel import SERVICE_QOS, diag
+
+
+def open_journals(channels: dict, sessions: dict, camera_settings: dict) -> dict[str, Resumed | None]:
+    """Wrap (and rebuild) each camera's session in place in ``sessions``; what was rebuilt per
+    camera. SessionError / OSError / JournalError when a requested session cannot be loaded."""
+    resumed = {}
+    for name, channel in channels.items():
+        def progress(k: int, n: int, outputs=channel.outputs) -> None:
+            outputs.publish_status(StatusFields(state=0, state_text=f"resuming {k} of {n}"), None)
+        sessions[name], resumed[name] = open_camera_journal(sessions[name], camera_settings[name], name, progress)
+        if resumed[name] is not None:
+            log = channel.log
+            r = resumed[name]
+            (log.warning if r.refused or r.stop else log.info)(
+                f"journal set aside as {r.set_aside}: {r.refused}; a new journal starts" if r.refused
+                else r.describe())
+    return resumed
+
+
+class SessionServices:
+    """~/save_session and ~/load_session of ``node`` (one call for every camera)."""
+
+    def __init__(self, node, service_node, prefix: str, group) -> None:
+        self.node = node
+        self._lock = threading.Lock()  # one save or load at a time
+        self.handles = [
+            service_node.create_service(SaveSession, f"{prefix}/save_session", self.save, qos_profile=SERVICE_QOS,
+                                        callback_group=group),
+            service_node.create_service(LoadSession, f"{prefix}/load_session", self.load, qos_profile=SERVICE_QOS,
+                                        callback_group=group),
+        ]
+
+    def _journals(self) -> dict[str, Any]:
+        return {name: ch.engine.journal for name, ch in self.node.channels.items()}
+
+    def _busy(self) -> str:
+        timeout = self.node.settings.service_timeout
+        if self._lock.acquire(timeout=timeout):
+            return ""
+        return f"another ~/save_session or ~/load_session is still running after {timeout:.1f} s; nothing done"
+
+    def save(self, request, response):
+        s = self.node.settings
+        busy = self._busy()
+        if busy:
+            response.success, response.message = False, busy
+            return response
+        try:
+            journals = self._journals()
+            if any(j is None or j.writer is None for j in journals.values()):
+                raise SessionError("journaling is off: start the node with state_directory set to save sessions")
+            folder = session_folder(request.directory, s.output_directory)
+            response.bytes = save_sessions(journals, folder)
+            response.success, response.path = True, str(folder)
+            cameras = f" ({len(journals)} cameras)" if len(journals) > 1 else ""
+            response.message = f"saved the session{cameras} in {folder} ({response.bytes / 2**20:.1f} MiB)"
+        except (SessionError, OSError) as exc:
+            response.success = False
+            response.message = f"not saved: {_reason(exc)}"
+        finally:
+            self._lock.release()
+        (self.node.get_logger().info if response.success else self.node.get_logger().warning)(
+            f"~/save_session: {response.message}")
+        return response
+
+    def load(self, request, response):
+        s = self.node.settings
+        busy = self._busy()
+        if busy:
+            response.success, response.message = False, busy
+            return response
+        try:
+            response.success, response.message = False, ""
+            folder = session_folder(request.directory, s.output_directory, default_name=False)
+            self._check_all(folder)
+            done: list[Resumed] = []
+            for name, channel in self.node.channels.items():
+                ok, resumed, error = channel.run("load_session", lambda c=channel, n=name:
+                                                 c.engine.load_session(camera_folder(folder, n)))
+                if not ok:
+                    loaded = f" ({len(done)} camera(s) before it already loaded)" if done else ""
+                    raise SessionError(f"camera {name}: {error}{loaded}" if name else error)
+                done.append(resumed)
+            response.success = True
+            response.frames_replayed = sum(r.frames for r in done)
+            response.next_frame = done[0].next_frame + 1
+            response.seconds = sum(r.seconds for r in done)
+            response.message = "; ".join(f"{n}: {r.describe()}" if n else r.describe()
+                                         for n, r in zip(self.node.channels, done))
+        except (SessionError, JournalError, OSError) as exc:
+            response.message = f"not loaded: {_reason(exc)}"
+        finally:
+            self._lock.release()
+        (self.node.get_logger().info if response.success else self.node.get_logger().warning)(
+            f"~/load_session: {response.message}")
+        return response
+
+    def _check_all(self, folder) -> None:
+        """Every camera's saved journal exists and fits, before any state changes."""
+        if not folder.is_dir():
+            raise SessionError(f"{folder} is not a folder")
+        for name, channel in self.node.channels.items():
+            journal = channel.engine.journal
+            if journal is None:
+                raise SessionError("sessions are off: start the node with state_directory (or load_session) set "
+                                   "to load saved sessions")
+            path = camera_folder(folder, name) / JOURNAL_NAME
+            if not path.is_file():
+                where = f" for camera {name}" if name else ""
+                raise SessionError(f"{path.parent} holds no saved session{where} (no {JOURNAL_NAME})")
+            try:
+                read_journal(path, journal.identity, channel.settings.image_width)
+            except JournalError as exc:
+                raise SessionError(f"camera {name}: {exc}" if name else str(exc)) from None
+
+
+def journal_diag(label: str, engine) -> DiagnosticStatus | None:
+    """The "journal" entry of a camera: WARN while journaling is paused (disk full, not writable,
+    too slow) or when a journal found at start was set aside; None without sessions."""
+    journal, resumed = engine.journal, engine.resumed
+    if journal is None:
+        return None
+    values: dict[str, Any] = {}
+    level, message = DiagnosticStatus.OK, "off (state_directory empty): saved sessions can be loaded"
+    if journal.writer is not None:
+        st = journal.writer.status()
+        values = {"path": st.path, "state": st.state, "records in the segment": st.records,
+                  "file size (MiB)": f"{st.file_bytes / 2**20:.1f}", "written (MiB)": f"{st.bytes_written / 2**20:.1f}",
+                  "queued records": st.queued, "pauses": st.pauses, "rewrites": st.rewrites}
+        if st.state == "paused":
+            level, message = DiagnosticStatus.WARN, f"paused: {st.reason}; inference goes on"
+        else:
+            message = f"{st.state}: {st.records} records, {st.file_bytes / 2**20:.1f} MiB"
+    if resumed is not None:
+        values["at start" if resumed.source == "journal" else "last load"] = (
+            f"set aside as {resumed.set_aside}: {resumed.refused}" if resumed.refused else resumed.describe())
+        if resumed.refused and level == DiagnosticStatus.OK:
+            level, message = DiagnosticStatus.WARN, f"{message}; a journal found at start was set aside"
+    return diag(f"{label}: journal", level, message, values)
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, OSError):
+        return f"{exc.strerror or exc}" + (f": {exc.filename}" if exc.filename else "")
+    return str(exc)
+
+
+__all__ = ["SessionServices", "journal_diag", "open_journals"]

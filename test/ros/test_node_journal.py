@@ -1,0 +1,237 @@
+"""The node's map outlives its process (state_directory, ~/save_session, ~/load_session), in a
+real ROS 2 graph (DDS on loopback, a private ROS_DOMAIN_ID), tiny fixture weights on the CPU.
+
+The uninterrupted run is a replay session with the node's settings fed the same frames (the
+node equals it: test_node_graph, test_keyframe_loop). Each test interrupts the node's run —
+kill -9 of the process, or a fresh node that loads a saved session — and checks that every
+frame after it comes out with the uninterrupted run's pose and ~/frame index.
+"""
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
+
+from rclpy.qos import QoSProfile  # noqa: E402
+from sensor_msgs.msg import Image  # noqa: E402
+
+from graph_helpers import (GraphClient, InProcessNode, fixture_params, generated_frames, image_msg,  # noqa: E402
+                           log_tail, pose_matrix, private_domain_id, replay_session, start_node, stop_processes,
+                           write_node_params)
+from lingbot_map_ros.journal import JOURNAL_NAME  # noqa: E402
+from lingbot_map_ros.journal.format import iter_records, scan  # noqa: E402
+from lingbot_map_ros.msg import FrameInfo  # noqa: E402
+from lingbot_map_ros.srv import LoadSession, SaveSession  # noqa: E402
+
+pytestmark = [pytest.mark.ros, pytest.mark.slow]
+
+DOMAIN_ID = private_domain_id(__name__, 1, 100, 7, 13 + 77)
+WIDTH = 98
+FRAMES = 14
+# 2 scale frames, every 2nd frame stored, a window of 5 stored frames: the window restarts at
+# frame 9 (0-based); the sequence covers the scale phase, a window and a restart
+PARAMS = {"image_width": WIDTH, "num_scale_frames": 2, "sliding_window": 3, "keyframe_interval": 2,
+          "window_frames": 5, "device": "cpu", "conf_threshold": 0.0, "publish_points": False,
+          "publish_depth": False, "publish_map": False, "publish_path": False, "publish_tf": False}
+START_TIMEOUT = 90.0
+STEP_TIMEOUT = 40.0
+
+
+@pytest.fixture(scope="module")
+def frames():
+    return generated_frames(FRAMES, seed=3)
+
+
+@pytest.fixture(scope="module")
+def straight(fixtures, frames):
+    """{0-based frame index: (T_map_cam [4, 4], window index)} of the uninterrupted run."""
+    from lingbot_map_ros.geometry import optical_pose_to_map
+    from lingbot_map_ros.io.preprocess import model_input
+
+    session = replay_session(fixtures, PARAMS)
+    out = {}
+    for rgb in frames:
+        for r in session.push(model_input(rgb, WIDTH)):
+            out[r.frame_index] = (optical_pose_to_map(r.c2w), session.window_index)
+    assert len(out) == FRAMES and max(w for _, w in out.values()) >= 1  # the script reaches a restart
+    return out
+
+
+def assert_like_straight(got: dict[int, FrameInfo], straight, indices) -> None:
+    for i in indices:
+        assert i + 1 in got, f"no ~/frame for frame {i + 1} (got {sorted(got)})"
+        msg = got[i + 1]
+        np.testing.assert_allclose(pose_matrix_of(msg), straight[i][0], atol=1e-4, err_msg=f"frame {i + 1}")
+        assert msg.window_index == straight[i][1], f"frame {i + 1}"
+
+
+def pose_matrix_of(msg: FrameInfo) -> np.ndarray:
+    from geometry_msgs.msg import PoseStamped
+
+    return pose_matrix(PoseStamped(header=msg.header, pose=msg.pose))
+
+
+def journaled_through(path: Path) -> int:
+    """The highest frame index the journal file holds a record of (-1: none yet)."""
+    try:
+        found = scan(path)
+    except Exception:
+        return -1
+    last = -1
+    for r in iter_records(found):
+        if r.kind in ("frame", "seen"):
+            last = max(last, int(r.meta["i"]))
+    return last
+
+
+class Robot:
+    """Publishes the frames on the node's image topic and records its ~/frame by index."""
+
+    def __init__(self, name: str, topic: str) -> None:
+        self.client = GraphClient(f"{name}_robot", DOMAIN_ID, STEP_TIMEOUT)
+        self.frames: dict[int, FrameInfo] = {}
+        self.client.subscribe(FrameInfo, f"/{name}/frame", self._on_frame, depth=50)
+        self.pub = self.client.node.create_publisher(Image, topic, QoSProfile(depth=10))
+
+    def _on_frame(self, msg: FrameInfo) -> None:
+        self.frames[msg.frame_index] = msg
+
+    def send(self, k: int, rgb: np.ndarray, until) -> None:
+        """Publish frame ``k`` (stamp 1000 + k s) until ``until()`` holds (a first sample may go
+        out before the node's reader matched the writer: it is sent again, same stamp)."""
+        deadline = time.monotonic() + STEP_TIMEOUT
+        while True:
+            self.pub.publish(image_msg(rgb, 1000 + k, "cam"))
+            try:
+                return self.client.wait(until, f"frame {k}", timeout=min(2.0, deadline - time.monotonic()))
+            except AssertionError:
+                if time.monotonic() > deadline:
+                    raise
+
+
+@pytest.mark.parametrize("kill_at", [0, 4, 9], ids=["scale-phase", "mid-window", "after-restart"])
+def test_kill_9_then_restart_resumes_the_map(fixtures, frames, straight, tmp_path, kill_at):
+    """The node is killed with SIGKILL once frame ``kill_at`` is in its journal; a new process
+    with the same state_directory resumes, and frames kill_at+1.. come out as in one run."""
+    name = f"lm_journal_{kill_at}"
+    topic = f"/journal_{kill_at}/image"
+    state = tmp_path / "state"
+    params = write_node_params(tmp_path / "p.yaml", fixtures, {**PARAMS, "state_directory": str(state),
+                                                              "output_directory": str(tmp_path / "out")})
+    robot = Robot(name, topic)
+    procs = []
+    try:
+        first = start_node(name, params, tmp_path / "first.log", DOMAIN_ID, {"image": topic})
+        procs.append(first)
+        robot.client.watch(first, tmp_path / "first.log")
+        robot.client.wait(lambda: robot.pub.get_subscription_count() >= 1, "the node to subscribe", START_TIMEOUT)
+        journal = state / JOURNAL_NAME
+        for k in range(kill_at + 1):
+            robot.send(k, frames[k], lambda k=k: journaled_through(journal) >= k)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait(10)
+        robot.client._watched.clear()
+        assert_like_straight(robot.frames, straight, [i for i in range(kill_at + 1) if i >= 1])
+        robot.frames.clear()
+
+        second = start_node(name, params, tmp_path / "second.log", DOMAIN_ID, {"image": topic})
+        procs.append(second)
+        robot.client.watch(second, tmp_path / "second.log")
+        robot.client.wait(lambda: robot.pub.get_subscription_count() >= 1, "the node to subscribe again",
+                          START_TIMEOUT)
+        for k in range(kill_at + 1, FRAMES):
+            robot.send(k, frames[k], lambda k=k: k + 1 in robot.frames)
+        log = (tmp_path / "second.log").read_text()
+        assert "resumed the journal" in log, log_tail(tmp_path / "second.log")
+        # frame 0 alone never has results; frames 1.. of the first run came out before the kill
+        assert_like_straight(robot.frames, straight, range(max(kill_at + 1, 1), FRAMES))
+        if kill_at == 0:
+            assert_like_straight(robot.frames, straight, [0])  # the scale frames come out together
+        assert "[ERROR]" not in log
+    finally:
+        robot.client.close()
+        stop_processes(*procs)
+
+
+def received(node: InProcessNode) -> int:
+    return node.node.engine.counters.snapshot().frames_received
+
+
+def _call(client: GraphClient, srv, name: str, request, timeout: float = 60.0):
+    response = client.call(srv, name, request, timeout)
+    assert response is not None, f"no answer from {name}"
+    return response
+
+
+def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures, frames, straight, tmp_path):
+    """~/save_session at frame 6 (mid-window); a fresh node (no state directory) started with
+    load_session, and another that calls ~/load_session, each continue with frames 7.. exactly
+    as the uninterrupted run; refusals answer with the reason and change nothing."""
+    out = tmp_path / "out"
+    common = {**PARAMS, "output_directory": str(out)}
+    save_at = 6
+    a = InProcessNode("lm_save", fixture_params(fixtures, {**common, "state_directory": str(tmp_path / "sa")}),
+                      DOMAIN_ID).start()
+    robot = Robot("lm_save", "/image")
+    try:
+        robot.client.wait(lambda: robot.pub.get_subscription_count() >= 1, "the node to subscribe", START_TIMEOUT)
+        for k in range(save_at + 1):
+            robot.send(k, frames[k], lambda k=k: received(a) > k)
+        saved = _call(robot.client, SaveSession, "/lm_save/save_session", SaveSession.Request(directory="kept"))
+        assert saved.success, saved.message
+        assert Path(saved.path) == (out / "kept").resolve() and (out / "kept" / JOURNAL_NAME).is_file()
+        assert saved.bytes > 0
+        # a relative folder that leaves output_directory is refused
+        bad = _call(robot.client, SaveSession, "/lm_save/save_session", SaveSession.Request(directory="../x"))
+        assert not bad.success and "outside output_directory" in bad.message
+        # saving again into the same folder replaces it atomically
+        again = _call(robot.client, SaveSession, "/lm_save/save_session", SaveSession.Request(directory="kept"))
+        assert again.success, again.message
+    finally:
+        robot.client.close()
+        a.close()
+
+    # a node started from the saved session (the launch argument's parameter)
+    b = InProcessNode("lm_load", fixture_params(fixtures, {**common, "load_session": "kept"}), DOMAIN_ID).start()
+    robot = Robot("lm_load", "/image")
+    try:
+        assert b.node.engine.resumed is not None and b.node.engine.resumed.frames > 0
+        robot.client.wait(lambda: robot.pub.get_subscription_count() >= 1, "the node to subscribe", START_TIMEOUT)
+        for k in range(save_at + 1, FRAMES):
+            robot.send(k, frames[k], lambda k=k: k + 1 in robot.frames)
+        assert_like_straight(robot.frames, straight, range(save_at + 1, FRAMES))
+        # ~/save_session without a state directory: refused with the reason
+        off = _call(robot.client, SaveSession, "/lm_load/save_session", SaveSession.Request())
+        assert not off.success and "state_directory" in off.message
+    finally:
+        robot.client.close()
+        b.close()
+
+    # a running node told to load it: its own frames are replaced by the saved map
+    c = InProcessNode("lm_svc", fixture_params(fixtures, {**common, "state_directory": str(tmp_path / "sc")}),
+                      DOMAIN_ID).start()
+    robot = Robot("lm_svc", "/image")
+    try:
+        robot.client.wait(lambda: robot.pub.get_subscription_count() >= 1, "the node to subscribe", START_TIMEOUT)
+        for k in (11, 12, 13):  # another scene start: these frames make a map of their own
+            robot.send(k, frames[k], lambda k=k: received(c) > k - 11)
+        missing = _call(robot.client, LoadSession, "/lm_svc/load_session", LoadSession.Request(directory="nope"))
+        assert not missing.success and "no saved session" in missing.message
+        pushed = c.node.engine.session.frames_pushed
+        assert pushed == 3  # state unchanged by the refusal
+        loaded = _call(robot.client, LoadSession, "/lm_svc/load_session", LoadSession.Request(directory="kept"))
+        assert loaded.success, loaded.message
+        assert loaded.next_frame == save_at + 2 and loaded.frames_replayed > 0
+        robot.frames.clear()
+        for k in range(save_at + 1, FRAMES):
+            robot.send(k, frames[k], lambda k=k: k + 1 in robot.frames)
+        assert_like_straight(robot.frames, straight, range(save_at + 1, FRAMES))
+    finally:
+        robot.client.close()
+        c.close()
