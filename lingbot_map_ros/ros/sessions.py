@@ -36,11 +36,10 @@ def open_journals(channels: dict, sessions: dict, camera_settings: dict) -> dict
             outputs.publish_status(StatusFields(state=0, state_text=f"resuming {k} of {n}"), None)
         sessions[name], resumed[name] = open_camera_journal(sessions[name], camera_settings[name], name, progress)
         if resumed[name] is not None:
-            log = channel.log
             r = resumed[name]
-            (log.warning if r.refused or r.stop else log.info)(
-                f"journal set aside as {r.set_aside}: {r.refused}; a new journal starts" if r.refused
-                else r.describe())
+            _log(channel.log, not (r.refused or r.stop),
+                 f"journal set aside as {r.set_aside}: {r.refused}; a new journal starts" if r.refused
+                 else r.describe())
     return resumed
 
 
@@ -86,8 +85,7 @@ class SessionServices:
             response.message = f"not saved: {_reason(exc)}"
         finally:
             self._lock.release()
-        (self.node.get_logger().info if response.success else self.node.get_logger().warning)(
-            f"~/save_session: {response.message}")
+        _log(self.node.get_logger(), response.success, f"~/save_session: {response.message}")
         return response
 
     def load(self, request, response):
@@ -118,14 +116,13 @@ class SessionServices:
             response.message = f"not loaded: {_reason(exc)}"
         finally:
             self._lock.release()
-        (self.node.get_logger().info if response.success else self.node.get_logger().warning)(
-            f"~/load_session: {response.message}")
+        _log(self.node.get_logger(), response.success, f"~/load_session: {response.message}")
         return response
 
     def _check_all(self, folder) -> None:
         """Every camera's saved journal exists and fits, before any state changes."""
         if not folder.is_dir():
-            raise SessionError(f"{folder} is not a folder")
+            raise SessionError(f"no saved session at {folder} (no such folder)")
         for name, channel in self.node.channels.items():
             journal = channel.engine.journal
             if journal is None:
@@ -164,6 +161,14 @@ def journal_diag(label: str, engine) -> DiagnosticStatus | None:
         if resumed.refused and level == DiagnosticStatus.OK:
             level, message = DiagnosticStatus.WARN, f"{message}; a journal found at start was set aside"
     return diag(f"{label}: journal", level, message, values)
+
+
+def _log(logger, ok: bool, text: str) -> None:
+    """INFO when ``ok``, else WARN (rclpy refuses two severities from one call site)."""
+    if ok:
+        logger.info(text)
+    else:
+        logger.warning(text)
 
 
 def _reason(exc: BaseException) -> str:

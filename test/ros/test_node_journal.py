@@ -96,8 +96,20 @@ class Robot:
     def __init__(self, name: str, topic: str) -> None:
         self.client = GraphClient(f"{name}_robot", DOMAIN_ID, STEP_TIMEOUT)
         self.frames: dict[int, FrameInfo] = {}
-        self.client.subscribe(FrameInfo, f"/{name}/frame", self._on_frame, depth=50)
+        self.frame_topic = f"/{name}/frame"
+        self.client.subscribe(FrameInfo, self.frame_topic, self._on_frame, depth=50)
         self.pub = self.client.node.create_publisher(Image, topic, QoSProfile(depth=10))
+
+    def ready(self, node: InProcessNode | None = None) -> None:
+        """Wait until the node takes images and its ~/frame reaches us (a process: until it
+        publishes ~/frame; the node publishes it only to matched subscribers)."""
+        self.client.wait(lambda: self.pub.get_subscription_count() >= 1, "the node to subscribe", START_TIMEOUT)
+        if node is not None:
+            frame_info = node.node.outputs.frame_info
+            self.client.wait(lambda: frame_info.get_subscription_count() >= 1, "~/frame to match", START_TIMEOUT)
+        else:
+            self.client.wait(lambda: self.client.node.count_publishers(self.frame_topic) >= 1, "~/frame",
+                             START_TIMEOUT)
 
     def _on_frame(self, msg: FrameInfo) -> None:
         self.frames[msg.frame_index] = msg
@@ -130,7 +142,7 @@ def test_kill_9_then_restart_resumes_the_map(fixtures, frames, straight, tmp_pat
         first = start_node(name, params, tmp_path / "first.log", DOMAIN_ID, {"image": topic})
         procs.append(first)
         robot.client.watch(first, tmp_path / "first.log")
-        robot.client.wait(lambda: robot.pub.get_subscription_count() >= 1, "the node to subscribe", START_TIMEOUT)
+        robot.ready()
         journal = state / JOURNAL_NAME
         for k in range(kill_at + 1):
             robot.send(k, frames[k], lambda k=k: journaled_through(journal) >= k)
@@ -143,8 +155,7 @@ def test_kill_9_then_restart_resumes_the_map(fixtures, frames, straight, tmp_pat
         second = start_node(name, params, tmp_path / "second.log", DOMAIN_ID, {"image": topic})
         procs.append(second)
         robot.client.watch(second, tmp_path / "second.log")
-        robot.client.wait(lambda: robot.pub.get_subscription_count() >= 1, "the node to subscribe again",
-                          START_TIMEOUT)
+        robot.ready()
         for k in range(kill_at + 1, FRAMES):
             robot.send(k, frames[k], lambda k=k: k + 1 in robot.frames)
         log = (tmp_path / "second.log").read_text()
@@ -163,10 +174,22 @@ def received(node: InProcessNode) -> int:
     return node.node.engine.counters.snapshot().frames_received
 
 
+_CLIENTS: dict = {}
+
+
 def _call(client: GraphClient, srv, name: str, request, timeout: float = 60.0):
-    response = client.call(srv, name, request, timeout)
-    assert response is not None, f"no answer from {name}"
-    return response
+    """One long-lived service client per (test node, service): a client made again for every call
+    may send before the server's reader has matched it, and that request is lost."""
+    key = (id(client), name)
+    if key not in _CLIENTS:
+        _CLIENTS[key] = client.node.create_client(srv, name)
+        assert _CLIENTS[key].wait_for_service(timeout_sec=START_TIMEOUT), f"service {name} not available"
+    future = _CLIENTS[key].call_async(request)
+    deadline = time.monotonic() + timeout
+    while not future.done() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert future.done(), f"{name} did not answer within {timeout} s"
+    return future.result()
 
 
 def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures, frames, straight, tmp_path):
@@ -180,9 +203,9 @@ def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures,
                       DOMAIN_ID).start()
     robot = Robot("lm_save", "/image")
     try:
-        robot.client.wait(lambda: robot.pub.get_subscription_count() >= 1, "the node to subscribe", START_TIMEOUT)
+        robot.ready(a)
         for k in range(save_at + 1):
-            robot.send(k, frames[k], lambda k=k: received(a) > k)
+            robot.send(k, frames[k], lambda k=k: received(a) > k if k == 0 else k + 1 in robot.frames)
         saved = _call(robot.client, SaveSession, "/lm_save/save_session", SaveSession.Request(directory="kept"))
         assert saved.success, saved.message
         assert Path(saved.path) == (out / "kept").resolve() and (out / "kept" / JOURNAL_NAME).is_file()
@@ -202,7 +225,7 @@ def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures,
     robot = Robot("lm_load", "/image")
     try:
         assert b.node.engine.resumed is not None and b.node.engine.resumed.frames > 0
-        robot.client.wait(lambda: robot.pub.get_subscription_count() >= 1, "the node to subscribe", START_TIMEOUT)
+        robot.ready(b)
         for k in range(save_at + 1, FRAMES):
             robot.send(k, frames[k], lambda k=k: k + 1 in robot.frames)
         assert_like_straight(robot.frames, straight, range(save_at + 1, FRAMES))
@@ -218,13 +241,14 @@ def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures,
                       DOMAIN_ID).start()
     robot = Robot("lm_svc", "/image")
     try:
-        robot.client.wait(lambda: robot.pub.get_subscription_count() >= 1, "the node to subscribe", START_TIMEOUT)
+        robot.ready(c)
         for k in (11, 12, 13):  # another scene start: these frames make a map of their own
             robot.send(k, frames[k], lambda k=k: received(c) > k - 11)
+        robot.client.wait(lambda: c.node.engine.counters.snapshot().frames_processed == 3, "3 frames processed")
+        pushed = c.node.engine.session.frames_pushed
         missing = _call(robot.client, LoadSession, "/lm_svc/load_session", LoadSession.Request(directory="nope"))
         assert not missing.success and "no saved session" in missing.message
-        pushed = c.node.engine.session.frames_pushed
-        assert pushed == 3  # state unchanged by the refusal
+        assert c.node.engine.session.frames_pushed == pushed and pushed > 0  # state unchanged by the refusal
         loaded = _call(robot.client, LoadSession, "/lm_svc/load_session", LoadSession.Request(directory="kept"))
         assert loaded.success, loaded.message
         assert loaded.next_frame == save_at + 2 and loaded.frames_replayed > 0
