@@ -11,8 +11,8 @@ Not a test module (pytest collects ``test_*.py`` only); the test modules import 
 - parameters: ``fixture_params`` / ``write_node_params`` (the tiny fixture model's paths added);
 - inputs: ``generated_frames`` and ``image_msg``;
 - ``GraphClient``: a test node in its own context that records messages and waits on a
-  condition with a real timeout; ``InProcessNode``: the node itself in this process, spun as
-  ``node.main`` spins it;
+  condition with a real timeout (``publish_until``: a first message, sent until it arrived);
+  ``InProcessNode``: the node itself in this process, spun as ``node.main`` spins it;
 - expectations: ``replay_session`` (the node's model, fed in this process), ``pose_matrix``.
 """
 from __future__ import annotations
@@ -44,6 +44,7 @@ from std_msgs.msg import Header
 MAX_DOMAIN_ID = 232  # Fast DDS: the ports of higher domain ids pass 65535
 NODE_MODULE = "lingbot_map_ros.ros.node"
 LOG_TAIL = 2000  # characters of a node's log quoted in a failure message
+REPUBLISH_PERIOD = 1.5  # s between the copies of a first message (GraphClient.publish_until)
 
 _claimed: dict[str, int] = {}  # owner -> the domain id it holds in this process
 _lock_files: list = []  # open lock files, one per claimed id: held until the process ends
@@ -236,13 +237,19 @@ class GraphClient:
         """From now on every ``wait`` fails when ``proc`` has ended, and quotes ``log`` on a timeout."""
         self._watched.append((proc, log))
 
-    def wait(self, predicate: Callable[[], Any], what: str = "a condition", timeout: float | None = None):
+    def wait(self, predicate: Callable[[], Any], what: str = "a condition", timeout: float | None = None,
+             repeat: Callable[[], None] | None = None, period: float = REPUBLISH_PERIOD):
         """The first truthy value of ``predicate()`` (called under ``cond``), checked at every
-        notification and at least every 0.1 s; AssertionError naming ``what`` after ``timeout`` s."""
+        notification and at least every 0.1 s; AssertionError naming ``what`` after ``timeout`` s.
+        ``repeat``, when given, is called first and again every ``period`` s until it holds."""
         timeout = self.timeout if timeout is None else timeout
         deadline = time.monotonic() + timeout
+        next_repeat = time.monotonic()
         with self.cond:
             while True:
+                if repeat is not None and time.monotonic() >= next_repeat:
+                    repeat()
+                    next_repeat = time.monotonic() + period
                 value = predicate()
                 if value:
                     return value
@@ -253,6 +260,19 @@ class GraphClient:
                     logs = "".join(f"\n{log.name}:\n{log_tail(log)}" for _, log in self._watched)
                     raise AssertionError(f"timed out after {timeout} s waiting for {what}{logs}")
                 self.cond.wait(min(remaining, 0.1))
+
+    def publish_until(self, publisher, msg, predicate: Callable[[], Any], what: str,
+                      timeout: float | None = None, period: float = REPUBLISH_PERIOD):
+        """Publish ``msg`` and again every ``period`` s until ``predicate()`` holds (``wait``'s
+        value, its timeout and its failure).
+
+        For a writer's first message to a node: ``publisher.get_subscription_count() >= 1`` says
+        only that the writer has matched the node's reader; until the reader has matched the writer
+        too (DDS discovery runs on each side), a sample is lost, reliable QoS or not. Once one
+        sample arrived, the later ones of the same writer do (reliable, in order). A second copy of
+        the message can arrive too: the node drops a repeated stamp (a warning, a status and
+        ``frames_dropped_stamp``), so use this where that does not change what the test asserts."""
+        return self.wait(predicate, what, timeout, repeat=lambda: publisher.publish(msg), period=period)
 
     def call_async(self, srv_type: type, name: str, request) -> Future:
         """Call service ``name`` once it is there (``timeout`` s at most); the future of its answer."""

@@ -116,8 +116,12 @@ class Robot(GraphClient):
         while node.node.outputs.tf.camera_pose(stamp_of(k), CAMERA) is None:
             assert time.monotonic() < deadline, f"odometry of frame {k} never reached the node's TF buffer"
             time.sleep(0.02)
-        self.images.publish(image_msg(rgb, stamp_of(k), CAMERA))
-        self.wait(lambda: self.statuses(k), f"a status of frame {k}")
+        msg = image_msg(rgb, stamp_of(k), CAMERA)
+        if k == 0:  # the first image until it arrived (a copy is a repeated stamp: dropped, one more status)
+            self.publish_until(self.images, msg, lambda: self.statuses(k), f"a status of frame {k}")
+        else:
+            self.images.publish(msg)
+            self.wait(lambda: self.statuses(k), f"a status of frame {k}")
 
 
 def last_state(robot: Robot, k: int) -> str:

@@ -43,7 +43,16 @@ START_TIMEOUT = 90.0
 STEP_TIMEOUT = 30.0
 CLI_TIMEOUT = 30.0
 DOMAIN_ID = 1 + (os.getpid() * 7 + 13 + 66) % 100  # not test_node_graph's (+0) nor test_tf_graph's (+33)
-CLI = ["--no-daemon", "--spin-time", "3"]  # no daemon outliving the test; 3 s to discover the node
+NODE_WAIT = 10  # s: `ros2 param get|describe|set --timeout` (they wait for the node that long, no longer)
+LIST_SPIN = 2.0  # s: `ros2 param list` has no --timeout: it looks for the node after spinning this long
+
+
+def cli_options(verb: str) -> list[str]:
+    """The options of ``ros2 param <verb>``: no daemon (none outliving the test); the verbs with a
+    --timeout wait for the node to be discovered and spin the least (0.5 s: each spins twice)."""
+    if verb == "list":
+        return ["--no-daemon", "--spin-time", str(LIST_SPIN)]
+    return ["--no-daemon", "--spin-time", "0.5", "--timeout", str(NODE_WAIT)]
 
 
 def ros_env() -> dict[str, str]:
@@ -83,7 +92,7 @@ def ros2(*args: str) -> subprocess.Popen:
 
 def param_verbs(commands: dict[str, tuple[str, ...]], attempts: int = 3) -> dict[str, str]:
     """Run ``ros2 param <args>`` for every entry at once; the output by key. A command that
-    answers "Node not found" (discovery slower than --spin-time on a loaded machine) or does
+    answers "Node not found" (discovery slower than its wait on a loaded machine) or does
     not finish within CLI_TIMEOUT is run again, at most ``attempts`` times in all. (The CLI
     waits for a service response without a time limit; a request sent before DDS matched the
     server's reply writer to the CLI's reader is answered into the void, and the CLI hangs.
@@ -92,7 +101,7 @@ def param_verbs(commands: dict[str, tuple[str, ...]], attempts: int = 3) -> dict
     hung: dict[str, str] = {}
     pending = dict(commands)
     for _ in range(attempts):
-        procs = {key: ros2("param", *args, *CLI) for key, args in pending.items()}
+        procs = {key: ros2("param", *args, *cli_options(args[0])) for key, args in pending.items()}
         for key, proc in procs.items():
             try:
                 out, _ = proc.communicate(timeout=CLI_TIMEOUT)

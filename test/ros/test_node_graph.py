@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -68,6 +69,16 @@ def real_frames(n: int) -> list[np.ndarray]:
     if not folder.is_dir():
         pytest.skip(f"real frames not found at {folder}")
     return [np.asarray(PILImage.open(p).convert("RGB")) for p in sorted(folder.glob("*.jpg"))[:n]]
+
+
+def empty_image(stamp) -> Image:
+    """A zero-size rgb8 Image: the node drops it as invalid."""
+    return Image(header=Header(stamp=stamp, frame_id=CAMERA_FRAME), height=0, width=0, encoding="rgb8", step=0)
+
+
+def empty_compressed(stamp) -> CompressedImage:
+    """A CompressedImage without data: the node drops it as invalid."""
+    return CompressedImage(header=Header(stamp=stamp, frame_id=CAMERA_FRAME), format="jpeg")
 
 
 def jpeg_bytes(rgb: np.ndarray) -> bytes:
@@ -138,6 +149,30 @@ class GraphClient:
                 if remaining <= 0:
                     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
                 self._cond.wait(min(remaining, 0.1))
+
+
+PRIME_PERIOD = 1.5  # s between the copies of a priming message
+
+
+def prime_input(client: GraphClient, publisher, msg, received: Callable[[], bool], what: str,
+                timeout: float = START_TIMEOUT) -> None:
+    """Publish ``msg`` and again every PRIME_PERIOD s until ``received()`` holds (``timeout`` s at most).
+
+    ``publisher.get_subscription_count() >= 1`` says only that the writer has matched the node's
+    reader; until the reader has matched the writer too (DDS discovery runs on each side), a sample
+    is lost, reliable QoS or not, and a test waiting for its answer waits in vain. Once one arrived,
+    the later samples of the same writer do (reliable, in order). Prime with a message the node
+    drops as invalid: it counts in frames_received and frames_dropped_invalid only (the tests take
+    those relative to a status, or after ~/reset), so a second copy changes nothing they assert."""
+    deadline = time.monotonic() + timeout
+    while True:
+        publisher.publish(msg)
+        try:
+            client.wait(received, min(PRIME_PERIOD, max(0.0, deadline - time.monotonic())), what)
+            return
+        except AssertionError:
+            if time.monotonic() >= deadline:
+                raise
 
 
 class Client(GraphClient):
@@ -257,6 +292,10 @@ def graph(tmp_path_factory, fixtures):
             time.sleep(0.1)
         assert client.pub_reliable.get_subscription_count() >= 1, "node did not subscribe in time"
         assert client.pub_compressed.get_subscription_count() >= 1, "compressed node did not subscribe in time"
+        for node, publisher, msg in ((A, client.pub_reliable, empty_image(client.next_stamp())),
+                                     (C, client.pub_compressed, empty_compressed(client.next_stamp()))):
+            prime_input(client, publisher, msg, lambda node=node: (s := client.latest(f"{node}/status")) is not None
+                        and s.frames_received >= 1, f"{node} to receive its first (invalid) input")
         yield client, procs, tmp
     finally:
         client.close()

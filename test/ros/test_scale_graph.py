@@ -104,8 +104,12 @@ def graph(tmp_path_factory, fixtures):
             dynamic.sendTransform(transform_stamped(T_odom_base, Header(stamp=stamp_of(k), frame_id="odom_s"),
                                                     "base_s"))
             time.sleep(0.1)  # odometry runs ahead of the camera
-            images_pub.publish(image_msg(rgb, stamp_of(k), "unused"))
-            if k >= 1:  # the two scale frames come out together with the second image
+            if k == 0:  # the first image until it arrived (a copy is a repeated stamp: dropped)
+                client.publish_until(images_pub, image_msg(rgb, stamp_of(k), "unused"),
+                                     lambda: any(s.header.stamp == stamp_of(0) for s in got["status"]),
+                                     "the first image's status")
+            else:  # the two scale frames come out together with the second image
+                images_pub.publish(image_msg(rgb, stamp_of(k), "unused"))
                 client.wait(lambda: stamp_of(k).sec in got["pose"], f"the pose of frame {k}")
         time.sleep(0.3)
         yield got, model_poses, log
