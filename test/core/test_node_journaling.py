@@ -1,0 +1,256 @@
+"""The keyframe journal as the node uses it, without ROS (runtime/journaling.py and the
+engine's side of it): what start-up does with a state directory, saved session folders,
+the engine's ~/load_session command and its refusals (tiny fixture weights, CPU)."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from lingbot_map_ros.config import ConfigError
+from lingbot_map_ros.geometry import optical_pose_to_map
+from lingbot_map_ros.journal import JOURNAL_NAME, JournaledSession
+from lingbot_map_ros.runtime.engine import InferenceEngine
+from lingbot_map_ros.runtime.frames import InputFrame
+from lingbot_map_ros.runtime.journaling import (COUNTERS_STATE, SessionError, open_camera_journal, save_sessions,
+                                                session_folder)
+from lingbot_map_ros.runtime.params import resolve_settings
+from lingbot_map_ros.runtime.scheduler import CameraScheduler
+from lingbot_map_ros.stream.long_stream import LongStreamSession
+from lingbot_map_ros.stream.session import StreamingSession
+
+from engine_fakes import Log, Sink
+
+WIDTH = 98
+BASE = {"image_width": WIDTH, "num_scale_frames": 2, "sliding_window": 3, "keyframe_interval": 2,
+        "window_frames": 5, "device": "cpu", "conf_threshold": 0.0, "accumulate_map": False}
+
+
+def rgb_frames(n: int, seed: int = 5) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    big = np.kron(rng.integers(0, 256, (40, 120, 3)).astype(np.float32), np.ones((8, 8, 1)))
+    return [big[10 + i: 304 + i, 20 + 7 * i: 538 + 7 * i].astype(np.uint8) for i in range(n)]
+
+
+FRAMES = rgb_frames(12)
+
+
+def settings_of(tmp_path: Path, **kw):
+    return resolve_settings({**BASE, "output_directory": str(tmp_path / "out"), **kw})
+
+
+def session_of(model, settings):
+    return LongStreamSession(StreamingSession(model, settings.stream), settings.long_stream)
+
+
+def engine_of(model, settings, session=None):
+    """An engine driven by a real scheduler thread, recording what it publishes."""
+    session = session if session is not None else session_of(model, settings)
+    sink, log = Sink(wants=()), Log()
+    engine = InferenceEngine(session, settings, sink, log, now=lambda: 1000.0)
+    scheduler = CameraScheduler({"": engine})
+    scheduler.start()
+    return engine, scheduler, sink
+
+
+def feed(engine: InferenceEngine, sink: Sink, ks) -> None:
+    """Each frame, then wait for its results (the first frame of a sequence: until it is collected)."""
+    for k in ks:
+        first = engine.session.frames_pushed == 0 and not engine._collected
+        before = engine.counters.snapshot().frames_processed
+        engine.submit_frame(InputFrame(rgb=FRAMES[k], stamp=1000 + k, stamp_s=1000.0 + k, camera_frame="cam"))
+        deadline = time.monotonic() + 60
+        while not (engine._collected if first else engine.counters.snapshot().frames_processed > before):
+            assert time.monotonic() < deadline, f"frame {k} was not taken"
+            time.sleep(0.005)
+
+
+def poses(sink: Sink) -> dict[int, np.ndarray]:
+    return {o.frame_index: o.T_map_cam for o in sink.frames}
+
+
+@pytest.fixture(scope="module")
+def straight(tiny_model, tmp_path_factory):
+    """{1-based index: T_map_cam} of one uninterrupted engine run over FRAMES."""
+    settings = settings_of(tmp_path_factory.mktemp("straight"))
+    session = session_of(tiny_model, settings)
+    out = {}
+    from lingbot_map_ros.io.preprocess import model_input
+
+    for rgb in FRAMES:
+        for r in session.push(model_input(rgb, WIDTH)):
+            out[r.frame_index + 1] = optical_pose_to_map(r.c2w)
+    assert session.window_index >= 1  # the frames reach a window restart
+    return out
+
+
+def test_state_directory_and_camera_batching_are_refused_together():
+    with pytest.raises(ConfigError, match="camera_batching"):
+        resolve_settings({**BASE, "cameras": ["a", "b"], "camera_batching": True, "state_directory": "/tmp/x"})
+    resolve_settings({**BASE, "cameras": ["a", "b"], "camera_batching": True})  # each alone is fine
+    resolve_settings({**BASE, "cameras": ["a", "b"], "state_directory": "/tmp/x"})
+
+
+def test_without_state_directory_the_session_is_not_wrapped(tiny_model, tmp_path):
+    settings = settings_of(tmp_path)
+    session = session_of(tiny_model, settings)
+    same, resumed = open_camera_journal(session, settings, "")
+    assert same is session and resumed is None
+
+
+def test_engine_journals_resumes_with_progress_and_restores_counters(tiny_model, tmp_path, straight):
+    """A journaled engine run stopped at frame 7 (no clean close: what the writer wrote is what
+    there is); a new engine on the same state directory resumes, says "resuming k of n" while it
+    replays, takes the journaled counters, and continues exactly as the uninterrupted run."""
+    settings = settings_of(tmp_path, state_directory=str(tmp_path / "state"))
+    wrapped, resumed = open_camera_journal(session_of(tiny_model, settings), settings, "")
+    assert isinstance(wrapped, JournaledSession) and resumed is None
+    engine, scheduler, sink = engine_of(tiny_model, settings, wrapped)
+    try:
+        feed(engine, sink, range(7))
+        engine.heartbeat().wait(10)  # the counters are journaled with the heartbeat
+        assert wrapped.writer.flush(10)
+    finally:
+        scheduler.stop()
+    first = poses(sink)
+    for i in range(1, 8):
+        np.testing.assert_allclose(first[i], straight[i], atol=1e-5)
+
+    progress = []
+    wrapped2, resumed2 = open_camera_journal(session_of(tiny_model, settings), settings, "",
+                                             progress=lambda k, n: progress.append((k, n)))
+    assert resumed2 is not None and resumed2.source == "journal" and resumed2.next_frame == 7
+    assert progress and progress[-1][0] == progress[-1][1] == resumed2.frames
+    assert resumed2.states[COUNTERS_STATE]["frames_processed"] == 7
+    engine2, scheduler2, sink2 = engine_of(tiny_model, settings, wrapped2)
+    try:
+        engine2.resumed_from(resumed2)
+        assert "resumed the journal" in engine2.state_text and "next frame is 8" in engine2.state_text
+        assert engine2.counters.snapshot().frames_processed == 7
+        feed(engine2, sink2, range(7, 12))
+        # ~/load_session while running: back to the journal's state (the run's own frames are replaced)
+        saved = tmp_path / "out" / "s1"
+        save_sessions({"": wrapped2}, saved)
+        loaded = engine2.submit("load", lambda: engine2.load_session(saved))
+        assert loaded.wait(30) and loaded.error is None, loaded.error
+        texts = [st.state_text for st, _ in sink2.statuses]
+        assert any("loading the session: resuming" in t for t in texts)
+        assert engine2.resumed.next_frame == 12
+    finally:
+        scheduler2.stop()
+        wrapped2.writer.close()
+    got = poses(sink2)
+    for i in range(8, 13):
+        np.testing.assert_allclose(got[i], straight[i], atol=1e-4, err_msg=f"frame {i}")
+
+
+def test_a_journal_of_another_width_is_set_aside_and_a_new_one_starts(tiny_model, tmp_path):
+    state = tmp_path / "state"
+    settings = settings_of(tmp_path, state_directory=str(state))
+    wrapped, _ = open_camera_journal(session_of(tiny_model, settings), settings, "")
+    engine, scheduler, sink = engine_of(tiny_model, settings, wrapped)
+    try:
+        feed(engine, sink, range(3))
+    finally:
+        scheduler.stop()
+        wrapped.writer.close()
+    other = settings_of(tmp_path, state_directory=str(state), image_width=112)
+    wrapped2, resumed = open_camera_journal(session_of(tiny_model, other), other, "")
+    try:
+        assert resumed is not None and resumed.frames == 0 and "image_width" in resumed.refused
+        aside = Path(resumed.set_aside)
+        assert aside.exists() and aside.name.startswith("journal.refused-")
+        assert wrapped2.frames_pushed == 0
+    finally:
+        wrapped2.writer.close()
+
+
+def test_load_session_at_start_sets_the_state_directory_journal_aside(tiny_model, tmp_path):
+    state = tmp_path / "state"
+    settings = settings_of(tmp_path, state_directory=str(state))
+    wrapped, _ = open_camera_journal(session_of(tiny_model, settings), settings, "")
+    engine, scheduler, sink = engine_of(tiny_model, settings, wrapped)
+    try:
+        feed(engine, sink, range(4))
+        save_sessions({"": wrapped}, tmp_path / "out" / "kept")
+    finally:
+        scheduler.stop()
+        wrapped.writer.close()
+    with_load = settings_of(tmp_path, state_directory=str(state), load_session="kept")
+    wrapped2, resumed = open_camera_journal(session_of(tiny_model, with_load), with_load, "")
+    try:
+        assert resumed.source == "session" and resumed.next_frame == 4
+        assert [p.name for p in state.glob("journal.replaced-*.lbj")]  # the old journal kept, not resumed
+    finally:
+        wrapped2.writer.close()
+    # a load_session that is not there: the node must not start in another map than asked
+    missing = settings_of(tmp_path, load_session="nowhere")
+    with pytest.raises(SessionError, match="no saved session"):
+        open_camera_journal(session_of(tiny_model, missing), missing, "")
+
+
+def test_load_session_refusals_leave_the_state_alone(tiny_model, tmp_path):
+    settings = settings_of(tmp_path)
+    engine, scheduler, sink = engine_of(tiny_model, settings)  # no journal: sessions are off
+    try:
+        feed(engine, sink, range(3))
+        refused = engine.submit("load", lambda: engine.load_session(tmp_path))
+        assert refused.wait(10) and isinstance(refused.error, SessionError)
+        assert "state_directory" in str(refused.error)
+        assert engine.session.frames_pushed == 3
+    finally:
+        scheduler.stop()
+    with_dir = settings_of(tmp_path, state_directory=str(tmp_path / "s"))
+    wrapped, _ = open_camera_journal(session_of(tiny_model, with_dir), with_dir, "")
+    engine, scheduler, sink = engine_of(tiny_model, with_dir, wrapped)
+    try:
+        feed(engine, sink, range(3))
+        (tmp_path / "empty").mkdir()
+        refused = engine.submit("load", lambda: engine.load_session(tmp_path / "empty"))
+        assert refused.wait(10) and isinstance(refused.error, SessionError)
+        junk = tmp_path / "junk"
+        junk.mkdir()
+        (junk / JOURNAL_NAME).write_bytes(b"not a journal at all")
+        refused = engine.submit("load", lambda: engine.load_session(junk))
+        assert refused.wait(10) and isinstance(refused.error, SessionError)
+        assert engine.session.frames_pushed == 3 and engine.resumed is None
+    finally:
+        scheduler.stop()
+        wrapped.writer.close()
+
+
+def test_saved_session_folders_are_replaced_whole_and_refuse_what_is_not_theirs(tiny_model, tmp_path):
+    settings = settings_of(tmp_path, state_directory=str(tmp_path / "s"))
+    wrapped, _ = open_camera_journal(session_of(tiny_model, settings), settings, "")
+    off = JournaledSession(session_of(tiny_model, settings), None, wrapped.identity, begin=False)
+    try:
+        with pytest.raises(SessionError, match="journaling is off"):
+            save_sessions({"": off}, tmp_path / "x")
+        dest = tmp_path / "out" / "a"
+        first = save_sessions({"": wrapped}, dest)
+        assert first > 0 and (dest / JOURNAL_NAME).is_file()
+        assert save_sessions({"": wrapped}, dest) == first  # replaced, same content
+        assert sorted(p.name for p in dest.parent.iterdir()) == ["a"]  # no temporary left
+        other = tmp_path / "out" / "other"
+        other.mkdir()
+        (other / "notes.txt").write_text("mine")
+        with pytest.raises(SessionError, match="other files"):
+            save_sessions({"": wrapped}, other)
+        assert (other / "notes.txt").read_text() == "mine"
+        # several cameras: one folder each inside the session
+        both = save_sessions({"front": wrapped, "rear": wrapped}, tmp_path / "out" / "two")
+        assert both == 2 * first and (tmp_path / "out" / "two" / "rear" / JOURNAL_NAME).is_file()
+        if os.geteuid() != 0:  # root writes anywhere: the read-only case needs another user
+            ro = tmp_path / "ro"
+            ro.mkdir()
+            ro.chmod(0o500)
+            with pytest.raises(OSError):
+                save_sessions({"": wrapped}, ro / "s")
+        with pytest.raises(SessionError, match="outside output_directory"):
+            session_folder("../../elsewhere", str(tmp_path / "out"))
+        assert session_folder("", str(tmp_path / "out")).name.startswith("session-")
+    finally:
+        wrapped.writer.close()
