@@ -26,7 +26,7 @@ from graph_helpers import (GraphClient, InProcessNode, fixture_params, generated
                            write_node_params)
 from lingbot_map_ros.journal import JOURNAL_NAME  # noqa: E402
 from lingbot_map_ros.journal.format import iter_records, scan  # noqa: E402
-from lingbot_map_ros.msg import FrameInfo  # noqa: E402
+from lingbot_map_ros.msg import FrameInfo, Status  # noqa: E402
 from lingbot_map_ros.srv import LoadSession, SaveSession  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
@@ -93,23 +93,25 @@ def journaled_through(path: Path) -> int:
 class Robot:
     """Publishes the frames on the node's image topic and records its ~/frame by index."""
 
-    def __init__(self, name: str, topic: str) -> None:
-        self.client = GraphClient(f"{name}_robot", DOMAIN_ID, STEP_TIMEOUT)
+    def __init__(self, name: str, topic: str, camera: str = "") -> None:
+        self.client = GraphClient(f"{name}_{camera}_robot", DOMAIN_ID, STEP_TIMEOUT)
         self.frames: dict[int, FrameInfo] = {}
-        self.frame_topic = f"/{name}/frame"
+        self.frame_topic = f"/{name}/{camera}/frame" if camera else f"/{name}/frame"
         self.client.subscribe(FrameInfo, self.frame_topic, self._on_frame, depth=50)
+        self.statuses = self.client.record(Status, self.frame_topic[:-len("frame")] + "status", "status", depth=50)
         self.pub = self.client.node.create_publisher(Image, topic, QoSProfile(depth=10))
 
-    def ready(self, node: InProcessNode | None = None) -> None:
+    def ready(self, node: InProcessNode | None = None, camera: str = "") -> None:
         """Wait until the node takes images and its ~/frame reaches us (a process: until it
         publishes ~/frame; the node publishes it only to matched subscribers)."""
         self.client.wait(lambda: self.pub.get_subscription_count() >= 1, "the node to subscribe", START_TIMEOUT)
         if node is not None:
-            frame_info = node.node.outputs.frame_info
+            frame_info = node.node.channels[camera].outputs.frame_info
             self.client.wait(lambda: frame_info.get_subscription_count() >= 1, "~/frame to match", START_TIMEOUT)
-        else:
-            self.client.wait(lambda: self.client.node.count_publishers(self.frame_topic) >= 1, "~/frame",
-                             START_TIMEOUT)
+        else:  # a status heartbeat (1 Hz) from the node: its publishers have matched ours
+            self.statuses.clear()
+            self.client.wait(lambda: self.client.node.count_publishers(self.frame_topic) >= 1 and self.statuses,
+                             "~/frame and a ~/status from the node", START_TIMEOUT)
 
     def _on_frame(self, msg: FrameInfo) -> None:
         self.frames[msg.frame_index] = msg
@@ -127,47 +129,77 @@ class Robot:
                     raise
 
 
-@pytest.mark.parametrize("kill_at", [0, 4, 9], ids=["scale-phase", "mid-window", "after-restart"])
-def test_kill_9_then_restart_resumes_the_map(fixtures, frames, straight, tmp_path, kill_at):
-    """The node is killed with SIGKILL once frame ``kill_at`` is in its journal; a new process
-    with the same state_directory resumes, and frames kill_at+1.. come out as in one run."""
-    name = f"lm_journal_{kill_at}"
-    topic = f"/journal_{kill_at}/image"
-    state = tmp_path / "state"
-    params = write_node_params(tmp_path / "p.yaml", fixtures, {**PARAMS, "state_directory": str(state),
-                                                              "output_directory": str(tmp_path / "out")})
+# name -> (the frame after which the node is killed, extra parameters); run side by side
+KILLS = {"scale-phase": (0, {}), "mid-window": (4, {}), "after-restart": (9, {}),
+         "held-decision": (6, {"keyframe_decision_timeout": 1.0})}
+
+
+def _kill_and_resume(case: str, fixtures, frames, tmp: Path) -> dict:
+    """One node process fed frames 0..k, killed with SIGKILL once frame k is in its journal (with a
+    decision timeout: while the next frame is held for frame k's decision), then a new process on
+    the same state_directory fed frames k+1..; what each run published and the second one's log."""
+    kill_at, extra = KILLS[case]
+    name, topic = f"lm_kill_{case.replace('-', '_')}", f"/kill_{case.replace('-', '_')}/image"
+    state = tmp / "state"
+    params = write_node_params(tmp / "p.yaml", fixtures, {**PARAMS, **extra, "state_directory": str(state),
+                                                         "output_directory": str(tmp / "out")})
     robot = Robot(name, topic)
     procs = []
     try:
-        first = start_node(name, params, tmp_path / "first.log", DOMAIN_ID, {"image": topic})
+        first = start_node(name, params, tmp / "first.log", DOMAIN_ID, {"image": topic})
         procs.append(first)
-        robot.client.watch(first, tmp_path / "first.log")
+        robot.client.watch(first, tmp / "first.log")
         robot.ready()
         journal = state / JOURNAL_NAME
         for k in range(kill_at + 1):
-            robot.send(k, frames[k], lambda k=k: journaled_through(journal) >= k)
+            robot.send(k, frames[k], lambda k=k: journaled_through(journal) >= k and (k == 0 or k + 1 in robot.frames))
         os.kill(first.pid, signal.SIGKILL)
         first.wait(10)
         robot.client._watched.clear()
-        assert_like_straight(robot.frames, straight, [i for i in range(kill_at + 1) if i >= 1])
+        before = dict(robot.frames)
         robot.frames.clear()
-
-        second = start_node(name, params, tmp_path / "second.log", DOMAIN_ID, {"image": topic})
+        second = start_node(name, params, tmp / "second.log", DOMAIN_ID, {"image": topic})
         procs.append(second)
-        robot.client.watch(second, tmp_path / "second.log")
+        robot.client.watch(second, tmp / "second.log")
+        # the killed process's endpoints linger in discovery until their lease ends: wait for the new one
+        robot.client.wait(lambda: "ready: listening" in (tmp / "second.log").read_text(), "the new node",
+                          START_TIMEOUT)
         robot.ready()
         for k in range(kill_at + 1, FRAMES):
             robot.send(k, frames[k], lambda k=k: k + 1 in robot.frames)
-        log = (tmp_path / "second.log").read_text()
-        assert "resumed the journal" in log, log_tail(tmp_path / "second.log")
-        # frame 0 alone never has results; frames 1.. of the first run came out before the kill
-        assert_like_straight(robot.frames, straight, range(max(kill_at + 1, 1), FRAMES))
-        if kill_at == 0:
-            assert_like_straight(robot.frames, straight, [0])  # the scale frames come out together
-        assert "[ERROR]" not in log
+        return {"before": before, "after": dict(robot.frames), "log": (tmp / "second.log").read_text()}
     finally:
         robot.client.close()
         stop_processes(*procs)
+
+
+@pytest.fixture(scope="module")
+def kills(fixtures, frames, tmp_path_factory):
+    """Every case of KILLS, run in parallel threads (each its own processes, topic and folder)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(KILLS)) as pool:
+        futures = {case: pool.submit(_kill_and_resume, case, fixtures, frames, tmp_path_factory.mktemp(case))
+                   for case in KILLS}
+        return {case: f.result() for case, f in futures.items()}
+
+
+@pytest.mark.parametrize("case", list(KILLS))
+def test_kill_9_then_restart_resumes_the_map(kills, straight, case):
+    """The node is killed with SIGKILL once frame k is in its journal; a new process with the same
+    state_directory resumes, and frames k+1.. come out as in one uninterrupted run."""
+    kill_at, extra = KILLS[case]
+    run = kills[case]
+    assert "resumed the journal" in run["log"], run["log"][-3000:]
+    assert "[ERROR]" not in run["log"]
+    # frame 0 alone has no results; frames 1..k came out before the kill
+    assert_like_straight(run["before"], straight, [i for i in range(kill_at + 1) if i >= 1])
+    assert_like_straight(run["after"], straight, range(max(kill_at + 1, 1), FRAMES))
+    if kill_at == 0:
+        assert_like_straight(run["after"], straight, [0])  # the scale frames come out together
+    if extra.get("keyframe_decision_timeout"):
+        held = run["before"][kill_at + 1]
+        assert held.stored and held.decision_pending  # killed while the next frame waited for the decision
 
 
 def received(node: InProcessNode) -> int:
@@ -259,3 +291,90 @@ def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures,
     finally:
         robot.client.close()
         c.close()
+
+
+def test_two_cameras_save_and_load_one_session(fixtures, frames, straight, tmp_path):
+    """Named cameras: ~/save_session writes one folder per camera in one call; a fresh node started
+    with load_session continues both cameras' maps (each camera as its own uninterrupted run)."""
+    out = tmp_path / "out"
+    other = generated_frames(FRAMES, seed=4)
+    rear_straight = _straight_of(fixtures, other)
+    common = {**PARAMS, "output_directory": str(out), "cameras": ["front", "rear"]}
+    save_at = 5
+    views = {"front": frames, "rear": other}
+
+    def run(node: InProcessNode, name: str, ks) -> dict[str, dict[int, FrameInfo]]:
+        robots = {c: Robot(name, f"/{c}/image", c) for c in views}
+        try:
+            for c, robot in robots.items():
+                robot.ready(node, c)
+            for k in ks:
+                for c, robot in robots.items():
+                    engine = node.node.channels[c].engine
+                    robot.send(k, views[c][k], lambda k=k, e=engine, r=robot:
+                               (e.counters.snapshot().frames_received > 0 and not r.frames and k == ks[0]
+                                and e.session.frames_pushed == 0) or k + 1 in r.frames)
+            return {c: dict(r.frames) for c, r in robots.items()}
+        finally:
+            for robot in robots.values():
+                robot.client.close()
+
+    a = InProcessNode("lm_two", fixture_params(fixtures, {**common, "state_directory": str(tmp_path / "s")}),
+                      DOMAIN_ID).start()
+    try:
+        run(a, "lm_two", list(range(save_at + 1)))
+        client = GraphClient("lm_two_saver", DOMAIN_ID, STEP_TIMEOUT)
+        try:
+            saved = _call(client, SaveSession, "/lm_two/save_session", SaveSession.Request(directory="both"))
+        finally:
+            client.close()
+        assert saved.success, saved.message
+        assert all((out / "both" / c / JOURNAL_NAME).is_file() for c in views)
+    finally:
+        a.close()
+    b = InProcessNode("lm_two_b", fixture_params(fixtures, {**common, "load_session": "both"}), DOMAIN_ID).start()
+    try:
+        got = run(b, "lm_two_b", list(range(save_at + 1, FRAMES)))
+    finally:
+        b.close()
+    assert_like_straight(got["front"], straight, range(save_at + 1, FRAMES))
+    assert_like_straight(got["rear"], rear_straight, range(save_at + 1, FRAMES))
+
+
+def _straight_of(fixtures, images) -> dict:
+    from lingbot_map_ros.geometry import optical_pose_to_map
+    from lingbot_map_ros.io.preprocess import model_input
+
+    session = replay_session(fixtures, PARAMS)
+    out = {}
+    for rgb in images:
+        for r in session.push(model_input(rgb, WIDTH)):
+            out[r.frame_index] = (optical_pose_to_map(r.c2w), session.window_index)
+    return out
+
+
+def test_the_journal_diagnostics_warn_while_paused_and_after_a_set_aside():
+    """/diagnostics "journal": OK while writing, WARN (with the reason) while journaling is paused
+    or when a journal found at start was set aside; absent without sessions."""
+    from types import SimpleNamespace
+
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    from lingbot_map_ros.journal import JournalStatus
+    from lingbot_map_ros.ros.sessions import journal_diag
+    from lingbot_map_ros.runtime.journaling import Resumed
+
+    def engine(state: str, reason: str = "", resumed=None):
+        status = JournalStatus(state, reason, "/s/journal.lbj", 5, 100, 2 << 20, 1 << 20, 0, int(bool(reason)), 1)
+        writer = SimpleNamespace(status=lambda: status)
+        return SimpleNamespace(journal=SimpleNamespace(writer=writer), resumed=resumed)
+
+    assert journal_diag("n", SimpleNamespace(journal=None, resumed=None)) is None
+    ok = journal_diag("n", engine("ok"))
+    assert ok.level == DiagnosticStatus.OK and ok.name == "n: journal" and ok.message.startswith("ok: 5 records")
+    paused = journal_diag("n", engine("paused", "[Errno 28] No space left on device"))
+    assert paused.level == DiagnosticStatus.WARN and "No space left" in paused.message
+    aside = Resumed("journal", "/s/journal.lbj", 0, 0, 0.0, refused="written at 112x64", set_aside="/s/j.lbj")
+    warned = journal_diag("n", engine("ok", resumed=aside))
+    assert warned.level == DiagnosticStatus.WARN and "set aside" in warned.message
+    assert any("112x64" in kv.value for kv in warned.values)
