@@ -27,6 +27,10 @@ Arguments:
                      without it they stay /<namespace>/c/image
   camera_batching    true | false: several cameras' waiting frames in one batched step; empty = as in
                      the params file (false there)
+  state_directory    folder of the keyframe journal: a restarted node resumes its map from it
+                     (docs/sessions.md); empty = as in the params file (off there)
+  session            a folder written by ~/save_session: the node starts in that session's map
+                     (the parameter load_session); leave it out for a new map
   dds_profile        Fast DDS profile of the node (FASTDDS_DEFAULT_PROFILES_FILE): large_messages
                      (default) = config/fastdds_large_messages.xml, 16 MB shared-memory segments so
                      that raw images over 512 KB are not sent as UDP fragments (export the same
@@ -67,6 +71,9 @@ ARGUMENTS = (
      "image_topic / camera_info_topic with {camera} remap each camera's c/image / c/camera_info"),
     ("camera_batching", "", "Several cameras: true to run their waiting frames in one batched step; empty = as in "
      "the params file"),
+    ("state_directory", "", "Folder of the keyframe journal (the map survives a restart); empty = as in the params "
+     "file"),
+    ("session", "", "A saved session (~/save_session) to start from: the node localizes in its map; empty = none"),
 )
 DDS_PROFILES = {"large_messages": "fastdds_large_messages.xml"}
 
@@ -135,6 +142,10 @@ def _setup(context, *args, **kwargs):
     cameras = camera_names(value["cameras"])
     if cameras:
         overrides["cameras"] = cameras
+    if value["state_directory"].strip():
+        overrides["state_directory"] = value["state_directory"].strip()
+    if value["session"].strip():
+        overrides["load_session"] = value["session"].strip()
     if value["camera_batching"].strip():
         overrides["camera_batching"] = _flag("camera_batching", value["camera_batching"])
     if selector:

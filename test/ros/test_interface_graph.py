@@ -116,7 +116,8 @@ def test_one_camera_with_every_optional_output_off(fixtures):
         settings = resolve_settings(params)
         names = {name for _, name, _ in expected({"": settings})}
         assert names == {"image", "camera_info", "~/status", "~/frame", "/diagnostics", "~/reset",
-                         "~/set_deferred_eviction", "~/commit_eviction", "~/rollback_last_frame", "~/save_map"}, names
+                         "~/set_deferred_eviction", "~/commit_eviction", "~/rollback_last_frame", "~/save_map",
+                         "~/save_session", "~/load_session"}, names
         check(node, "iface_off", {"": settings})
     finally:
         node.close()

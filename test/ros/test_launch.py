@@ -211,7 +211,9 @@ def launched(tmp_path_factory, fixtures):
         "checkpoint": str(root / "weights.safetensors"), "model_config": str(root / "config.json"),
         "image_width": 98, "num_scale_frames": 2, "sliding_window": 3, "publish_points": False,
         "publish_depth": False, "output_directory": str(tmp / "out")})
-    launch = Launch(tmp / "launch.log", f"params_file:={params}", f"image_topic:={IMAGE_TOPIC}", "device:=cpu")
+    launch = Launch(tmp / "launch.log", f"params_file:={params}", f"image_topic:={IMAGE_TOPIC}", "device:=cpu",
+                    f"state_directory:={tmp / 'state'}")
+    launch.state = tmp / "state"
     client = Client()
     try:
         deadline = time.monotonic() + START_TIMEOUT
@@ -251,6 +253,7 @@ def test_poses_come_out_for_frames_on_the_remapped_topic(launched):
     stamps = [p.header.stamp.sec for p in poses]
     assert stamps == sorted(stamps) and set(stamps) <= set(range(3001, 3001 + client.sent))
     assert "device cpu" in launch.text()  # the launch argument reached the node (params file says auto)
+    assert (launch.state / "journal.lbj").is_file()  # state_directory:= too (the node journals there)
 
 
 def test_ros2_param_list_get_describe(launched):

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.ros
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_ARGUMENTS = {"params_file", "checkpoint", "image_topic", "camera_info_topic", "input_transport", "device",
                     "dtype", "namespace", "use_sim_time", "rviz", "keyframe_selector", "keyframe_decision_timeout",
-                    "dds_profile", "cameras", "camera_batching"}
+                    "dds_profile", "cameras", "camera_batching", "state_directory", "session"}
 EXTRAS_HINT = "install ../shared/ros_extras (bash ../shared/ros_extras/install.sh .venv)"
 NO_TF2 = f"tf2_ros not importable: {EXTRAS_HINT}"
 NO_LAUNCH = f"launch/launch_ros not importable: {EXTRAS_HINT}"
