@@ -266,6 +266,22 @@ class MapAnchor:
         pose = np.asarray(pose, dtype=np.float64)
         return pose if pose.shape == (4, 4) and np.isfinite(pose).all() else None
 
+    def snapshot(self) -> dict[str, Any]:
+        """The map frame's anchor as JSON-able values (the keyframe journal keeps it: a resumed node
+        publishes in the same map frame after a lost reset). The scale source is not in it."""
+        a = self._anchor
+        flat = lambda m: [float(x) for x in np.asarray(m, dtype=np.float64).reshape(-1)]  # noqa: E731
+        return {"anchor": None if a is None else {"base": flat(a.base), "first": flat(a.first)},
+                "map_alignment": self.map_alignment}
+
+    def restore(self, data: dict[str, Any]) -> None:
+        """Take a ``snapshot`` back (a resumed sequence sits where the journaled one sat)."""
+        a = data.get("anchor")
+        mat = lambda v: np.asarray(v, dtype=np.float64).reshape(4, 4)  # noqa: E731
+        self._anchor = None if a is None else SequenceAnchor(mat(a["base"]), mat(a["first"]))
+        self.map_alignment = str(data.get("map_alignment", NEW_ORIGIN))
+        self._refresh_output()
+
     def new_origin(self) -> None:
         """The map frame restarts at this sequence's first camera (no anchor, no last good pose)."""
         self._anchor = self._last_good = self._pending = None

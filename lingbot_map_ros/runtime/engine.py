@@ -87,7 +87,7 @@ from .anchor import Lookup, MapAnchor
 from .clouds import CloudOutput, ConfidenceSample
 from .decisions import KeyframeDecisions
 from .frames import FrameOutput, FrameSummary, InputFrame, Logger, Sink, State
-from .journaling import COUNTERS_STATE, Resumed, load_saved
+from .journaling import ANCHOR_STATE, COUNTERS_STATE, Resumed, load_saved
 from .mapping import MapAccumulator, PoseEntry, Trajectory
 from .model_input import ModelInput, gpu_device
 from .params import NodeSettings
@@ -115,6 +115,7 @@ class InferenceEngine:
         self.resumed: Resumed | None = None  # what start-up or the last ~/load_session rebuilt
         self.make_stamp = make_stamp  # nanoseconds -> the sink's stamp (a journaled frame's)
         self._noted_counters: dict[str, int] | None = None
+        self._noted_output = None  # the anchor.output last journaled
         self.settings = settings  # in force on the inference thread; replaced through ``configure``
         self.sink = sink
         self.log = log
@@ -335,6 +336,7 @@ class InferenceEngine:
             return
         frames, self._collected = self._collected[:len(results)], self._collected[len(results):]
         self._handle_results(results, frames)
+        self._note_anchor()
         self._note_pending()
         _freeze_long_lived_objects()
 
@@ -539,6 +541,7 @@ class InferenceEngine:
         self.tracking_reasons = ()
         self.focal.clear()
         self.anchor.clear(keep_map_frame)
+        self._note_anchor()
 
     # ------------------------------------------------------------------ commands (inference thread)
     def _configure(self, settings: NodeSettings) -> None:
@@ -566,6 +569,7 @@ class InferenceEngine:
         self.output_rate.clear()
         self.stamps.clear()
         self._set_state(State.WAITING_FOR_IMAGES, "reset; waiting for images")
+        self._note_counters()
         self._publish_status(self.state_text, None)
         return "cache, path, map and counters cleared; the next image starts a new sequence"
 
@@ -716,6 +720,10 @@ class InferenceEngine:
         counts = resumed.states.get(COUNTERS_STATE)
         if counts:
             self.counters.restore(counts)
+        anchor = resumed.states.get(ANCHOR_STATE)
+        if anchor:
+            self.anchor.restore(anchor)
+        self._note_anchor()
         if self.queue.discard_frame() is not None:  # it arrived during the rebuild
             self.counters.add("frames_dropped_stale")
         for stamp_ns, tag, rgb in resumed.collecting:  # scale frames whose results come with the next ones
@@ -738,6 +746,14 @@ class InferenceEngine:
                 self._set_state(State.INITIALIZING, f"{what}: resuming {k} of {n}")
                 self._publish_status(self.state_text, None)
         return progress
+
+    def _note_anchor(self) -> None:
+        """Journal where the sequence sits in the map when that changed (a lost reset, a reset, a
+        converged scale: ``anchor.output`` is replaced on every change)."""
+        if self.journal is None or self.journal.writer is None or self.anchor.output is self._noted_output:
+            return
+        self._noted_output = self.anchor.output
+        self.journal.note_state(ANCHOR_STATE, self.anchor.snapshot())
 
     def _note_counters(self) -> None:
         """Journal the ~/status counters when they changed (with the heartbeat: at most once a second)."""

@@ -37,6 +37,7 @@ from .params import NodeSettings
 log = logging.getLogger(__name__)
 
 COUNTERS_STATE = "counters"  # the ~/status counters, journaled as a named state (latest kept)
+ANCHOR_STATE = "anchor"  # where the sequence sits in the map (a lost reset's offset): MapAnchor.snapshot
 
 
 class SessionError(Exception):
@@ -199,5 +200,5 @@ def _set_aside(path: Path, why: str) -> None:
                     path, aside.name)
 
 
-__all__ = ["COUNTERS_STATE", "Resumed", "SessionError", "camera_folder", "journal_label", "load_saved",
+__all__ = ["ANCHOR_STATE", "COUNTERS_STATE", "Resumed", "SessionError", "camera_folder", "journal_label", "load_saved",
            "open_camera_journal", "save_sessions", "session_folder"]

@@ -60,12 +60,17 @@ def feed(engine: InferenceEngine, sink: Sink, ks) -> None:
     """Each frame, then wait for its results (the first frame of a sequence: until it is collected)."""
     for k in ks:
         first = engine.session.frames_pushed == 0 and not engine._collected
-        before = engine.counters.snapshot().frames_processed
+        before = handled(engine)
         engine.submit_frame(InputFrame(rgb=FRAMES[k], stamp=1000 + k, stamp_s=1000.0 + k, camera_frame="cam"))
         deadline = time.monotonic() + 60
-        while not (engine._collected if first else engine.counters.snapshot().frames_processed > before):
+        while not (engine._collected if first else handled(engine) > before):
             assert time.monotonic() < deadline, f"frame {k} was not taken"
             time.sleep(0.005)
+
+
+def handled(engine: InferenceEngine) -> int:
+    c = engine.counters.snapshot()
+    return c.frames_processed + c.frames_dropped_invalid + c.frames_dropped_error
 
 
 def poses(sink: Sink) -> dict[int, np.ndarray]:
@@ -254,3 +259,89 @@ def test_saved_session_folders_are_replaced_whole_and_refuse_what_is_not_theirs(
         assert session_folder("", str(tmp_path / "out")).name.startswith("session-")
     finally:
         wrapped.writer.close()
+
+
+class PoisonOnce:
+    """Wraps a session: ``arm()`` makes the next step's poses non-finite (the node's lost case)."""
+
+    def __init__(self, session) -> None:
+        self._s, self._armed = session, False
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def arm(self) -> None:
+        self._armed = True
+
+    def submit(self, image, keyframe=None):
+        pending, armed, self._armed = self._s.submit(image, keyframe), self._armed, False
+        if not armed:
+            return pending
+
+        class Poisoned:
+            done = property(lambda _: pending.done)
+
+            def result(_):
+                results = pending.result()
+                for r in results:
+                    r.c2w = np.full((4, 4), np.nan)
+                return results
+        return Poisoned()
+
+
+def test_a_resume_after_a_lost_reset_keeps_the_map_offset(tmp_path):
+    """on_lost=reset with odometry: the new sequence is placed in the old map (an offset). The
+    journal keeps that offset: a node resumed from the journal as it was on disk after frame 9
+    publishes frames 10 and 11 exactly where the uninterrupted engine does."""
+    from lingbot_map_ros.config import ModelConfig
+    from lingbot_map_ros.io.checkpoint import load_model
+    from test_engine import odometry_pose
+
+    tiny_model = load_model(ModelConfig.preset("tiny"), None, seed=3)  # its track reaches "tracking"
+    def camera_pose(stamp, camera_frame):
+        return odometry_pose(float(stamp) - 1000.0)
+
+    settings = settings_of(tmp_path, state_directory=str(tmp_path / "a"), on_lost="reset", keyframe_interval=1,
+                           window_frames=320)
+    poison = PoisonOnce(session_of(tiny_model, settings))
+    wrapped, _ = open_camera_journal(poison, settings, "")
+    sink, log = Sink(wants=()), Log()
+    engine = InferenceEngine(wrapped, settings, sink, log, now=lambda: 1000.0, camera_pose=camera_pose)
+    scheduler = CameraScheduler({"": engine})
+    scheduler.start()
+    try:
+        feed(engine, sink, range(5))
+        poison.arm()
+        feed(engine, sink, [5])
+        assert engine.lost_resets == 1
+        feed(engine, sink, range(6, 10))
+        assert engine.output.offset is not None  # the new sequence sits in the old map
+        assert wrapped.writer.flush(10)
+        killed = tmp_path / "b"
+        killed.mkdir()
+        (killed / JOURNAL_NAME).write_bytes((tmp_path / "a" / JOURNAL_NAME).read_bytes())  # what a kill leaves
+        feed(engine, sink, [10, 11])
+    finally:
+        scheduler.stop()
+        wrapped.writer.close()
+    straight = {o.frame_index: o.T_map_cam for o in sink.frames[-2:]}
+
+    again = settings_of(tmp_path, state_directory=str(killed), on_lost="reset", keyframe_interval=1,
+                        window_frames=320)
+    wrapped2, resumed = open_camera_journal(session_of(tiny_model, again), again, "")
+    sink2 = Sink(wants=())
+    engine2 = InferenceEngine(wrapped2, again, sink2, Log(), now=lambda: 1000.0, camera_pose=camera_pose)
+    engine2.resumed_from(resumed)
+    np.testing.assert_allclose(engine2.output.offset, engine.output.offset, atol=1e-9)
+    assert "continued from frame" in engine2.map_alignment
+    scheduler2 = CameraScheduler({"": engine2})
+    scheduler2.start()
+    try:
+        feed(engine2, sink2, [10, 11])
+    finally:
+        scheduler2.stop()
+        wrapped2.writer.close()
+    got = {o.frame_index: o.T_map_cam for o in sink2.frames}
+    assert sorted(got) == sorted(straight)
+    for i in straight:
+        np.testing.assert_allclose(got[i], straight[i], atol=1e-6, err_msg=f"frame {i}")
