@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import errno
 import os
-import shutil
-import subprocess
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -23,6 +21,7 @@ import pytest
 
 from lingbot_map_ros.cli.replay import build_parser
 from lingbot_map_ros.io.export import read_ply, read_tum
+from disk_helpers import mount as _mount, tmpfs
 from replay_fixtures import PROG, bag_types, error_line, replay
 
 FRAMES = ["--max-frames", "3"]  # 2 scale frames + 1: enough to write every output, quick
@@ -34,31 +33,6 @@ def files_under(folder: Path) -> list[str]:
 
 
 # ------------------------------------------------------------------ mounts
-def _mount(*args: str) -> None:
-    done = subprocess.run(["mount", *args], capture_output=True, text=True, timeout=30)
-    if done.returncode:
-        raise OSError(f"mount {' '.join(args)}: {done.stderr.strip() or done.returncode}")
-
-
-@contextmanager
-def tmpfs(folder: Path, size: str, read_only: bool = False):
-    """A tmpfs of ``size`` mounted on ``folder`` (made here) for the block; skips the test, saying
-    why, where this process may not mount (not root, or no mount permission in a container)."""
-    if os.geteuid() != 0:
-        pytest.skip(f"mounting a tmpfs needs root (this test runs as uid {os.geteuid()})")
-    if shutil.which("mount") is None:
-        pytest.skip("no mount command on this machine")
-    folder.mkdir(parents=True, exist_ok=True)
-    try:
-        _mount("-t", "tmpfs", "-o", f"size={size},mode=0755{',ro' if read_only else ''}", "tmpfs", str(folder))
-    except OSError as exc:
-        pytest.skip(f"cannot mount a tmpfs here (a container without CAP_SYS_ADMIN?): {exc}")
-    try:
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], capture_output=True, timeout=30)
-
-
 @contextmanager
 def read_only_folder(folder: Path):
     """A folder that takes no new file: a read-only tmpfs as root (root ignores permissions),

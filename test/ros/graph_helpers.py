@@ -137,7 +137,7 @@ def stop_processes(*procs: subprocess.Popen, grace: float = 15.0) -> None:
 
 def log_tail(log: Path, chars: int = LOG_TAIL) -> str:
     """The last ``chars`` characters of a process log (empty when it does not exist yet)."""
-    return log.read_text()[-chars:] if log.is_file() else ""
+    return log.read_text(errors="replace")[-chars:] if log.is_file() else ""
 
 
 # ------------------------------------------------------------------ parameters

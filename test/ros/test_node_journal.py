@@ -162,12 +162,12 @@ def _kill_and_resume(case: str, fixtures, frames, tmp: Path) -> dict:
         procs.append(second)
         robot.client.watch(second, tmp / "second.log")
         # the killed process's endpoints linger in discovery until their lease ends: wait for the new one
-        robot.client.wait(lambda: "ready: listening" in (tmp / "second.log").read_text(), "the new node",
+        robot.client.wait(lambda: "ready: listening" in (tmp / "second.log").read_text(errors="replace"), "the new node",
                           START_TIMEOUT)
         robot.ready()
         for k in range(kill_at + 1, FRAMES):
             robot.send(k, frames[k], lambda k=k: k + 1 in robot.frames)
-        return {"before": before, "after": dict(robot.frames), "log": (tmp / "second.log").read_text()}
+        return {"before": before, "after": dict(robot.frames), "log": (tmp / "second.log").read_text(errors="replace")}
     finally:
         robot.client.close()
         stop_processes(*procs)
@@ -378,3 +378,38 @@ def test_the_journal_diagnostics_warn_while_paused_and_after_a_set_aside():
     warned = journal_diag("n", engine("ok", resumed=aside))
     assert warned.level == DiagnosticStatus.WARN and "set aside" in warned.message
     assert any("112x64" in kv.value for kv in warned.values)
+
+
+def test_a_full_disk_pauses_the_journal_and_inference_goes_on(fixtures, frames, tmp_path):
+    """state_directory on a 64 KiB file system: the journal pauses with the reason (/diagnostics
+    WARN) while poses keep coming; given room again it resumes with every frame on disk."""
+    from diagnostic_msgs.msg import DiagnosticStatus
+
+    from disk_helpers import mount, tmpfs
+
+    state = tmp_path / "state"
+    with tmpfs(state, "64k"):
+        node = InProcessNode("lm_full", fixture_params(fixtures, {**PARAMS, "state_directory": str(state),
+                                                                 "output_directory": str(tmp_path / "out")}),
+                             DOMAIN_ID).start()
+        robot = Robot("lm_full", "/image")
+        journal = node.node.engine.journal
+
+        def entry():
+            return next(s for s in node.node._diagnostics("").status if s.name.endswith(": journal"))
+        try:
+            robot.ready(node)
+            for k in range(10):
+                robot.send(k, frames[k], lambda k=k: received(node) > k if k == 0 else k + 1 in robot.frames)
+            robot.client.wait(lambda: journal.writer.status().state == "paused", "the journal to pause")
+            full = entry()
+            assert full.level == DiagnosticStatus.WARN and "paused" in full.message, full.message
+            assert sorted(robot.frames) == list(range(1, 11))  # every pose came out (frame 0 with frame 1)
+            mount("-o", "remount,size=8m", str(state))
+            robot.client.wait(lambda: journal.writer.status().state == "ok", "the journal to resume", 30.0)
+            assert journal.writer.flush(10)
+            assert journaled_through(state / JOURNAL_NAME) == 9
+            assert entry().level == DiagnosticStatus.OK
+        finally:
+            robot.client.close()
+            node.close()
