@@ -345,3 +345,27 @@ def test_a_resume_after_a_lost_reset_keeps_the_map_offset(tmp_path):
     assert sorted(got) == sorted(straight)
     for i in straight:
         np.testing.assert_allclose(got[i], straight[i], atol=1e-6, err_msg=f"frame {i}")
+
+
+def test_a_save_that_fails_halfway_keeps_the_old_session_and_leaves_no_temporary(tiny_model, tmp_path):
+    """Several cameras: the second camera's journal cannot be written (disk full): the saved
+    session already there is kept whole, nothing half-written is left beside it."""
+    settings = settings_of(tmp_path, state_directory=str(tmp_path / "s"))
+    front, _ = open_camera_journal(session_of(tiny_model, settings), settings, "front")
+    rear, _ = open_camera_journal(session_of(tiny_model, settings), settings, "rear")
+    try:
+        dest = tmp_path / "out" / "both"
+        save_sessions({"front": front, "rear": rear}, dest)
+        before = {p.relative_to(dest): p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+
+        def full(_dest):
+            raise OSError(28, "No space left on device")
+        rear.writer.save_copy = full
+        with pytest.raises(OSError, match="No space"):
+            save_sessions({"front": front, "rear": rear}, dest)
+        after = {p.relative_to(dest): p.read_bytes() for p in dest.rglob("*") if p.is_file()}
+        assert after == before
+        assert sorted(p.name for p in dest.parent.iterdir()) == ["both"]
+    finally:
+        front.writer.close()
+        rear.writer.close()
