@@ -40,6 +40,7 @@ DOMAIN_ID = 1 + (os.getpid() * 7 + 63) % 100  # 1..100, never test_node_graph's 
 FAKE = "/fake"
 SERVICE_TIMEOUT = 4.0  # the selector's (the stall below must outlast publishing frames 5 and 6 on a loaded machine)
 WAIT = 20.0            # bound of every wait for the graph
+FIRST_PERIOD = 3.0     # s between the copies of a fake's first frame (FakeMapper.publish_first)
 FORBIDDEN = ("ERROR", "Traceback", "Failed to publish")
 
 
@@ -89,6 +90,7 @@ class FakeMapper:
         self.unheld = False                                # held names a frame stored without a hold
         self.next_index = 1  # as the node numbers frames: +1 per frame, a dropped frame's index is reused
         self.mark = 0        # requests before the last publish
+        self.last_msg: FrameInfo | None = None  # the message publish() sent last
         self.services: list = []
         self.open_services()
         self.executor = SingleThreadedExecutor(context=self.context)
@@ -162,6 +164,24 @@ class FakeMapper:
             if stored:
                 self.held, self.unheld = ((index, x, yaw) if accept else None), not pending
         self.pub.publish(msg)
+        self.last_msg = msg
+
+    def publish_first(self, selector: "Selector", needle: str, *args, **kwargs) -> None:
+        """``publish(*args, **kwargs)`` of the selector's first frame from this fake, and the same
+        message again every ``FIRST_PERIOD`` s until ``needle`` is in the selector's log (its
+        reader can miss a writer's first sample after the writer matched it). ``needle``: a line
+        the selector logs as that frame arrives, so that a copy goes out only when the frame was
+        lost (a copy that arrived too would be a second message about the frame)."""
+        self.publish(*args, **kwargs)
+        deadline = time.monotonic() + WAIT
+        while True:
+            try:
+                wait_for(lambda: needle in selector.text(), repr(needle), FIRST_PERIOD)
+                return
+            except AssertionError:
+                assert time.monotonic() < deadline, f"{needle!r} not in the selector's log within {WAIT} s:\n" \
+                                                    f"{selector.text()[-3000:]}"
+                self.pub.publish(self.last_msg)
 
     def apply_default_keep(self) -> None:
         """The hold timed out: the held frame is kept (keyframe_decision_default keep)."""
@@ -247,8 +267,12 @@ def test_decisions_follow_the_thresholds(fake: FakeMapper, tmp_path: Path):
     selector = Selector(tmp_path / "selector.log", ["scripts/keyframe_selector"])
     try:
         fake.wait_for_selector()
-        for index, x, yaw, valid, stored, pending, want in TRAJECTORY:
-            fake.publish(index, x, yaw, valid, stored, pending)
+        for n, (index, x, yaw, valid, stored, pending, want) in enumerate(TRAJECTORY):
+            if n == 0:  # a scale frame: a copy only notes the same reference again
+                fake.publish_first(selector, f"frame {index}: stored without a hold", index, x, yaw, valid, stored,
+                                   pending)
+            else:
+                fake.publish(index, x, yaw, valid, stored, pending)
             if want is not None:
                 fake.wait_request(index)
             elif stored:
@@ -271,8 +295,9 @@ def test_outage_refusal_stall_and_restart(fake: FakeMapper, tmp_path: Path):
     restarted = None
     try:
         wait_for(lambda: fake.pub.get_subscription_count() >= 1, "the selector's subscription")
-        # services unavailable: frame 1 waits service_timeout, is never sent, and is counted
-        fake.publish(1, 0.0, 0.0, 0.9)
+        # services unavailable: frame 1 waits service_timeout, is never sent, and is counted (logged as it
+        # arrives: a copy goes out only if it was lost, since one that arrived too would replace it)
+        fake.publish_first(selector, "not available; waiting", 1, 0.0, 0.0, 0.9)
         selector.wait_log("frame 1: not sent", timeout=SERVICE_TIMEOUT + WAIT)
         assert fake.requests == []
         fake.apply_default_keep()
@@ -305,7 +330,11 @@ def test_outage_refusal_stall_and_restart(fake: FakeMapper, tmp_path: Path):
         restarted = FakeMapper()
         restarted.wait_for_selector()
         for index, x, pending, want in [(1, 5.0, False, "keep"), (2, 5.05, True, "drop"), (2, 5.2, True, "keep")]:
-            restarted.publish(index, x, 0.0, 0.9, pending=pending)
+            if index == 1:  # the new fake's first frame (the selector logs the restart as it arrives)
+                restarted.publish_first(selector, "frame index went back from 6 to 1", index, x, 0.0, 0.9,
+                                        pending=pending)
+            else:
+                restarted.publish(index, x, 0.0, 0.9, pending=pending)
             assert restarted.wait_request(index) == (index, want, True)
         selector.wait_log("frame 2: keep done", count=2)  # frame 2 before the restart, and this one
     finally:

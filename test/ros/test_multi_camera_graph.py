@@ -106,6 +106,9 @@ class Client(GraphClient):
         self.urdf = tf2_ros.StaticTransformBroadcaster(self.node)
         self.urdf.sendTransform([transform_stamped(T, Header(frame_id="base_link"), child)
                                  for child, T in EXTRINSICS.items()])
+        for c in CAMERAS:  # the camera_batching node's (test_camera_batching_takes_frames_that_arrive_together)
+            self.record(PoseStamped, f"/{BATCH}/{c}/pose", f"batch {c} pose")
+            self.record(Status, f"/{BATCH}/{c}/status", f"batch {c} status")
 
     def _record_latched(self, msg_type: type, topic: str) -> None:
         """Every message on latched ``topic`` (reliable, transient local, depth 1) in ``msgs[topic]``."""
@@ -123,14 +126,20 @@ class Client(GraphClient):
         with self.cond:
             return self.msgs[topic][-1] if self.msgs[topic] else None
 
-    def send(self, camera: str, rgb: np.ndarray, stamp: TimeMsg) -> Status:
-        """Publish a frame to ``camera`` and wait for the node's status about it."""
+    def send(self, camera: str, rgb: np.ndarray, stamp: TimeMsg, first: bool = False) -> Status:
+        """Publish a frame to ``camera`` and wait for the node's status about it; ``first``: the
+        camera's first frame, published again every 1.5 s until that status came (a copy is a
+        repeated stamp: the node drops it)."""
         frame_id = "front_optical" if camera == "front" else ""  # rear: camera.rear.camera_frame
-        self.images[camera].publish(image_msg(rgb, stamp, frame_id))
+        msg = image_msg(rgb, stamp, frame_id)
         topic = f"{NODE}/{camera}/status"
-        return self.wait(lambda: next((s for s in self.msgs[topic] if s.header.stamp == stamp
-                                       and not s.state_text.startswith("ready")), None),
-                         what=f"a status of {camera} for stamp {stamp.sec}")
+        status = lambda: next((s for s in self.msgs[topic] if s.header.stamp == stamp  # noqa: E731
+                               and not s.state_text.startswith("ready")), None)
+        what = f"a status of {camera} for stamp {stamp.sec}"
+        if first:
+            return self.publish_until(self.images[camera], msg, status, what)
+        self.images[camera].publish(msg)
+        return self.wait(status, what=what)
 
     def pose(self, camera: str, stamp: TimeMsg) -> PoseStamped:
         topic = f"{NODE}/{camera}/pose"
@@ -148,12 +157,30 @@ def stamp_of(k: int) -> TimeMsg:
     return TimeMsg(sec=7000 + k, nanosec=500_000_000)
 
 
+BATCH = "lingbot_batch"  # the camera_batching node (test_camera_batching_takes_frames_that_arrive_together)
+BAD = {  # node name -> a bad camera.<c>.* parameter and the start-up error it gets
+    "lingbot_map_bad0": ({"camera.side.image_width": 98}, "unknown parameter camera.side.image_width: 'side' is not "
+                                                          "in cameras"),
+    "lingbot_map_bad1": ({"camera.rear.image_width": 100}, "parameter camera.rear.image_width must be in [14, 4088] "
+                                                           "in steps of 14"),
+}
+
+
 @pytest.fixture(scope="module")
 def graph(tmp_path_factory, fixtures):
+    """The two-camera node, fed its first frames; started at the same time (their start-ups
+    overlap): the camera_batching node and the nodes with a bad parameter (see the tests that use
+    ``others``)."""
     tmp = tmp_path_factory.mktemp("multi_camera")
     frames = {"front": real_frames(FRONT_FIRST, FRAMES + 2), "rear": real_frames(REAR_FIRST, FRAMES + 2)}
     params = write_node_params(tmp / "multi.yaml", fixtures, {**NODE_PARAMS, "output_directory": str(tmp / "out")})
     proc = start_node("lingbot_map", params, tmp / "node.log", DOMAIN_ID)
+    others = {BATCH: start_node(BATCH, write_node_params(tmp / "batch.yaml", fixtures, {
+        **NODE_PARAMS, "camera_batching": True, "base_frame": "", "output_directory": str(tmp / "batch_out")}),
+        tmp / f"{BATCH}.log", DOMAIN_ID, {f"{c}/image": f"/batch/{c}/image" for c in CAMERAS})}
+    for name, (bad, _) in BAD.items():
+        others[name] = start_node(name, write_params_file(tmp / f"{name}.yaml", {**NODE_PARAMS, **bad}),
+                                  tmp / f"{name}.log", DOMAIN_ID)
     client = Client()
     try:
         client.watch(proc, tmp / "node.log")
@@ -165,11 +192,18 @@ def graph(tmp_path_factory, fixtures):
         # scale frames) come before rear's: rear joins map at its first pose
         for k in range(FRAMES):
             for camera in CAMERAS:
-                client.send(camera, frames[camera][k], stamp_of(k))
-        yield client, proc, frames, tmp
+                client.send(camera, frames[camera][k], stamp_of(k), first=k == 0)
+        yield client, proc, frames, tmp, others
     finally:
         client.close()
-        stop_processes(proc)
+        stop_processes(proc, *others.values())
+
+
+@pytest.fixture(scope="module")
+def others(graph):
+    """The processes the ``graph`` fixture started besides the two-camera node: name -> (process, log)."""
+    tmp = graph[3]
+    return {name: (proc, tmp / f"{name}.log") for name, proc in graph[4].items()}
 
 
 @pytest.fixture(scope="module")
@@ -194,7 +228,7 @@ def replay(tiny_model):
 
 # ------------------------------------------------------------------ tests
 def test_both_cameras_get_their_own_sequence_in_one_map(graph, replay):
-    client, proc, frames, _ = graph
+    client, proc, frames, _, _ = graph
     stamps = [stamp_of(k) for k in range(FRAMES)]
     front = [client.pose("front", s) for s in stamps]
     rear = [client.pose("rear", s) for s in stamps]
@@ -221,7 +255,7 @@ def test_both_cameras_get_their_own_sequence_in_one_map(graph, replay):
 
 
 def test_diagnostics_tf_and_the_map_cover_both_cameras(graph):
-    client, proc, frames, _ = graph
+    client, proc, frames, _, _ = graph
     h, w = frames["front"][0].shape[:2]
     info = CameraInfo(header=Header(frame_id="front_optical"), width=w, height=h,
                       k=[321.0, 0.0, w / 2, 0.0, 321.0, h / 2, 0.0, 0.0, 1.0])
@@ -260,7 +294,7 @@ def test_diagnostics_tf_and_the_map_cover_both_cameras(graph):
 def test_one_tf_listener_serves_every_camera(graph):
     """Every camera's TF output and the alignment's extrinsic look-ups share one tf2 buffer: the
     node parses /tf and /tf_static once (it was once per camera plus once for the alignment)."""
-    client, proc, _, _ = graph
+    client, proc, _, _, _ = graph
     client.wait(lambda: any(t.child_frame_id == "rear_optical_lingbot" for m in client.msgs["/tf"]
                             for t in m.transforms), what="TF from the rear camera")  # both cameras publish TF
     assert node_subscriptions(client.node, "/tf") == 1
@@ -271,7 +305,7 @@ def test_one_tf_listener_serves_every_camera(graph):
 
 
 def test_single_camera_names_are_absent(graph):
-    client, _, _, _ = graph
+    client, _, _, _, _ = graph
     topics = dict(client.node.get_topic_names_and_types())
     for c in CAMERAS:
         assert f"{NODE}/{c}/pose" in topics and f"{NODE}/{c}/status" in topics
@@ -288,7 +322,7 @@ def test_single_camera_names_are_absent(graph):
 
 
 def test_services_of_one_camera_leave_the_other_alone(graph):
-    client, proc, frames, _ = graph
+    client, proc, frames, _, _ = graph
     ok = client.call(SetBool, f"{NODE}/rear/set_deferred_eviction", SetBool.Request(data=True))
     assert ok.success, ok.message
     front = client.send("front", frames["front"][FRAMES], stamp_of(FRAMES))
@@ -320,7 +354,7 @@ def test_save_map_writes_every_camera(graph, tmp_path):
     from lingbot_map_ros.io.export import read_ply, read_tum
     from lingbot_map_ros.runtime.multi_save import check_camera_maps
 
-    client, _, frames, _ = graph
+    client, _, frames, _, _ = graph
     client.send("rear", frames["rear"][1], stamp_of(FRAMES + 2))  # rear has poses again (2 scale frames)
     response = client.call(SaveMap, f"{NODE}/save_map", SaveMap.Request(directory=str(tmp_path)))
     assert response.success, response.message
@@ -338,7 +372,7 @@ def test_save_map_writes_every_camera(graph, tmp_path):
 
 
 def test_per_camera_parameters_at_run_time(graph):
-    client, _, _, _ = graph
+    client, _, _, _, _ = graph
     got = client.call(GetParameters, f"{NODE}/get_parameters",
                       GetParameters.Request(names=["camera.rear.image_width", "camera.front.image_width"]))
     assert [v.integer_value for v in got.values] == [WIDTH["rear"], WIDTH["front"]]
@@ -361,51 +395,52 @@ def test_per_camera_parameters_at_run_time(graph):
     assert client.set_parameter(NODE, "camera.rear.deferred_eviction", False).successful
 
 
-@pytest.mark.parametrize("bad, reason", [
-    ({"camera.side.image_width": 98}, "unknown parameter camera.side.image_width: 'side' is not in cameras"),
-    ({"camera.rear.image_width": 100}, "parameter camera.rear.image_width must be in [14, 4088] in steps of 14"),
-])
-def test_a_bad_camera_parameter_stops_the_node_at_start(graph, tmp_path, bad, reason):
-    params = write_params_file(tmp_path / "bad.yaml", {**NODE_PARAMS, **bad})
-    proc = start_node("lingbot_map_bad", params, tmp_path / "bad.log", DOMAIN_ID)
+@pytest.mark.parametrize("name", sorted(BAD))
+def test_a_bad_camera_parameter_stops_the_node_at_start(others, name):
+    proc, log = others[name]  # started by the graph fixture with BAD[name]'s parameter
     try:
         proc.wait(START_TIMEOUT)
     finally:
         stop_processes(proc)
-    log = (tmp_path / "bad.log").read_text()
-    assert proc.returncode == 1, log
-    assert "cannot start" in log and reason in log, log
-    assert "Traceback" not in log
+    text = log.read_text()
+    assert proc.returncode == 1, text
+    assert "cannot start" in text and BAD[name][1] in text, text
+    assert "Traceback" not in text
 
 
-def test_camera_batching_takes_frames_that_arrive_together(graph, replay, tmp_path, fixtures):
+def test_camera_batching_takes_frames_that_arrive_together(graph, others, replay):
     """A node with ``camera_batching`` (its own process and topics) serves both cameras through
     the scheduler's batched turn: pairs of frames published at once, each camera's poses equal
     its own replay, /diagnostics reports the batching counters. Whether a pair is waiting
     together at a turn depends on timing here, and on the CPU the sessions run a batch's frames
     one after another (no CUDA graphs); the batched turn itself is checked deterministically
     in test/core/test_multi_camera_engines.py."""
-    client, _, frames, _ = graph
-    name = "lingbot_batch"
-    params = write_node_params(tmp_path / "batch.yaml", fixtures,
-                               {**NODE_PARAMS, "camera_batching": True, "base_frame": "",
-                                "output_directory": str(tmp_path / "out")})
-    log = tmp_path / "batch.log"
-    proc = start_node(name, params, log, DOMAIN_ID, {f"{c}/image": f"/batch/{c}/image" for c in CAMERAS})
+    client, _, frames, _, _ = graph
+    name = BATCH
+    proc, log = others[name]  # started by the graph fixture (its own topics: /batch/<camera>/image)
     pubs = {c: client.node.create_publisher(Image, f"/batch/{c}/image", QoSProfile(depth=10)) for c in CAMERAS}
-    poses = {c: client.record(PoseStamped, f"/{name}/{c}/pose", f"batch {c} pose") for c in CAMERAS}
-    statuses = {c: client.record(Status, f"/{name}/{c}/status", f"batch {c} status") for c in CAMERAS}
+    poses = {c: client.msgs[f"batch {c} pose"] for c in CAMERAS}  # recorded from the start (Client)
+    statuses = {c: client.msgs[f"batch {c} status"] for c in CAMERAS}
     try:
         client.wait(lambda: proc.poll() is not None or all(p.get_subscription_count() >= 1 for p in pubs.values()),
                     timeout=START_TIMEOUT, what="the batching node to subscribe to both cameras")
         assert proc.poll() is None, log.read_text()[-3000:]
         for k in range(FRAMES):
             stamp = stamp_of(100 + k)
-            for c in CAMERAS:  # together: the second arrives while the first still waits or runs
-                pubs[c].publish(image_msg(frames[c][k], stamp, "front_optical" if c == "front" else ""))
-            for c in CAMERAS:
-                client.wait(lambda c=c: any(s.header.stamp == stamp and not s.state_text.startswith("ready")
-                                            for s in statuses[c]), what=f"{c}'s status for frame {k + 1}")
+
+            def publish_pair(k=k, stamp=stamp) -> None:
+                for c in CAMERAS:  # together: the second arrives while the first still waits or runs
+                    pubs[c].publish(image_msg(frames[c][k], stamp, "front_optical" if c == "front" else ""))
+
+            def both_statuses(stamp=stamp) -> bool:
+                return all(any(s.header.stamp == stamp and not s.state_text.startswith("ready") for s in statuses[c])
+                           for c in CAMERAS)
+
+            # the first pair again every 1.5 s until both statuses came (a copy is a repeated stamp: dropped)
+            if k > 0:
+                publish_pair()
+            client.wait(both_statuses, what=f"both cameras' statuses for frame {k + 1}",
+                        repeat=publish_pair if k == 0 else None)
         for c in CAMERAS:
             got = client.wait(lambda c=c: len(poses[c]) >= FRAMES and poses[c], what=f"{c}'s poses")
             assert {p.header.frame_id for p in got} == {f"map_{c}"}  # no base_frame: each its own map

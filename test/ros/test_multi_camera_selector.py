@@ -76,14 +76,19 @@ class Client(GraphClient):
         with self.cond:
             return self.msgs[f"{NODE}/{camera}/status"][-1]
 
-    def send(self, camera: str, rgb: np.ndarray, stamp: TimeMsg) -> Status:
+    def send(self, camera: str, rgb: np.ndarray, stamp: TimeMsg, first: bool = False) -> Status:
         """Publish a frame to ``camera`` and wait for the node's status about it (a frame behind a
-        held one waits for that one's decision)."""
-        self.images[camera].publish(image_msg(rgb, stamp, f"{camera}_optical"))
+        held one waits for that one's decision); ``first``: the camera's first frame, published
+        again every 1.5 s until that status came (a copy is a repeated stamp: the node drops it)."""
+        msg = image_msg(rgb, stamp, f"{camera}_optical")
         topic = f"{NODE}/{camera}/status"
-        return self.wait(lambda: next((s for s in self.msgs[topic] if s.header.stamp == stamp
-                                       and not s.state_text.startswith("ready")), None),
-                         what=f"a status of {camera} for stamp {stamp.sec}")
+        status = lambda: next((s for s in self.msgs[topic] if s.header.stamp == stamp  # noqa: E731
+                               and not s.state_text.startswith("ready")), None)
+        what = f"a status of {camera} for stamp {stamp.sec}"
+        if first:
+            return self.publish_until(self.images[camera], msg, status, what)
+        self.images[camera].publish(msg)
+        return self.wait(status, what=what)
 
 
 def stamp_of(k: int) -> TimeMsg:
@@ -124,8 +129,8 @@ def test_the_selector_decides_for_front_and_rear_streams_without_holds(graph):
     assert client.node.count_clients(f"{NODE}/rear/rollback_last_frame") == 0
     k = 0
     for i in range(2 + KEPT):  # conf_threshold 0: valid fraction 1, every held frame kept
-        client.send("front", frames["front"][i], stamp_of(k))
-        client.send("rear", frames["rear"][i], stamp_of(k))
+        client.send("front", frames["front"][i], stamp_of(k), first=i == 0)
+        client.send("rear", frames["rear"][i], stamp_of(k), first=i == 0)
         k += 1
     client.wait(lambda: client.status("front").decisions_kept == KEPT, what=f"front: {KEPT} decisions kept")
     result = client.set_parameter(NODE, "conf_threshold", 1000.0)  # valid fraction 0: every held frame dropped

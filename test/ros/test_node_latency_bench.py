@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -139,15 +140,71 @@ def test_compare_tool_prints_the_difference_and_refuses_a_run_without_the_select
 
 
 # ------------------------------------------------------------------ end to end
+E2E_TIMEOUT = 240  # s for each run (a hang guard)
+
+
+def _e2e_commands(tmp: Path, domains: dict[str, int]) -> dict[str, tuple[list[str], dict, Path]]:
+    """Each end-to-end run: its command, environment and working directory."""
+    warm, probe, sel = (tmp / name for name in ("warm_up", "probe", "selector"))
+    probe_env = {**os.environ, "LINGBOT_SIM_STEP_MS": "20", "LINGBOT_SIM_HOST_MS": "1",
+                 "LINGBOT_PROBE_OUT": str(probe / "probe.json")}
+    return {
+        "warm_up": (_bench("--preset", "tiny", "--frames", "8", "--rate", "5", "--width", "98", "--height", "70",
+                           "--warmup-poses", "4", "--startup-timeout", "90", "--no-save-map",
+                           "--out", str(warm / "out"), "--json", str(warm / "out" / "m.json"),
+                           "--domain-id", str(domains["warm_up"]), "--timeout", "60"), dict(os.environ), warm),
+        "probe": (_bench("--preset", "tiny", "--width", "98", "--height", "70", "--frames", "10", "--rate", "10",
+                         "--warmup-poses", "3", "--no-save-map", "--node-script", str(BENCH / "node_probe.py"),
+                         "--out", str(probe / "out"), "--domain-id", str(domains["probe"]), "--timeout", "60",
+                         "--json", str(probe / "result.json")), probe_env, REPO),
+        # decision timeout 5 s: on a loaded CI machine no frame may fall back to the default
+        "selector": (_bench("--preset", "tiny", "--frames", "8", "--rate", "4", "--width", "98", "--height", "70",
+                            "--warmup-poses", "4", "--startup-timeout", "90", "--no-save-map", "--keyframe-selector",
+                            "--decision-timeout", "5", "--out", str(sel / "out"), "--json", str(sel / "out" / "m.json"),
+                            "--domain-id", str(domains["selector"]), "--timeout", "60"), dict(os.environ), REPO),
+    }
+
+
+@pytest.fixture(scope="module")
+def e2e(tmp_path_factory):
+    """The three end-to-end runs, started at once (each on a domain id of its own: they overlap
+    their process start-ups and waits); ``e2e(name)`` waits for one and returns (its
+    CompletedProcess, its folder)."""
+    pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
+    from graph_helpers import private_domain_id, stop_processes
+
+    tmp = tmp_path_factory.mktemp("node_latency_e2e")
+    domains = {name: private_domain_id(f"{__name__}:{name}", 1, 100, 17, offset)
+               for name, offset in (("warm_up", 31), ("probe", 41), ("selector", 47))}
+    procs = {}
+    for name, (cmd, env, cwd) in _e2e_commands(tmp, domains).items():
+        (tmp / name).mkdir()
+        with open(tmp / name / "stdout.txt", "w") as out, open(tmp / name / "stderr.txt", "w") as err:
+            procs[name] = (subprocess.Popen(cmd, env=env, cwd=cwd, stdout=out, stderr=err, text=True,
+                                            stdin=subprocess.DEVNULL), cmd)
+    started = time.monotonic()
+
+    def result(name: str) -> tuple[subprocess.CompletedProcess, Path]:
+        proc, cmd = procs[name]
+        try:
+            proc.wait(max(1.0, E2E_TIMEOUT - (time.monotonic() - started)))
+        except subprocess.TimeoutExpired:
+            stop_processes(proc, grace=10.0)
+            raise AssertionError(f"{name}: no exit within {E2E_TIMEOUT} s") from None
+        folder = tmp / name
+        return subprocess.CompletedProcess(cmd, proc.returncode, (folder / "stdout.txt").read_text(),
+                                           (folder / "stderr.txt").read_text()), folder
+
+    try:
+        yield result
+    finally:
+        stop_processes(*(proc for proc, _ in procs.values()), grace=10.0)
+
+
 @pytest.mark.slow
-def test_warm_up_then_timed_frames_into_the_json(tmp_path):
-    out = tmp_path / "out"
-    domain = 1 + (os.getpid() * 17 + 31) % 100
-    result = subprocess.run(_bench("--preset", "tiny", "--frames", "8", "--rate", "5", "--width", "98",
-                                   "--height", "70", "--warmup-poses", "4", "--startup-timeout", "90",
-                                   "--no-save-map", "--out", str(out), "--json", str(out / "m.json"),
-                                   "--domain-id", str(domain), "--timeout", "60"),
-                            capture_output=True, text=True, timeout=240, cwd=tmp_path)
+def test_warm_up_then_timed_frames_into_the_json(e2e):
+    result, folder = e2e("warm_up")
+    out = folder / "out"
     assert result.returncode == 0, result.stdout + result.stderr
     m = json.loads((out / "m.json").read_text())
     f = m["frames"]
@@ -162,17 +219,11 @@ def test_warm_up_then_timed_frames_into_the_json(tmp_path):
 
 
 @pytest.mark.slow
-def test_node_probe_runs_the_real_node_with_a_simulated_step(tmp_path):
+def test_node_probe_runs_the_real_node_with_a_simulated_step(e2e):
     """benchmarks/node/node_probe.py as the node: the node's own code around a simulated 20 ms
     step, and a probe report that saw that step, the node's threads and the image ages."""
-    out, report, result_json = tmp_path / "out", tmp_path / "probe.json", tmp_path / "result.json"
-    domain = 1 + (os.getpid() * 17 + 41) % 100
-    env = {**os.environ, "LINGBOT_SIM_STEP_MS": "20", "LINGBOT_SIM_HOST_MS": "1", "LINGBOT_PROBE_OUT": str(report)}
-    result = subprocess.run(_bench("--preset", "tiny", "--width", "98", "--height", "70", "--frames", "10",
-                                   "--rate", "10", "--warmup-poses", "3", "--no-save-map",
-                                   "--node-script", str(BENCH / "node_probe.py"), "--out", str(out),
-                                   "--domain-id", str(domain), "--timeout", "60", "--json", str(result_json)),
-                            capture_output=True, text=True, timeout=180, env=env, cwd=REPO)
+    result, folder = e2e("probe")
+    out, report, result_json = folder / "out", folder / "probe.json", folder / "result.json"
     assert result.returncode == 0, result.stdout + result.stderr
     measured = json.loads(result_json.read_text())
     assert measured["setting"]["node_script"].endswith("node_probe.py")
@@ -190,16 +241,9 @@ def test_node_probe_runs_the_real_node_with_a_simulated_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_selector_in_the_loop_measures_the_decisions(tmp_path):
-    out = tmp_path / "out"
-    domain = 1 + (os.getpid() * 19 + 47) % 100
-    # decision timeout 5 s: on a loaded CI machine no frame may fall back to the default
-    result = subprocess.run(_bench("--preset", "tiny", "--frames", "8", "--rate", "4", "--width", "98",
-                                   "--height", "70", "--warmup-poses", "4", "--startup-timeout", "90",
-                                   "--no-save-map", "--keyframe-selector", "--decision-timeout", "5",
-                                   "--out", str(out), "--json", str(out / "m.json"), "--domain-id", str(domain),
-                                   "--timeout", "60"),
-                            capture_output=True, text=True, timeout=240, cwd=REPO)
+def test_the_selector_in_the_loop_measures_the_decisions(e2e):
+    result, folder = e2e("selector")
+    out = folder / "out"
     assert result.returncode == 0, result.stdout + result.stderr
     m = json.loads((out / "m.json").read_text())
     f, d = m["frames"], m["decisions"]
