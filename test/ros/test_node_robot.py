@@ -1,7 +1,7 @@
 """The node as a robot deployment uses it (issue 15), in a real ROS 2 graph on loopback.
 
 One node runs in this process (tiny fixture weights, CPU) so that a test can make its file
-writing block; its executors are spun exactly as ``node.main`` spins them. Its settings:
+writing block; its executors are spun exactly as ``main.main`` spins them. Its settings:
 deferred eviction on with no client committing, ``use_sim_time`` with no /clock. A test
 client (own context) publishes frames and calls the parameter and node services. Two
 more node processes check that SIGINT and SIGTERM mid-stream end the node with exit
