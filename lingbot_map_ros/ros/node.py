@@ -481,15 +481,6 @@ def _fastdds_without_profile() -> bool:
     return rmw.startswith("rmw_fastrtps") and not profile
 
 
-def __getattr__(name: str):
-    """``main`` moved to ``ros.main``; a ``lingbot_map_node`` script installed by an earlier build
-    still imports it from here (imported on first use: ``ros.main`` imports this module)."""
-    if name == "main":
-        from .main import main
-        return main
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 if __name__ == "__main__":  # python -m lingbot_map_ros.ros.node: the entry point lives in ros.main
     from .main import main
 
