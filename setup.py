@@ -25,7 +25,7 @@ setup(
         "console_scripts": [
             "lingbot-map-replay = lingbot_map_ros.cli.replay:main",
             "lingbot-map-demo = lingbot_map_ros.cli.demo:main",
-            "lingbot_map_node = lingbot_map_ros.ros.node:main",
+            "lingbot_map_node = lingbot_map_ros.ros.main:main",
             "image_folder_publisher = lingbot_map_ros.ros.image_folder_publisher:main",
             "keyframe_selector = lingbot_map_ros.ros.keyframe_selector:main",
         ],

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: 
 
 from lingbot_map_ros.cache.pages import CacheStats  # noqa: E402
 from lingbot_map_ros.config import StreamConfig  # noqa: E402
+from lingbot_map_ros.ros import main as main_module  # noqa: E402
 from lingbot_map_ros.ros import node as node_module  # noqa: E402
 from lingbot_map_ros.stream.session import FrameResult, SessionError  # noqa: E402
 
@@ -312,7 +313,7 @@ def main() -> int:
 
     node_module.LingBotMapNode._load_sessions = load_sessions
     try:
-        return node_module.main()
+        return main_module.main()
     finally:
         if probe is not None:
             probe.write()

@@ -74,7 +74,7 @@ def qos_profile(reliable: bool = True, latched: bool = False, depth: int = 10) -
 
 
 # The services' request queue keeps every request (reliable, keep-all) instead of rclpy's default
-# keep-last 10: a call waits for the inference thread on one of node.SERVICE_THREADS threads, and
+# keep-last 10: a call waits for the inference thread on one of main.SERVICE_THREADS threads, and
 # while they all wait, a burst of calls (a keyframe client's flood) waits in this queue. With the
 # default the 11th queued request overwrote the oldest, which then never got an answer.
 SERVICE_QOS = QoSProfile(history=HistoryPolicy.KEEP_ALL, reliability=ReliabilityPolicy.RELIABLE,

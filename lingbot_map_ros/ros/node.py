@@ -35,7 +35,7 @@ camera_info are in the optical frame. Units are the model's (metre-like, not
 guaranteed metric). A reset (service, or recovery from an error) starts a new map
 at the next first camera.
 
-Threads. One executor thread runs the callbacks (``main``): image callbacks only
+Threads. One executor thread runs the callbacks (``ros.main``): image callbacks only
 convert the message and put it in the camera's depth-1 latest-frame slot (a frame still
 waiting is replaced and counted as stale); one inference thread
 (``runtime.scheduler.CameraScheduler``) runs every camera's engine
@@ -61,61 +61,50 @@ parameter ``cameras`` the node has ONE unnamed camera with the names above. With
 ``~/c/`` (outputs and the services reset, set_deferred_eviction, commit_eviction,
 rollback_last_frame) and ``camera.<c>.*`` parameters (``runtime.params.CAMERA_PARAMETERS``);
 the scheduler runs the cameras' frames and commands round-robin. ``~/save_map`` and
-``~/map_points`` cover every camera: the first camera defines ``map_frame`` and the others
-join it through the TF extrinsics (``runtime.multi_map``); a camera that cannot (no
-``base_frame``, an extrinsic missing) publishes in ``<map_frame>_<c>``. /diagnostics gets
-the shared pool and every camera's entries. One TF broadcaster, buffer and listener
+``~/map_points`` cover every camera (``map_outputs``): the first camera defines ``map_frame``
+and the others join it through the TF extrinsics (``named_cameras``, ``runtime.multi_map``); a
+camera that cannot (no ``base_frame``, an extrinsic missing) publishes in ``<map_frame>_<c>``.
+/diagnostics gets the shared pool and every camera's entries. One TF broadcaster, buffer and listener
 (``tf_tools.SharedTf``) serve every camera's TF output and the alignment.
 """
 from __future__ import annotations
 
 import logging
 import os
-import signal
 import sys
-import threading
 import time
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
-import rclpy
-from rclpy.signals import SignalHandlerOptions
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
 from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.clock import Clock, ClockType
 from rclpy.exceptions import ParameterException
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
 from rclpy.node import Node
 from rclpy.parameter import Parameter
-from sensor_msgs.msg import PointCloud2
 from std_msgs.msg import Header
 
 from lingbot_map_ros.srv import SaveMap
 
 from ..config import ConfigError
 from ..journal import JournalError
-from ..io.map_save import MAP_FILE, MapSaveError
-from ..robot.map_offset import OutputTransform
 from ..runtime.frames import StatusFields
 from ..runtime.journaling import SessionError
-from ..runtime.multi_map import MapAligner, base_motion_from_odometry, own_map_frame, transform_points, transform_poses
-from ..runtime.multi_save import CameraMap, SavedMaps, save_camera_maps
 from ..runtime.params import (CAMERA_PARAMETERS, CAMERA_PREFIX, PARAMETERS, NodeSettings, Param, apply_camera_dynamic,
                               apply_dynamic, camera_param_name, camera_values, resolve_camera_settings,
                               resolve_settings)
-from ..runtime.saving import SaveError, write_map_files
 from ..runtime.scheduler import CameraScheduler
-from ..stream.multi import PoolStatus
-from .camera_channel import NODE_NAME, SERVICE_QOS, AlignedPlacer, CameraChannel, diag, qos_profile, stamp_seconds
-from .conversions import compressed_to_rgb, image_to_rgb, make_pointcloud2
+from .camera_channel import NODE_NAME, SERVICE_QOS, CameraChannel, diag, qos_profile
+from .conversions import compressed_to_rgb, image_to_rgb
+from .map_outputs import MapSaving, MapTopics
+from .named_cameras import NamedCameras
 from .sessions import SessionServices, journal_diag, open_journals
 from .tf_tools import SharedTf
 
 _PARAMETER_TABLE = {p.name: p for p in PARAMETERS}
-POOL_REFRESH_S = 0.5  # several cameras: the shared pool's status is read at most this often
+JOURNAL_CLOSE_S = 10.0  # s; how long shutdown waits for the journal writer to write what is queued
 
 
 class StartupError(RuntimeError):
@@ -162,7 +151,7 @@ class _ForwardToRos(logging.Handler):
 class LingBotMapNode(Node):
     """See the module docstring. Raises StartupError when it cannot start.
 
-    Spin ``service_node`` as well, on an executor of its own (``main`` does): it serves
+    Spin ``service_node`` as well, on an executor of its own (``ros.main.main`` does): it serves
     the node's services."""
 
     def __init__(self, node_name: str = NODE_NAME, **kwargs) -> None:
@@ -176,11 +165,10 @@ class LingBotMapNode(Node):
         # one TF broadcaster, buffer and listener for every camera and the alignment (started by its
         # first user: the alignment at once when base_frame is set, a camera that publishes TF)
         self.tf_shared = SharedTf(self)
-        self.aligner: MapAligner | None = self._make_aligner() if s.cameras else None
         self.sessions = None  # CameraSessions of the named cameras (one K/V storage); None for the unnamed one
         self.channels: dict[str, CameraChannel] = {}
-        self._pool_status: PoolStatus | None = None
-        self._pool_at = -float("inf")
+        # named cameras: one map (the alignment, started at once when base_frame is set) and one pool
+        self.named = NamedCameras(s, self.tf_shared, self.channels, log) if s.cameras else None
         self._start_cameras()
 
         self._input_group = MutuallyExclusiveCallbackGroup()
@@ -188,10 +176,8 @@ class LingBotMapNode(Node):
         for channel in self.channels.values():  # converters named here so that a profiler may wrap them
             channel.subscribe(self._input_group, None, image_to_rgb, compressed_to_rgb)
         self.diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", qos_profile())
-        self.map_points = None  # named cameras: every camera's map in map_frame
-        if s.cameras and s.publish_map and s.accumulate_map:
-            self.map_points = self.create_publisher(PointCloud2, "~/map_points", qos_profile(latched=True, depth=1))
-        # The services live on a helper node that main() spins on its own executor thread: a
+        self.maps = MapTopics(self, self.channels, s)  # ~/[<c>/]map_points (and named cameras' ~/map_points)
+        # The services live on a helper node that ros.main spins on its own executor thread: a
         # call waits for the inference thread (one step, or up to service_timeout while the
         # first frame compiles), and image intake, timers and diagnostics must not wait with it.
         # Their names are this node's (~/reset is <this node>/reset whatever the helper is called).
@@ -200,7 +186,7 @@ class LingBotMapNode(Node):
                                  start_parameter_services=False)
         # reentrant: a call that writes files (a slow disk) never holds up another service
         self._service_group = ReentrantCallbackGroup()
-        self._save_lock = threading.Lock()
+        self.map_saving = MapSaving(self.channels, lambda: self.settings, log)
         prefix = self.get_fully_qualified_name().rstrip("/")
         # Not `self._services` or `self._timers`: those are rclpy Node's own lists (the parameter
         # services live there; replacing them dropped them and made this executor serve the helper's).
@@ -208,11 +194,10 @@ class LingBotMapNode(Node):
         for channel in self.channels.values():
             self._service_handles += channel.create_services(self.service_node, prefix, self._service_group)
         self._service_handles.append(self.service_node.create_service(
-            SaveMap, f"{prefix}/save_map", self._srv_save_map, qos_profile=SERVICE_QOS,
+            SaveMap, f"{prefix}/save_map", self.map_saving.save, qos_profile=SERVICE_QOS,
             callback_group=self._service_group))
         self.session_services = SessionServices(self, self.service_node, prefix, self._service_group)
         self._service_handles += self.session_services.handles
-        self._map_version: dict[str, Any] = {}  # camera ("" = the combined map) -> what it last published
         # Timers run on the steady clock: with use_sim_time and no /clock, /diagnostics and the
         # status heartbeat go on (and say so) instead of stopping without a word.
         self._steady = Clock(clock_type=ClockType.STEADY_TIME)
@@ -248,15 +233,16 @@ class LingBotMapNode(Node):
         for name in names:
             cs = self.camera_settings[name]
             placer = tf_settings = pool = None
-            if self.aligner is not None:  # named cameras: placed in one map, TF of the others to the first
-                tf_settings = cs if name == reference else replace(cs, tf_mode="map_to_camera")
-                placer = AlignedPlacer(self.aligner, name, self._output_of(name), self._output_of(reference))
-                pool = self._pool
+            if self.named is not None:  # placed in one map, TF of the others to the first
+                placer, pool = self.named.placer(name), self.named.pool.status
+                tf_settings = self.named.tf_settings(name, cs)
             channel = CameraChannel(self, name, cs, placer, tf_settings=tf_settings, tf_shared=self.tf_shared,
                                     pool=pool)
             self.channels[name] = channel
             channel.outputs.publish_status(StatusFields(state=0, state_text="loading the model"), None)
         sessions = self._load_sessions()
+        if self.named is not None:
+            self.named.pool.attach(self.sessions)  # read from here on (a resume's statuses show it)
         resumed = self._open_journals(sessions)
         for name, channel in self.channels.items():
             channel.attach(sessions[name], self._now)
@@ -267,18 +253,11 @@ class LingBotMapNode(Node):
         pipeline = s.camera_pipelining and len(names) > 1  # one camera: nothing to overlap with
         self.scheduler = CameraScheduler({name: ch.engine for name, ch in self.channels.items()}, batch=batch,
                                          pipeline=pipeline)
-        if not s.cameras:
-            if s.camera_batching:
-                self.get_logger().warning("camera_batching is true but cameras is empty: with one camera there "
-                                          "is nothing to batch (the parameter has no effect)")
-            return
-        if s.camera_batching:
-            self.get_logger().info("camera_batching: the waiting frames of several cameras run in one batched "
-                                   "step where their CUDA graphs allow (bf16, FlashInfer), else in turn")
-        self.get_logger().info(f"camera_pipelining: {'on' if s.camera_pipelining else 'off'} (a camera's step "
-                               f"{'is launched before' if s.camera_pipelining else 'waits for'} the previous "
-                               "camera's results)")
-        self._warn_about_alignment()
+        if self.named is not None:
+            self.named.announce()
+        elif s.camera_batching:
+            self.get_logger().warning("camera_batching is true but cameras is empty: with one camera there "
+                                      "is nothing to batch (the parameter has no effect)")
 
     def _read_parameters(self) -> NodeSettings:
         """The node's settings; ``camera_settings`` = each camera's ({"": the node's} without ``cameras``)."""
@@ -370,8 +349,8 @@ class LingBotMapNode(Node):
             publisher = any(c.outputs.path is not None for c in self.channels.values())
             callback = self._flush_paths
         else:
-            publisher = any(c.outputs.map_points is not None for c in self.channels.values())
-            callback = self._on_map_timer
+            publisher = self.maps.any_published()
+            callback = self.maps.publish
         if publisher and rate > 0:
             self._rate_timers[which] = self.create_timer(1.0 / rate, callback, callback_group=self._timer_group,
                                                          clock=self._steady)
@@ -439,120 +418,6 @@ class LingBotMapNode(Node):
     def _now(self) -> float:
         return self.get_clock().now().nanoseconds * 1e-9
 
-    # ------------------------------------------------------------------ named cameras: one map
-    def _make_aligner(self) -> MapAligner:
-        s = self.settings
-        lookup = self.tf_shared if s.base_frame else None
-        if lookup is not None:
-            lookup.start()  # the URDF's static transforms arrive while the model loads
-        base_motion = None
-        if lookup is not None and s.odom_frame:
-            def base_motion(t_ref: float, t_cam: float):
-                a = lookup.matrix(s.odom_frame, s.base_frame, t_ref)
-                b = lookup.matrix(s.odom_frame, s.base_frame, t_cam)
-                return None if a is None or b is None else base_motion_from_odometry(a, b)
-        extrinsic = (lambda frame: lookup.matrix(s.base_frame, frame)) if lookup is not None else (lambda frame: None)
-        log = self.get_logger()
-        return MapAligner(s.cameras, s.map_frame, s.base_frame, extrinsic, base_motion,
-                          scale_frames=s.stream.num_scale_frames, warn=log.warning, info=log.info)
-
-    def _warn_about_alignment(self) -> None:
-        s, log = self.settings, self.get_logger()
-        own = ", ".join(own_map_frame(s.map_frame, c) for c in s.cameras)
-        if not s.base_frame:
-            log.warning(f"cameras {', '.join(s.cameras)}: base_frame is empty, so their extrinsics are unknown: each "
-                        f"camera publishes in its own map frame ({own}); set base_frame (and the URDF's camera "
-                        f"transforms in TF) for one map {s.map_frame}")
-            return
-        if self.tf_shared.buffer is None:
-            log.warning(f"tf2_ros is not importable: the camera extrinsics cannot be read, each camera keeps its "
-                        f"own map frame ({own})")
-        if s.scale_source == "none":
-            log.warning("scale_source none: the cameras' maps are joined through the extrinsics in metres while "
-                        "each camera's poses are in its own model units (metre-like, not metric): the cameras' "
-                        "maps agree only as far as those units are metres; a metric scale source joins them better")
-        log.info(f"one map: camera {s.cameras[0]} defines {s.map_frame}; the other cameras join it through TF "
-                 f"{s.base_frame} -> <camera frame> once both cameras have poses (until then: their own "
-                 f"{s.map_frame}_<camera>)")
-
-    def _output_of(self, camera: str):
-        """() -> how ``camera``'s engine publishes now (``engine.output``; identity before it exists)."""
-        def output() -> OutputTransform:
-            channel = self.channels.get(camera)
-            return channel.engine.output if channel is not None and channel.engine is not None else OutputTransform()
-        return output
-
-    def _pool(self) -> PoolStatus | None:
-        """The shared pool's status, read at most every POOL_REFRESH_S once the storage exists (inference
-        thread; cached for /diagnostics): a status may show the pool as it was up to that long ago."""
-        now = time.monotonic()
-        cached = self._pool_status
-        stale = cached is None or cached.capacity_tokens == 0 or now - self._pool_at >= POOL_REFRESH_S
-        if self.sessions is not None and stale:
-            self._pool_at = now
-            try:
-                self._pool_status = self.sessions.pool_status()
-            except Exception as exc:  # a status read must never cost a frame
-                self.get_logger().warning(f"cannot read the pool status: {type(exc).__name__}: {exc}")
-        return self._pool_status
-
-    # ------------------------------------------------------------------ services
-    def _srv_save_map(self, request, response):
-        """Every camera's snapshot (on the inference thread), then the files on this service thread,
-        so a slow disk holds up neither frames nor the other services. The unnamed camera writes
-        today's pair (map.ply, trajectory.tum); named cameras one map.ply for the cameras in
-        map_frame (map_<c>.ply for a camera in its own frame) and trajectory_<c>.tum each."""
-        snapshots, error = {}, ""
-        for name, channel in self.channels.items():
-            ok, snapshot, error = channel.run("save_map", channel.engine.save_snapshot)
-            if not ok:
-                error = f"camera {name}: {error}" if name else error
-                break
-            snapshots[name] = snapshot
-        saved = None
-        timeout = self.settings.service_timeout
-        if error:  # a camera's snapshot failed: nothing written
-            pass
-        elif not self._save_lock.acquire(timeout=timeout):
-            error = f"another ~/save_map is still writing after {timeout:.1f} s; not saved"
-        else:
-            try:
-                saved = self._write_maps(snapshots, request.directory)
-            except (SaveError, MapSaveError) as exc:
-                error = str(exc)
-            finally:
-                self._save_lock.release()
-        response.success = saved is not None
-        if saved is None:
-            response.message = error
-        else:
-            first = next(iter(self.channels))
-            response.ply_path = str(saved.maps.get(MAP_FILE, next(iter(saved.maps.values()))))
-            response.trajectory_path = str(saved.trajectories.get(first, next(iter(saved.trajectories.values()))))
-            files = [str(p) for p in list(saved.maps.values()) + list(saved.trajectories.values())]
-            notes = "; ".join(f"camera {c} not saved: {why}" for c, why in saved.skipped.items())
-            listed = ", ".join(files) if self.settings.cameras else " and ".join(files)
-            response.message = f"wrote {listed}" + (f" ({notes})" if notes else "")
-        self.get_logger().info(f"~/save_map: {response.message}")
-        return response
-
-    def _write_maps(self, snapshots: dict, directory: str) -> SavedMaps:
-        """The cameras' snapshots -> files (service thread): scaled, placed in their map frames."""
-        s = self.settings
-        if "" in snapshots:  # the unnamed camera: one crash-safe PLY + TUM pair
-            ply, tum = write_map_files(snapshots[""], directory, s.output_directory, s.service_timeout)
-            return SavedMaps("", {MAP_FILE: ply}, {"": tum}, {})
-        maps = []
-        for name, snap in snapshots.items():
-            try:
-                points, colors, poses = snap.output(s.service_timeout)
-            except SaveError as exc:
-                raise SaveError(f"camera {name}: {exc}") from None
-            placed = self.channels[name].outputs.placement(OutputTransform(snap.scale, snap.offset))
-            maps.append(CameraMap(name, placed.frame, snap.stamps, transform_poses(placed.transform, poses),
-                                  transform_points(placed.transform, points).astype(np.float32), colors))
-        return save_camera_maps(directory, s.output_directory, maps, s.map_frame)
-
     # ------------------------------------------------------------------ timers
     def _on_second(self) -> None:
         clock = self._clock_problem()
@@ -578,57 +443,14 @@ class LingBotMapNode(Node):
         for channel in self.channels.values():
             channel.outputs.flush_path()
 
-    def _on_map_timer(self) -> None:
-        """~/[<c>/]map_points (each camera's own map, in its frame) and, with named cameras,
-        ~/map_points (every camera whose map is in map_frame now), each when someone listens and
-        something changed."""
-        combined = self.map_points is not None and self.map_points.get_subscription_count() > 0
-        parts, key = [], []
-        for name, channel in self.channels.items():
-            own = channel.outputs.map_points
-            if own is None or channel.engine.map is None:
-                continue
-            wanted = own.get_subscription_count() > 0
-            if not (wanted or combined):
-                continue
-            engine = channel.engine
-            output = engine.output
-            placed = channel.outputs.placement(output)
-            where = (None, None) if placed is None else (placed.version, placed.frame)
-            state = (engine.map.version, output, where)
-            if wanted and self._map_version.get(name) != state:
-                points, colors, _ = engine.map.snapshot()
-                channel.outputs.publish_map(points, colors, output)  # the map is kept in model units
-                self._map_version[name] = state
-            if combined and placed is not None and placed.frame == self.settings.map_frame:
-                parts.append(channel)
-                key.append((name, state))
-        if combined and parts and self._map_version.get("") != key:
-            self._publish_combined_map(parts)
-            self._map_version[""] = key
-
-    def _publish_combined_map(self, channels: list[CameraChannel]) -> None:
-        points, colors, stamp = [], [], None
-        for channel in channels:
-            output = channel.engine.output
-            p, c, _ = channel.engine.map.snapshot()
-            placed = channel.outputs.placement(output)
-            points.append(transform_points(placed.transform, output.points(p)).astype(np.float32))
-            colors.append(c)
-            latest = channel.outputs.latest_stamp
-            if stamp is None or stamp_seconds(latest) > stamp_seconds(stamp):
-                stamp = latest
-        header = Header(stamp=stamp, frame_id=self.settings.map_frame)
-        self.map_points.publish(make_pointcloud2(np.concatenate(points), np.concatenate(colors), None, header))
-
     def _diagnostics(self, clock: str) -> DiagnosticArray:
         """/diagnostics: the clock, the shared pool (named cameras) and every camera's entries (the
         unnamed camera's under the node's name, a named camera's under "<node>: <camera>")."""
         name = self.get_fully_qualified_name()
         statuses = [diag(f"{name}: clock", DiagnosticStatus.WARN if clock else DiagnosticStatus.OK,
                          clock or "ok", {"use_sim_time": self.get_parameter("use_sim_time").value})]
-        if self.sessions is not None:
-            statuses.append(self._pool_diag(name))
+        if self.named is not None:
+            statuses.append(self.named.pool_diag(name, self.scheduler))
         for camera, channel in self.channels.items():
             label = f"{name}: {camera}" if camera else name
             statuses.append(channel.input_diag(label))
@@ -636,32 +458,10 @@ class LingBotMapNode(Node):
             journal = journal_diag(label, channel.engine)
             if journal is not None:
                 statuses.append(journal)
-            if self.aligner is not None:
-                waiting = self.aligner.enabled and not self.aligner.aligned(camera)  # own frames by configuration: OK
-                statuses.append(diag(f"{label}: map frame", DiagnosticStatus.WARN if waiting else DiagnosticStatus.OK,
-                                     self.aligner.describe(camera), {
-                                         "frame": channel.outputs.placement().frame,
-                                         "items run by the scheduler": self.scheduler.served.get(camera, 0)}))
+            if self.named is not None:
+                statuses.append(self.named.map_frame_diag(label, camera, channel.outputs.placement().frame,
+                                                          self.scheduler.served.get(camera, 0)))
         return DiagnosticArray(header=Header(stamp=self.get_clock().now().to_msg()), status=statuses)
-
-    def _pool_diag(self, name: str) -> DiagnosticStatus:
-        pool = self._pool_status
-        if pool is None:
-            return diag(f"{name}: pool", DiagnosticStatus.OK, "not read yet (no frame)", {})
-        values = {"capacity (tokens)": pool.capacity_tokens, "leased (tokens)": pool.leased_tokens,
-                  "size (MiB)": f"{pool.nbytes / 2**20:.1f}"}
-        for camera, cp in pool.cameras.items():
-            values[f"{camera}: pages / used / tokens per page"] = f"{cp.pages} / {cp.used_pages} / {cp.page_tokens}"
-        if self.settings.camera_pipelining:  # written by the inference thread
-            values["steps overlapped with the next camera's"] = self.scheduler.overlapped
-        if self.settings.camera_batching:  # counters written by the inference thread (plain ints)
-            values["batched turns"] = self.scheduler.batches
-            for camera, inner in self.sessions.inner.items():
-                values[f"{camera}: steps in a batched trunk"] = inner.batched_steps
-        used = 100.0 * pool.leased_tokens / pool.capacity_tokens if pool.capacity_tokens else 0.0
-        return diag(f"{name}: pool", DiagnosticStatus.OK,
-                    f"{pool.leased_tokens}/{pool.capacity_tokens} tokens leased ({used:.0f} %), "
-                    f"{pool.nbytes / 2**20:.1f} MiB", values)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
@@ -681,122 +481,7 @@ def _fastdds_without_profile() -> bool:
     return rmw.startswith("rmw_fastrtps") and not profile
 
 
-def _spin_quietly(executor) -> None:
-    """Spin until the context shuts down (the service thread: its end is not an error)."""
-    try:
-        executor.spin()
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
+if __name__ == "__main__":  # python -m lingbot_map_ros.ros.node: the entry point lives in ros.main
+    from .main import main
 
-
-SERVICE_THREADS = 4  # concurrent service calls (a slow ~/save_map does not block ~/reset)
-THREAD_JOIN_S = 10.0  # s; how long shutdown waits for the service thread to leave rclpy
-SPIN_PERIOD = 0.2  # s; the main loop's longest wait, so SIGINT/SIGTERM are handled promptly
-JOURNAL_CLOSE_S = 10.0  # s; how long shutdown waits for the journal writer to write what is queued
-GIL_SWITCH_ENV = "LINGBOT_GIL_SWITCH_MS"
-GIL_SWITCH_MS = 0.5
-
-
-def set_gil_switch_interval(environ=os.environ) -> float:
-    """Shorten CPython's GIL switch interval (5 ms by default) for this latency-bound process.
-
-    A thread that wakes up (the inference thread handed a frame, or back from waiting for
-    the GPU) must get the GIL from whichever thread runs Python (the executor after a
-    callback, the output thread); it is only forced to let go after the switch interval,
-    so each hand-over can cost up to 5 ms. ``LINGBOT_GIL_SWITCH_MS`` overrides the 0.5 ms
-    used here (0 keeps Python's default). Returns the interval in force (s)."""
-    raw = environ.get(GIL_SWITCH_ENV, "").strip()
-    try:
-        ms = GIL_SWITCH_MS if raw == "" else float(raw)
-    except ValueError:
-        ms = -1.0
-    if not ms >= 0:  # not a number, negative, or NaN
-        sys.stderr.write(f"lingbot_map_node: ignoring {GIL_SWITCH_ENV}={raw!r} (expected milliseconds >= 0); "
-                         f"using {GIL_SWITCH_MS} ms\n")
-        ms = GIL_SWITCH_MS
-    if ms > 0:
-        sys.setswitchinterval(ms / 1e3)
-    return sys.getswitchinterval()
-
-
-def _join_threads(extra: list[threading.Thread], timeout: float) -> list[str]:
-    """Join ``extra`` and every live thread named ``lingbot_map*`` within ``timeout`` seconds in all;
-    returns the names of those still alive."""
-    deadline = time.monotonic() + timeout
-    threads = {t for t in threading.enumerate() if t.name.startswith("lingbot_map")} | set(extra)
-    threads.discard(threading.current_thread())
-    for thread in threads:
-        thread.join(max(0.0, deadline - time.monotonic()))
-    return sorted(t.name for t in threads if t.is_alive())
-
-
-def _interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt  # while the model loads, SIGTERM ends the node the way SIGINT does
-
-
-def main(args: list[str] | None = None) -> int:
-    """Console entry point ``lingbot_map_node``: exit status 0 on shutdown (SIGINT, SIGTERM), 1 when
-    it cannot start.
-
-    rclpy's own signal handlers are off: they would shut the context down while the inference and
-    output threads still publish ("publisher's context is invalid"). Here SIGINT/SIGTERM end the
-    spin loop, the threads stop, and only then is the context shut down."""
-    set_gil_switch_interval()
-    rclpy.init(args=args if args is not None else sys.argv, signal_handler_options=SignalHandlerOptions.NO)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        node = LingBotMapNode()
-    except StartupError as exc:
-        rclpy.logging.get_logger(NODE_NAME).error(f"cannot start: {exc}")
-        rclpy.try_shutdown()
-        return 1
-    except KeyboardInterrupt:  # stopped while loading the model
-        rclpy.try_shutdown()
-        return 0
-    # One executor thread for the node's callbacks: they are short (an image is converted and
-    # handed over), and a pool of executor threads only adds GIL hand-offs that delay the
-    # inference thread (the multi-threaded executor measured 2x the tail latency of this one,
-    # benchmarks/node/node_probe.py). The services, which wait for the inference thread or write
-    # files, get executor threads of their own.
-    # From here a signal only sets a flag that the loop reads: an exception raised by a handler in
-    # the middle of rclpy's C++ calls (taking a message) would surface as an unrelated error.
-    stop = threading.Event()
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    executor = SingleThreadedExecutor()
-    services = MultiThreadedExecutor(num_threads=SERVICE_THREADS)
-    services.add_node(node.service_node)
-    service_thread = threading.Thread(target=_spin_quietly, args=(services,), name="lingbot_map_services",
-                                      daemon=True)
-    service_thread.start()
-    executor.add_node(node)
-    try:
-        while rclpy.ok() and not stop.is_set():
-            executor.spin_once(timeout_sec=SPIN_PERIOD)  # returns now and then so a signal is seen
-    except (KeyboardInterrupt, ExternalShutdownException):
-        pass
-    finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal must not cut the clean-up short
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        node.shutdown()  # inference and output threads stop first: nothing publishes after this
-        services.shutdown(timeout_sec=1.0)
-        executor.shutdown(timeout_sec=1.0)
-        node.destroy_node()
-        rclpy.try_shutdown()
-        # A thread of ours may still be returning from rclpy's (or torch's) C++ code: if the
-        # interpreter finalized under it, CPython would end it with pthread_exit, whose unwinding
-        # through a noexcept C++ frame aborts the process ("terminate called without an active
-        # exception"). So wait for them; one that never returns is left behind by a hard exit.
-        left = _join_threads([service_thread], THREAD_JOIN_S)
-        if left:
-            rclpy.logging.get_logger(NODE_NAME).warning(
-                f"threads {', '.join(left)} did not stop within {THREAD_JOIN_S:.0f} s; exiting without them")
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(0)
-    return 0
-
-
-if __name__ == "__main__":
     sys.exit(main())

@@ -193,7 +193,7 @@ def test_gil_switch_interval_is_shortened_and_can_be_kept_or_overridden(capsys):
     import sys
 
     pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
-    from lingbot_map_ros.ros.node import GIL_SWITCH_ENV, set_gil_switch_interval
+    from lingbot_map_ros.ros.main import GIL_SWITCH_ENV, set_gil_switch_interval
 
     before = sys.getswitchinterval()
     try:
@@ -217,7 +217,7 @@ def test_shutdown_joins_our_threads_and_names_one_that_hangs():
     import time
 
     pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
-    from lingbot_map_ros.ros.node import _join_threads
+    from lingbot_map_ros.ros.main import _join_threads
 
     release = threading.Event()
     slow = threading.Thread(target=lambda: time.sleep(0.3), name="lingbot_map_slow", daemon=True)

@@ -12,7 +12,7 @@ Not a test module (pytest collects ``test_*.py`` only); the test modules import 
 - inputs: ``generated_frames`` and ``image_msg``;
 - ``GraphClient``: a test node in its own context that records messages and waits on a
   condition with a real timeout (``publish_until``: a first message, sent until it arrived);
-  ``InProcessNode``: the node itself in this process, spun as ``node.main`` spins it;
+  ``InProcessNode``: the node itself in this process, spun as ``main.main`` spins it;
 - expectations: ``replay_session`` (the node's model, fed in this process), ``pose_matrix``.
 """
 from __future__ import annotations
@@ -310,10 +310,11 @@ class GraphClient:
 
 class InProcessNode:
     """LingBotMapNode ``name`` in its own context on ``domain_id`` (loopback only), spun like
-    ``node.main``: one executor thread for the node, a multi-threaded executor for its services."""
+    ``main.main``: one executor thread for the node, a multi-threaded executor for its services."""
 
     def __init__(self, name: str, params: Mapping[str, Any], domain_id: int) -> None:
-        from lingbot_map_ros.ros.node import SERVICE_THREADS, LingBotMapNode
+        from lingbot_map_ros.ros.main import SERVICE_THREADS
+        from lingbot_map_ros.ros.node import LingBotMapNode
 
         loopback_only()
         self.context = rclpy.Context()

@@ -1,7 +1,7 @@
 """Tracking health over real DDS (loopback, a private ROS_DOMAIN_ID): lost on injected non-finite
 poses, recovery, and on_lost=reset continuing the map through odometry (issue 17).
 
-The node runs in this process (tiny fixture weights, CPU), spun as ``node.main`` spins it, with its
+The node runs in this process (tiny fixture weights, CPU), spun as ``main.main`` spins it, with its
 session wrapped so that chosen frames come back with NaN poses. A client node of its own context
 publishes the images, a static ``base_link -> cam_optical`` transform and an ``odom -> base_link``
 trajectory (one transform per image stamp, in the node's TF buffer before the image goes out), and

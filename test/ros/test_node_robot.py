@@ -1,7 +1,7 @@
 """The node as a robot deployment uses it (issue 15), in a real ROS 2 graph on loopback.
 
 One node runs in this process (tiny fixture weights, CPU) so that a test can make its file
-writing block; its executors are spun exactly as ``node.main`` spins them. Its settings:
+writing block; its executors are spun exactly as ``main.main`` spins them. Its settings:
 deferred eviction on with no client committing, ``use_sim_time`` with no /clock. A test
 client (own context) publishes frames and calls the parameter and node services. Two
 more node processes check that SIGINT and SIGTERM mid-stream end the node with exit
@@ -166,18 +166,18 @@ def test_repeated_backwards_and_jumping_stamps(robot):
 def test_a_save_that_blocks_holds_up_neither_frames_nor_diagnostics_nor_other_services(robot, monkeypatch):
     """~/save_map writes its files on a service thread: while the disk hangs, frames are
     processed, /diagnostics goes on and ~/commit_eviction is answered."""
-    import lingbot_map_ros.ros.node as node_module
+    import lingbot_map_ros.ros.map_outputs as map_outputs
 
     node, client, out = robot
     gate, entered = threading.Event(), threading.Event()
-    real = node_module.write_map_files
+    real = map_outputs.write_map_files
 
     def stalled_disk(*args, **kwargs):
         entered.set()
         assert gate.wait(60)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(node_module, "write_map_files", stalled_disk)
+    monkeypatch.setattr(map_outputs, "write_map_files", stalled_disk)
     imgs = generated_frames(8, seed=2)
     for i in range(3):
         client.send(imgs[i], 4000 + i)

@@ -92,7 +92,7 @@ def test_every_user_reads_the_one_buffer():
     put(shared, T_ODOM_BASE, "odom", "base_link", sec=6)
     np.testing.assert_allclose(front.camera_pose(stamp(5), "front_optical"), T_ODOM_BASE @ T_BASE_FRONT, atol=1e-9)
     np.testing.assert_allclose(rear.camera_pose(stamp(5), "rear_optical"), T_ODOM_BASE @ T_BASE_REAR, atol=1e-9)
-    # the alignment's look-ups (node._make_aligner): latest and at a stamp in seconds
+    # the alignment's look-ups (ros.named_cameras.make_aligner): latest and at a stamp in seconds
     np.testing.assert_allclose(shared.matrix("base_link", "rear_optical"), T_BASE_REAR, atol=1e-9)
     np.testing.assert_allclose(shared.matrix("odom", "base_link", 5.0), T_ODOM_BASE, atol=1e-9)
     assert shared.matrix("odom", "base_link", 9.0) is None  # after the newest odometry: no extrapolation
