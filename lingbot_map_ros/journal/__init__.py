@@ -10,9 +10,9 @@ from .format import JournalError, Record, scan
 from .identity import journal_identity
 from .resume import JournalMismatch, Rebuilt, rebuild
 from .recorder import JournaledSession
-from .state_dir import JOURNAL_NAME, Opened, load_session, open_state_directory, save_session
+from .state_dir import JOURNAL_NAME, Opened, load_session, open_state_directory, save_session, set_aside
 from .writer import JournalStatus, JournalWriter
 
 __all__ = ["JOURNAL_NAME", "JournalError", "JournalMismatch", "JournalStatus", "JournalWriter", "JournaledSession",
            "Opened", "Rebuilt", "Record", "journal_identity", "load_session", "open_state_directory", "rebuild",
-           "save_session", "scan"]
+           "save_session", "scan", "set_aside"]

@@ -45,6 +45,17 @@ def _stamp() -> str:
     return time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
 
 
+def set_aside(path: str | Path, why: str) -> Path | None:
+    """Rename the journal ``path`` to ``journal.<why>-<UTC time>.lbj`` beside it, content untouched;
+    the new path, or None when there was none."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    aside = path.with_name(f"journal.{why}-{_stamp()}.lbj")
+    os.replace(path, aside)
+    return aside
+
+
 def open_state_directory(folder: str | Path, session, identity: dict[str, Any], width: int | None = None,
                          progress: Callable[[int, int], None] | None = None, **writer_kw) -> Opened:
     """Resume or start the journal in ``folder`` for ``session`` (a fresh StreamingSession or
@@ -59,8 +70,7 @@ def open_state_directory(folder: str | Path, session, identity: dict[str, Any], 
             rebuilt = rebuild(session, path, identity, width, progress)
         except JournalError as exc:  # another model/config/resolution, not a journal, unreadable
             refused = str(exc)
-            aside = folder / f"journal.refused-{_stamp()}.lbj"
-            os.replace(path, aside)
+            aside = set_aside(path, "refused")
             log.warning("the journal in %s was not resumed (%s); kept as %s, a new journal starts", folder, refused,
                         aside.name)
             session.reset()
@@ -107,4 +117,5 @@ def load_session(session: JournaledSession, folder: str | Path, width: int | Non
     return rebuilt
 
 
-__all__ = ["JOURNAL_NAME", "Opened", "open_state_directory", "save_session", "load_session", "JournalMismatch"]
+__all__ = ["JOURNAL_NAME", "Opened", "open_state_directory", "save_session", "load_session", "set_aside",
+           "JournalMismatch"]

@@ -13,17 +13,16 @@ the "journal" entry of /diagnostics (the logic lives in ``runtime.journaling``).
 from __future__ import annotations
 
 import threading
-from typing import Any
+from typing import Any, Callable
 
 from diagnostic_msgs.msg import DiagnosticStatus
 
 from lingbot_map_ros.srv import LoadSession, SaveSession
 
-from ..journal import JOURNAL_NAME, JournalError
-from ..journal.resume import read_journal
+from ..journal import JournalError
 from ..runtime.frames import StatusFields
-from ..runtime.journaling import (Resumed, SessionError, camera_folder, open_camera_journal, save_sessions,
-                                  session_folder)
+from ..runtime.journaling import (Resumed, SessionError, camera_folder, check_saved, open_camera_journal,
+                                  save_sessions, session_folder)
 from .camera_channel import SERVICE_QOS, diag
 
 
@@ -56,86 +55,60 @@ class SessionServices:
                                         callback_group=group),
         ]
 
-    def _journals(self) -> dict[str, Any]:
-        return {name: ch.engine.journal for name, ch in self.node.channels.items()}
-
-    def _busy(self) -> str:
+    def _serve(self, service: str, what: str, response, body: Callable[[Any], str]):
+        """One save or load at a time: ``body(response)`` fills the response and returns the
+        message of a success; a refusal (SessionError, JournalError, OSError) answers
+        "not <what>: <reason>" and changes nothing it had not changed already. Logged once."""
         timeout = self.node.settings.service_timeout
-        if self._lock.acquire(timeout=timeout):
-            return ""
-        return f"another ~/save_session or ~/load_session is still running after {timeout:.1f} s; nothing done"
-
-    def save(self, request, response):
-        s = self.node.settings
-        busy = self._busy()
-        if busy:
-            response.success, response.message = False, busy
-            return response
-        try:
-            journals = self._journals()
-            if any(j is None or j.writer is None for j in journals.values()):
-                raise SessionError("journaling is off: start the node with state_directory set to save sessions")
-            folder = session_folder(request.directory, s.output_directory)
-            response.bytes = save_sessions(journals, folder)
-            response.success, response.path = True, str(folder)
-            cameras = f" ({len(journals)} cameras)" if len(journals) > 1 else ""
-            response.message = f"saved the session{cameras} in {folder} ({response.bytes / 2**20:.1f} MiB)"
-        except (SessionError, OSError) as exc:
-            response.success = False
-            response.message = f"not saved: {_reason(exc)}"
-        finally:
-            self._lock.release()
-        _log(self.node.get_logger(), response.success, f"~/save_session: {response.message}")
+        response.success = False
+        if not self._lock.acquire(timeout=timeout):
+            response.message = (f"another ~/save_session or ~/load_session is still running after {timeout:.1f} s; "
+                                 "nothing done")
+        else:
+            try:
+                response.message = body(response)
+                response.success = True
+            except (SessionError, JournalError, OSError) as exc:
+                response.message = f"not {what}: {_reason(exc)}"
+            finally:
+                self._lock.release()
+        _log(self.node.get_logger(), response.success, f"~/{service}: {response.message}")
         return response
 
+    def save(self, request, response):
+        def body(response) -> str:
+            journals = {name: ch.engine.journal for name, ch in self.node.channels.items()}
+            folder = session_folder(request.directory, self.node.settings.output_directory)
+            response.bytes = save_sessions(journals, folder)
+            response.path = str(folder)
+            cameras = f" ({len(journals)} cameras)" if len(journals) > 1 else ""
+            return f"saved the session{cameras} in {folder} ({response.bytes / 2**20:.1f} MiB)"
+        return self._serve("save_session", "saved", response, body)
+
     def load(self, request, response):
-        s = self.node.settings
-        busy = self._busy()
-        if busy:
-            response.success, response.message = False, busy
-            return response
-        try:
-            response.success, response.message = False, ""
-            folder = session_folder(request.directory, s.output_directory, default_name=False)
-            self._check_all(folder)
+        def body(response) -> str:
+            folder = session_folder(request.directory, self.node.settings.output_directory, default_name=False)
+            if not folder.is_dir():
+                raise SessionError(f"no saved session at {folder} (no such folder)")
+            channels = self.node.channels
+            for name, channel in channels.items():  # every camera's, before any state changes
+                try:
+                    check_saved(channel.engine.journal, camera_folder(folder, name), channel.settings.image_width)
+                except SessionError as exc:
+                    raise SessionError(f"camera {name}: {exc}" if name else str(exc)) from None
             done: list[Resumed] = []
-            for name, channel in self.node.channels.items():
+            for name, channel in channels.items():
                 ok, resumed, error = channel.run("load_session", lambda c=channel, n=name:
                                                  c.engine.load_session(camera_folder(folder, n)))
                 if not ok:
                     loaded = f" ({len(done)} camera(s) before it already loaded)" if done else ""
                     raise SessionError(f"camera {name}: {error}{loaded}" if name else error)
                 done.append(resumed)
-            response.success = True
             response.frames_replayed = sum(r.frames for r in done)
             response.next_frame = done[0].next_frame + 1
             response.seconds = sum(r.seconds for r in done)
-            response.message = "; ".join(f"{n}: {r.describe()}" if n else r.describe()
-                                         for n, r in zip(self.node.channels, done))
-        except (SessionError, JournalError, OSError) as exc:
-            response.message = f"not loaded: {_reason(exc)}"
-        finally:
-            self._lock.release()
-        _log(self.node.get_logger(), response.success, f"~/load_session: {response.message}")
-        return response
-
-    def _check_all(self, folder) -> None:
-        """Every camera's saved journal exists and fits, before any state changes."""
-        if not folder.is_dir():
-            raise SessionError(f"no saved session at {folder} (no such folder)")
-        for name, channel in self.node.channels.items():
-            journal = channel.engine.journal
-            if journal is None:
-                raise SessionError("sessions are off: start the node with state_directory (or load_session) set "
-                                   "to load saved sessions")
-            path = camera_folder(folder, name) / JOURNAL_NAME
-            if not path.is_file():
-                where = f" for camera {name}" if name else ""
-                raise SessionError(f"{path.parent} holds no saved session{where} (no {JOURNAL_NAME})")
-            try:
-                read_journal(path, journal.identity, channel.settings.image_width)
-            except JournalError as exc:
-                raise SessionError(f"camera {name}: {exc}" if name else str(exc)) from None
+            return "; ".join(f"{n}: {r.describe()}" if n else r.describe() for n, r in zip(channels, done))
+        return self._serve("load_session", "loaded", response, body)
 
 
 def journal_diag(label: str, engine) -> DiagnosticStatus | None:

@@ -87,7 +87,7 @@ from .anchor import Lookup, MapAnchor
 from .clouds import CloudOutput, ConfidenceSample
 from .decisions import KeyframeDecisions
 from .frames import FrameOutput, FrameSummary, InputFrame, Logger, Sink, State
-from .journaling import ANCHOR_STATE, COUNTERS_STATE, Resumed, load_saved
+from .journaling import ANCHOR_STATE, COUNTERS_STATE, SESSIONS_OFF, Resumed, load_saved
 from .mapping import MapAccumulator, PoseEntry, Trajectory
 from .model_input import ModelInput, gpu_device
 from .params import NodeSettings
@@ -692,8 +692,7 @@ class InferenceEngine:
         from .journaling import SessionError
 
         if self.journal is None:
-            raise SessionError("sessions are off: start the node with state_directory (or load_session) set to "
-                               "load saved sessions")
+            raise SessionError(SESSIONS_OFF)
         if self.queue.discard_frame() is not None:
             self.counters.add("frames_dropped_stale")
         try:

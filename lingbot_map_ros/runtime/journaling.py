@@ -21,7 +21,6 @@ import logging
 import os
 import secrets
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -29,15 +28,18 @@ from typing import Any, Callable
 import numpy as np
 
 from ..io.atomic import fsync_directory
-from ..io.map_save import MapSaveError, resolve_save_directory
+from ..io.map_save import MapSaveError, new_save_id, resolve_save_directory
 from ..journal import (JOURNAL_NAME, JournaledSession, JournalError, Rebuilt, journal_identity, load_session,
-                       open_state_directory)
+                       open_state_directory, set_aside)
+from ..journal.resume import read_journal
 from .params import NodeSettings
 
 log = logging.getLogger(__name__)
 
 COUNTERS_STATE = "counters"  # the ~/status counters, journaled as a named state (latest kept)
 ANCHOR_STATE = "anchor"  # where the sequence sits in the map (a lost reset's offset): MapAnchor.snapshot
+SESSIONS_OFF = "sessions are off: start the node with state_directory (or load_session) set to load saved sessions"
+JOURNALING_OFF = "journaling is off: start the node with state_directory set to save sessions"
 
 
 class SessionError(Exception):
@@ -93,12 +95,12 @@ def camera_folder(root: str | Path, camera: str) -> Path:
 
 def session_folder(requested: str, output_directory: str, default_name: bool = True) -> Path:
     """The folder a ~/save_session or ~/load_session request names: empty = a new
-    ``session-<UTC time>`` under ``output_directory`` (``default_name``; else SessionError),
+    ``session-<UTC time>-<8 hex>`` under ``output_directory`` (``default_name``; else SessionError),
     relative = under it (may not leave it), absolute = as given."""
     if not requested.strip():
         if not default_name:
             raise SessionError("no directory given: name the saved session's folder")
-        requested = f"session-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}"
+        requested = f"session-{new_save_id()}"
     try:
         return resolve_save_directory(requested, output_directory)
     except MapSaveError as exc:
@@ -124,7 +126,9 @@ def open_camera_journal(session, settings: NodeSettings, camera: str,
     if settings.state_directory:
         folder = camera_folder(settings.state_directory, camera)
         if settings.load_session:
-            _set_aside(folder / JOURNAL_NAME, "replaced")
+            aside = set_aside(folder / JOURNAL_NAME, "replaced")
+            if aside is not None:
+                log.warning("the journal in %s is set aside as %s (load_session replaces it)", folder, aside.name)
         opened = open_state_directory(folder, session, identity, settings.image_width, progress)
         wrapped = opened.session
         if opened.rebuilt is not None:
@@ -140,12 +144,25 @@ def open_camera_journal(session, settings: NodeSettings, camera: str,
     return wrapped, resumed
 
 
+def check_saved(session: JournaledSession | None, folder: Path, width: int) -> None:
+    """SessionError unless ``session`` may load the saved session in ``folder``: sessions on, the
+    journal there, readable, of this model, configuration and width (nothing changes here)."""
+    if session is None:
+        raise SessionError(SESSIONS_OFF)
+    path = Path(folder) / JOURNAL_NAME
+    if not path.is_file():
+        raise SessionError(f"{folder} holds no saved session (no {JOURNAL_NAME})")
+    try:
+        read_journal(path, session.identity, width)
+    except JournalError as exc:
+        raise SessionError(f"cannot load {folder}: {exc}") from None
+
+
 def load_saved(session: JournaledSession, folder: Path, width: int,
                progress: Callable[[int, int], None] | None = None) -> Rebuilt:
     """``journal.load_session`` with its refusals as SessionError (state unchanged); an exception
     of the model during the replay propagates (the session is then reset)."""
-    if not (folder / JOURNAL_NAME).is_file():
-        raise SessionError(f"{folder} holds no saved session (no {JOURNAL_NAME})")
+    check_saved(session, folder, width)
     try:
         return load_session(session, folder, width, progress)
     except JournalError as exc:
@@ -157,9 +174,8 @@ def save_sessions(sessions: dict[str, JournaledSession], folder: Path) -> int:
     session in ``folder`` (replacing one there); returns the bytes written. SessionError when
     journaling is off or nothing was journaled yet, OSError when the disk refuses (nothing of
     the new session is left then, the old one is kept)."""
-    for camera, s in sessions.items():
-        if s.writer is None:
-            raise SessionError("journaling is off: start the node with state_directory set to save sessions")
+    if any(s is None or s.writer is None for s in sessions.values()):
+        raise SessionError(JOURNALING_OFF)
     folder = Path(folder)
     parent = folder.parent
     parent.mkdir(parents=True, exist_ok=True)
@@ -192,13 +208,6 @@ def save_sessions(sessions: dict[str, JournaledSession], folder: Path) -> int:
     return total
 
 
-def _set_aside(path: Path, why: str) -> None:
-    if path.exists():
-        aside = path.with_name(f"journal.{why}-{time.strftime('%Y%m%dT%H%M%SZ', time.gmtime())}.lbj")
-        os.replace(path, aside)
-        log.warning("the journal %s is set aside as %s (load_session replaces the state directory's journal)",
-                    path, aside.name)
-
-
-__all__ = ["ANCHOR_STATE", "COUNTERS_STATE", "Resumed", "SessionError", "camera_folder", "journal_label", "load_saved",
-           "open_camera_journal", "save_sessions", "session_folder"]
+__all__ = ["ANCHOR_STATE", "COUNTERS_STATE", "JOURNALING_OFF", "SESSIONS_OFF", "Resumed", "SessionError",
+           "camera_folder", "check_saved", "journal_label", "load_saved", "open_camera_journal", "save_sessions",
+           "session_folder"]

@@ -68,6 +68,19 @@ def feed(engine: InferenceEngine, sink: Sink, ks) -> None:
             time.sleep(0.005)
 
 
+def journaled_run(model, settings, ks, then=None) -> None:
+    """A journaled engine over frames ``ks`` (``then(wrapped)`` afterwards), then stopped and closed."""
+    wrapped, _ = open_camera_journal(session_of(model, settings), settings, "")
+    engine, scheduler, sink = engine_of(model, settings, wrapped)
+    try:
+        feed(engine, sink, ks)
+        if then is not None:
+            then(wrapped)
+    finally:
+        scheduler.stop()
+        wrapped.writer.close()
+
+
 def handled(engine: InferenceEngine) -> int:
     c = engine.counters.snapshot()
     return c.frames_processed + c.frames_dropped_invalid + c.frames_dropped_error
@@ -154,14 +167,7 @@ def test_engine_journals_resumes_with_progress_and_restores_counters(tiny_model,
 
 def test_a_journal_of_another_width_is_set_aside_and_a_new_one_starts(tiny_model, tmp_path):
     state = tmp_path / "state"
-    settings = settings_of(tmp_path, state_directory=str(state))
-    wrapped, _ = open_camera_journal(session_of(tiny_model, settings), settings, "")
-    engine, scheduler, sink = engine_of(tiny_model, settings, wrapped)
-    try:
-        feed(engine, sink, range(3))
-    finally:
-        scheduler.stop()
-        wrapped.writer.close()
+    journaled_run(tiny_model, settings_of(tmp_path, state_directory=str(state)), range(3))
     other = settings_of(tmp_path, state_directory=str(state), image_width=112)
     wrapped2, resumed = open_camera_journal(session_of(tiny_model, other), other, "")
     try:
@@ -175,15 +181,8 @@ def test_a_journal_of_another_width_is_set_aside_and_a_new_one_starts(tiny_model
 
 def test_load_session_at_start_sets_the_state_directory_journal_aside(tiny_model, tmp_path):
     state = tmp_path / "state"
-    settings = settings_of(tmp_path, state_directory=str(state))
-    wrapped, _ = open_camera_journal(session_of(tiny_model, settings), settings, "")
-    engine, scheduler, sink = engine_of(tiny_model, settings, wrapped)
-    try:
-        feed(engine, sink, range(4))
-        save_sessions({"": wrapped}, tmp_path / "out" / "kept")
-    finally:
-        scheduler.stop()
-        wrapped.writer.close()
+    journaled_run(tiny_model, settings_of(tmp_path, state_directory=str(state)), range(4),
+                  then=lambda wrapped: save_sessions({"": wrapped}, tmp_path / "out" / "kept"))
     with_load = settings_of(tmp_path, state_directory=str(state), load_session="kept")
     wrapped2, resumed = open_camera_journal(session_of(tiny_model, with_load), with_load, "")
     try:

@@ -274,6 +274,19 @@ class GraphClient:
         ``frames_dropped_stamp``), so use this where that does not change what the test asserts."""
         return self.wait(predicate, what, timeout, repeat=lambda: publisher.publish(msg), period=period)
 
+    def send_for_status(self, publisher, msg, status_key: str, first: bool = False):
+        """Publish the image ``msg`` and wait for the node's status about its stamp (from the
+        statuses recorded under ``status_key``; not the start-up "ready" one); ``first``: a
+        writer's first image, sent with ``publish_until``."""
+        stamp = msg.header.stamp
+        status = lambda: next((s for s in self.msgs[status_key] if s.header.stamp == stamp  # noqa: E731
+                               and not s.state_text.startswith("ready")), None)
+        what = f"a status on {status_key} for stamp {stamp.sec}"
+        if first:
+            return self.publish_until(publisher, msg, status, what)
+        publisher.publish(msg)
+        return self.wait(status, what=what)
+
     def call_async(self, srv_type: type, name: str, request) -> Future:
         """Call service ``name`` once it is there (``timeout`` s at most); the future of its answer."""
         client = self.node.create_client(srv_type, name)

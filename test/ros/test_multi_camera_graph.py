@@ -132,14 +132,7 @@ class Client(GraphClient):
         repeated stamp: the node drops it)."""
         frame_id = "front_optical" if camera == "front" else ""  # rear: camera.rear.camera_frame
         msg = image_msg(rgb, stamp, frame_id)
-        topic = f"{NODE}/{camera}/status"
-        status = lambda: next((s for s in self.msgs[topic] if s.header.stamp == stamp  # noqa: E731
-                               and not s.state_text.startswith("ready")), None)
-        what = f"a status of {camera} for stamp {stamp.sec}"
-        if first:
-            return self.publish_until(self.images[camera], msg, status, what)
-        self.images[camera].publish(msg)
-        return self.wait(status, what=what)
+        return self.send_for_status(self.images[camera], msg, f"{NODE}/{camera}/status", first)
 
     def pose(self, camera: str, stamp: TimeMsg) -> PoseStamped:
         topic = f"{NODE}/{camera}/pose"

@@ -81,14 +81,7 @@ class Client(GraphClient):
         held one waits for that one's decision); ``first``: the camera's first frame, published
         again every 1.5 s until that status came (a copy is a repeated stamp: the node drops it)."""
         msg = image_msg(rgb, stamp, f"{camera}_optical")
-        topic = f"{NODE}/{camera}/status"
-        status = lambda: next((s for s in self.msgs[topic] if s.header.stamp == stamp  # noqa: E731
-                               and not s.state_text.startswith("ready")), None)
-        what = f"a status of {camera} for stamp {stamp.sec}"
-        if first:
-            return self.publish_until(self.images[camera], msg, status, what)
-        self.images[camera].publish(msg)
-        return self.wait(status, what=what)
+        return self.send_for_status(self.images[camera], msg, f"{NODE}/{camera}/status", first)
 
 
 def stamp_of(k: int) -> TimeMsg:

@@ -22,7 +22,7 @@ from rclpy.qos import QoSProfile  # noqa: E402
 from sensor_msgs.msg import Image  # noqa: E402
 
 from graph_helpers import (GraphClient, InProcessNode, fixture_params, generated_frames, image_msg,  # noqa: E402
-                           log_tail, pose_matrix, private_domain_id, replay_session, start_node, stop_processes,
+                           pose_matrix, private_domain_id, replay_session, start_node, stop_processes,
                            write_node_params)
 from lingbot_map_ros.journal import JOURNAL_NAME  # noqa: E402
 from lingbot_map_ros.journal.format import iter_records, scan  # noqa: E402
@@ -51,14 +51,7 @@ def frames():
 @pytest.fixture(scope="module")
 def straight(fixtures, frames):
     """{0-based frame index: (T_map_cam [4, 4], window index)} of the uninterrupted run."""
-    from lingbot_map_ros.geometry import optical_pose_to_map
-    from lingbot_map_ros.io.preprocess import model_input
-
-    session = replay_session(fixtures, PARAMS)
-    out = {}
-    for rgb in frames:
-        for r in session.push(model_input(rgb, WIDTH)):
-            out[r.frame_index] = (optical_pose_to_map(r.c2w), session.window_index)
+    out = _straight_of(fixtures, frames)
     assert len(out) == FRAMES and max(w for _, w in out.values()) >= 1  # the script reaches a restart
     return out
 
@@ -202,26 +195,12 @@ def test_kill_9_then_restart_resumes_the_map(kills, straight, case):
         assert held.stored and held.decision_pending  # killed while the next frame waited for the decision
 
 
+def call(client: GraphClient, srv, name: str, request):
+    return client.call(srv, name, request, timeout=60.0)
+
+
 def received(node: InProcessNode) -> int:
     return node.node.engine.counters.snapshot().frames_received
-
-
-_CLIENTS: dict = {}
-
-
-def _call(client: GraphClient, srv, name: str, request, timeout: float = 60.0):
-    """One long-lived service client per (test node, service): a client made again for every call
-    may send before the server's reader has matched it, and that request is lost."""
-    key = (id(client), name)
-    if key not in _CLIENTS:
-        _CLIENTS[key] = client.node.create_client(srv, name)
-        assert _CLIENTS[key].wait_for_service(timeout_sec=START_TIMEOUT), f"service {name} not available"
-    future = _CLIENTS[key].call_async(request)
-    deadline = time.monotonic() + timeout
-    while not future.done() and time.monotonic() < deadline:
-        time.sleep(0.005)
-    assert future.done(), f"{name} did not answer within {timeout} s"
-    return future.result()
 
 
 def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures, frames, straight, tmp_path):
@@ -238,15 +217,15 @@ def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures,
         robot.ready(a)
         for k in range(save_at + 1):
             robot.send(k, frames[k], lambda k=k: received(a) > k if k == 0 else k + 1 in robot.frames)
-        saved = _call(robot.client, SaveSession, "/lm_save/save_session", SaveSession.Request(directory="kept"))
+        saved = call(robot.client, SaveSession, "/lm_save/save_session", SaveSession.Request(directory="kept"))
         assert saved.success, saved.message
         assert Path(saved.path) == (out / "kept").resolve() and (out / "kept" / JOURNAL_NAME).is_file()
         assert saved.bytes > 0
         # a relative folder that leaves output_directory is refused
-        bad = _call(robot.client, SaveSession, "/lm_save/save_session", SaveSession.Request(directory="../x"))
+        bad = call(robot.client, SaveSession, "/lm_save/save_session", SaveSession.Request(directory="../x"))
         assert not bad.success and "outside output_directory" in bad.message
         # saving again into the same folder replaces it atomically
-        again = _call(robot.client, SaveSession, "/lm_save/save_session", SaveSession.Request(directory="kept"))
+        again = call(robot.client, SaveSession, "/lm_save/save_session", SaveSession.Request(directory="kept"))
         assert again.success, again.message
     finally:
         robot.client.close()
@@ -262,7 +241,7 @@ def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures,
             robot.send(k, frames[k], lambda k=k: k + 1 in robot.frames)
         assert_like_straight(robot.frames, straight, range(save_at + 1, FRAMES))
         # ~/save_session without a state directory: refused with the reason
-        off = _call(robot.client, SaveSession, "/lm_load/save_session", SaveSession.Request())
+        off = call(robot.client, SaveSession, "/lm_load/save_session", SaveSession.Request())
         assert not off.success and "state_directory" in off.message
     finally:
         robot.client.close()
@@ -278,10 +257,10 @@ def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures,
             robot.send(k, frames[k], lambda k=k: received(c) > k - 11)
         robot.client.wait(lambda: c.node.engine.counters.snapshot().frames_processed == 3, "3 frames processed")
         pushed = c.node.engine.session.frames_pushed
-        missing = _call(robot.client, LoadSession, "/lm_svc/load_session", LoadSession.Request(directory="nope"))
+        missing = call(robot.client, LoadSession, "/lm_svc/load_session", LoadSession.Request(directory="nope"))
         assert not missing.success and "no saved session" in missing.message
         assert c.node.engine.session.frames_pushed == pushed and pushed > 0  # state unchanged by the refusal
-        loaded = _call(robot.client, LoadSession, "/lm_svc/load_session", LoadSession.Request(directory="kept"))
+        loaded = call(robot.client, LoadSession, "/lm_svc/load_session", LoadSession.Request(directory="kept"))
         assert loaded.success, loaded.message
         assert loaded.next_frame == save_at + 2 and loaded.frames_replayed > 0
         robot.frames.clear()
@@ -325,7 +304,7 @@ def test_two_cameras_save_and_load_one_session(fixtures, frames, straight, tmp_p
         run(a, "lm_two", list(range(save_at + 1)))
         client = GraphClient("lm_two_saver", DOMAIN_ID, STEP_TIMEOUT)
         try:
-            saved = _call(client, SaveSession, "/lm_two/save_session", SaveSession.Request(directory="both"))
+            saved = call(client, SaveSession, "/lm_two/save_session", SaveSession.Request(directory="both"))
         finally:
             client.close()
         assert saved.success, saved.message
@@ -342,6 +321,7 @@ def test_two_cameras_save_and_load_one_session(fixtures, frames, straight, tmp_p
 
 
 def _straight_of(fixtures, images) -> dict:
+    """{0-based frame index: (T_map_cam, window index)} of a replay session fed ``images``."""
     from lingbot_map_ros.geometry import optical_pose_to_map
     from lingbot_map_ros.io.preprocess import model_input
 
