@@ -57,13 +57,15 @@ def engine_of(model, settings, session=None):
 
 
 def feed(engine: InferenceEngine, sink: Sink, ks) -> None:
-    """Each frame, then wait for its results (the first frame of a sequence: until it is collected)."""
-    for k in ks:
+    """Each frame, then wait until it and every frame before it are handled (the first frame
+    of a sequence: until it is collected). Counting from the start matters: a scale step's
+    results are counted one by one, so "one more than before" can be met by the previous frame."""
+    start = handled(engine)
+    for n, k in enumerate(ks, 1):
         first = engine.session.frames_pushed == 0 and not engine._collected
-        before = handled(engine)
         engine.submit_frame(InputFrame(rgb=FRAMES[k], stamp=1000 + k, stamp_s=1000.0 + k, camera_frame="cam"))
         deadline = time.monotonic() + 60
-        while not (engine._collected if first else handled(engine) > before):
+        while not (engine._collected if first else handled(engine) >= start + n):
             assert time.monotonic() < deadline, f"frame {k} was not taken"
             time.sleep(0.005)
 
