@@ -276,7 +276,9 @@ def instrument(probe: Probe, session) -> None:
     from lingbot_map_ros.runtime import clouds as clouds_module
 
     probe.time_calls(clouds_module.CloudOutput, "publish", "_publish_clouds")
-    probe.time_calls(engine_module.InferenceEngine, "_publish_status")
+    from lingbot_map_ros.runtime import status as status_module
+
+    probe.time_calls(status_module.StatusReporter, "publish", "StatusReporter.publish")
     probe.time_calls(camera_channel.RosOutputs, "publish_frame")
     inner = getattr(session, "session", None)  # LongStreamSession -> StreamingSession
     if inner is not None:

@@ -169,6 +169,48 @@ def load_saved(session: JournaledSession, folder: Path, width: int,
         raise SessionError(f"cannot load {folder}: {exc}") from None
 
 
+class JournalNotes:
+    """What a camera's engine journals besides its frames, each only when it changed: the
+    ~/status counters (``counters``, with the heartbeat: at most once a second) and where the
+    sequence sits in the map (``anchor``: ``MapAnchor.output`` is replaced on every change, a
+    lost reset's offset or a converged scale). ``restore`` takes both back from a rebuilt
+    session. Inference thread only; nothing happens without a journal writer."""
+
+    def __init__(self, journal: JournaledSession | None) -> None:
+        self.journal = journal
+        self._counters: dict[str, int] | None = None
+        self._output = None  # the anchor's output last journaled
+
+    @property
+    def writing(self) -> bool:
+        return self.journal is not None and self.journal.writer is not None
+
+    def anchor(self, anchor: Any) -> None:
+        if not self.writing or anchor.output is self._output:
+            return
+        self._output = anchor.output
+        self.journal.note_state(ANCHOR_STATE, anchor.snapshot())
+
+    def counters(self, counters: Any) -> None:
+        if not self.writing:
+            return
+        values = dict(vars(counters.snapshot()))
+        if values != self._counters:
+            self._counters = values
+            self.journal.note_state(COUNTERS_STATE, values)
+
+    def restore(self, resumed: Resumed, counters: Any, anchor: Any) -> None:
+        """Take the journaled counters and the anchor back into ``counters`` and ``anchor``."""
+        counts = resumed.states.get(COUNTERS_STATE)
+        if counts:
+            counters.restore(counts)
+        state = resumed.states.get(ANCHOR_STATE)
+        if state:
+            anchor.restore(state)
+        self.anchor(anchor)
+        self._counters = counts
+
+
 def save_sessions(sessions: dict[str, JournaledSession], folder: Path) -> int:
     """Write every camera's journal (``{camera: session}``, "" = the single camera) as one saved
     session in ``folder`` (replacing one there); returns the bytes written. SessionError when
@@ -208,6 +250,6 @@ def save_sessions(sessions: dict[str, JournaledSession], folder: Path) -> int:
     return total
 
 
-__all__ = ["ANCHOR_STATE", "COUNTERS_STATE", "JOURNALING_OFF", "SESSIONS_OFF", "Resumed", "SessionError",
-           "camera_folder", "check_saved", "journal_label", "load_saved", "open_camera_journal", "save_sessions",
+__all__ = ["ANCHOR_STATE", "COUNTERS_STATE", "JOURNALING_OFF", "JournalNotes", "SESSIONS_OFF", "Resumed",
+           "SessionError", "camera_folder", "check_saved", "journal_label", "load_saved", "open_camera_journal", "save_sessions",
            "session_folder"]

@@ -1,12 +1,14 @@
-"""A camera's ~/status message fields: ``status_fields`` (from the session, the counters and
-the engine's parts), and the device memory it reports. No ROS; torch only when the session
-runs on a GPU (imported there, lazily)."""
+"""A camera's state and its ~/status messages: ``StatusReporter`` (the state, the last frame,
+``publish``), ``status_fields`` (the message's fields from the session, the counters and the
+engine's parts), and the device memory it reports. No ROS; torch only when the session runs
+on a GPU (imported there, lazily)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any, Callable
 
-from .frames import StatusFields
-from .worker import CounterValues
+from .frames import Sink, State, StatusFields
+from .worker import CounterValues, Counters
 
 HEARTBEAT_PERIOD = 1.0  # longest silence of ~/status
 
@@ -66,6 +68,51 @@ def status_fields(state: int, text: str, frame_index: int, session, counters: Co
     return st
 
 
+class StatusReporter:
+    """The camera's ``state`` and its ``text``, the 1-based index of the last processed frame
+    (``last_index``), the cache statistics last taken (``last_stats``) and ``publish``, which
+    sends one ~/status of them. Driven by the inference thread; ``state``, ``text`` and
+    ``last_stats`` are replaced as a whole, never mutated (the node's diagnostics read them).
+
+    ``decision_pending()``: whether a keyframe decision is held; ``tracking()``: what the
+    health and the scale add (``Tracking``); ``now``: ROS time in seconds (a frame's total
+    latency), ``monotonic``: the heartbeat's clock."""
+
+    def __init__(self, sink: Sink, session: Any, counters: Counters, decision_pending: Callable[[], bool],
+                 tracking: Callable[[], Tracking], now: Callable[[], float], monotonic: Callable[[], float]) -> None:
+        self.sink, self.session, self.counters = sink, session, counters
+        self.decision_pending, self.tracking = decision_pending, tracking
+        self.now, self.monotonic = now, monotonic
+        self.state = State.WAITING_FOR_IMAGES
+        self.text = "ready, waiting for images"
+        self.last_index = 0
+        self.last_stats = session.stats()
+        self.last_time = -float("inf")  # monotonic time of the last status
+
+    def set(self, state: State, text: str) -> None:
+        self.state, self.text = state, text
+
+    def refresh_stats(self) -> Any:
+        """Take the session's cache statistics now (``last_stats``) and return them."""
+        self.last_stats = self.session.stats()
+        return self.last_stats
+
+    def due(self) -> bool:
+        """No status went out for HEARTBEAT_PERIOD."""
+        return self.monotonic() - self.last_time >= HEARTBEAT_PERIOD
+
+    def publish(self, text: str, stamp: Any, frame_index: int | None = None, is_keyframe: bool = False,
+                latency: Latency | None = None, stamp_s: float | None = None) -> None:
+        """One ~/status with ``text`` (``frame_index`` None: the last processed frame's);
+        ``latency`` and ``stamp_s`` for a processed frame's."""
+        total = None if latency is None or stamp_s is None else max(0.0, (self.now() - stamp_s) * 1e3)
+        st = status_fields(int(self.state), text, self.last_index if frame_index is None else frame_index,
+                           self.session, self.counters.snapshot(), self.decision_pending(), self.tracking(),
+                           is_keyframe, latency, total)
+        self.sink.publish_status(st, stamp)
+        self.last_time = self.monotonic()
+
+
 def device_memory_mb(session) -> tuple[float, float]:
     """(allocated, reserved) MiB of the session's CUDA device; zeros elsewhere."""
     device = getattr(session, "device", None)
@@ -85,4 +132,5 @@ def release_device_memory(session) -> None:
         torch.cuda.empty_cache()
 
 
-__all__ = ["status_fields", "Latency", "Tracking", "HEARTBEAT_PERIOD", "device_memory_mb", "release_device_memory"]
+__all__ = ["StatusReporter", "status_fields", "Latency", "Tracking", "HEARTBEAT_PERIOD", "device_memory_mb",
+           "release_device_memory"]

@@ -17,6 +17,7 @@ from lingbot_map_ros.io.preprocess import preprocess_array
 from lingbot_map_ros.geometry import optical_pose_to_map, points_to_map
 from lingbot_map_ros.runtime.engine import InferenceEngine
 from lingbot_map_ros.runtime.frames import InputFrame, State
+from lingbot_map_ros.runtime.model_input import gpu_device
 from lingbot_map_ros.runtime.params import resolve_settings
 from lingbot_map_ros.runtime.saving import SaveError
 from lingbot_map_ros.runtime.scheduler import CameraScheduler
@@ -1054,7 +1055,7 @@ def test_distorted_frames_are_undistorted_on_the_sessions_device_when_it_is_a_gp
     host = [preprocess_array(Undistorter().undistort(rgb, camera), WIDTH) for rgb in imgs]
     assert max(np.abs(h - im.numpy()).max() for h, im in zip(host, session.pushed)) <= 2 / 255 + 1e-6
     cpu_engine, _, _, cpu_session = make_engine(model, wants=())
-    assert cpu_engine.undistort_device() is None and devices == [torch.device("cuda", 0)] * 3
+    assert gpu_device(cpu_engine.session) is None and devices == [torch.device("cuda", 0)] * 3
 
 
 def test_settings_reach_the_inference_thread_as_a_value_through_the_queue(model):

@@ -109,7 +109,7 @@ def forged_png(width: int, height: int) -> bytes:
 
 
 # The node's contract for a raw image (conversions.image_to_rgb docstring) and for the
-# sequence (engine._process): bytes per pixel by supported encoding; the model input is
+# sequence (InferenceEngine._admit): bytes per pixel by supported encoding; the model input is
 # WIDTH x min(round(h * WIDTH / w / 14) * 14, WIDTH) and must equal the sequence's.
 BYTES_PER_PIXEL = {"rgb8": 3, "rgba8": 4, "bgr8": 3, "bgra8": 4, "8UC3": 3, "8UC4": 4, "mono8": 1, "8UC1": 1,
                    "mono16": 2, "yuv422": 2, "uyvy": 2, "yuv422_yuy2": 2, "yuyv": 2,

@@ -1,0 +1,346 @@
+"""The engine's parts alone, with stand-ins for the session and the sink (no model, no ROS):
+``KeyframeControl`` (keep, drop, the hold's and the deferral's deadlines), ``StatusReporter``,
+``TrackingJudge``, ``JournalNotes`` and ``FramePublisher``."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from lingbot_map_ros.robot.health import TrackingState
+from lingbot_map_ros.runtime.decisions import KeyframeDecisions
+from lingbot_map_ros.runtime.frame_output import FramePublisher
+from lingbot_map_ros.runtime.frames import InputFrame, State
+from lingbot_map_ros.runtime.journaling import ANCHOR_STATE, COUNTERS_STATE, JournalNotes, Resumed
+from lingbot_map_ros.runtime.keyframe_control import KeyframeControl
+from lingbot_map_ros.runtime.mapping import MapAccumulator, PoseEntry, Trajectory
+from lingbot_map_ros.runtime.output_worker import OutputWorker
+from lingbot_map_ros.runtime.params import resolve_settings
+from lingbot_map_ros.runtime.stamps import StampGate
+from lingbot_map_ros.runtime.status import HEARTBEAT_PERIOD, StatusReporter, Tracking
+from lingbot_map_ros.runtime.tracking import TrackingJudge
+from lingbot_map_ros.runtime.worker import Counters, CounterValues, RateMeter, Throttle
+from lingbot_map_ros.stream import FrameMismatchError, SessionError
+
+from engine_fakes import Log, Sink
+
+
+class Clock:
+    def __init__(self, t: float = 100.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+class FakeSession:
+    """Frames 0..pushed-1 pushed, every one stored; ``pending`` deferred eviction pages."""
+
+    def __init__(self, pushed: int = 5, pending: int = 0) -> None:
+        self.pushed, self.pending, self.commits = pushed, pending, 0
+        self.window_index = 0
+        self.deferred_eviction = True
+        self.device = None
+
+    @property
+    def frames_pushed(self) -> int:
+        return self.pushed
+
+    def stats(self):
+        return SimpleNamespace(pending_evictions=self.pending, resident_frames=self.pushed, temporal_index=self.pushed,
+                               scale_pages=1, window_pages=self.pushed, free_pages=10, special_tokens=6 * self.pushed)
+
+    def commit_eviction(self) -> int:
+        freed, self.pending = self.pending, 0
+        self.commits += 1
+        return freed
+
+    def rollback_last_frame(self, expected=None) -> int:
+        last = self.pushed - 1
+        if expected is not None and expected != last:
+            raise FrameMismatchError(last, expected)
+        self.pushed -= 1
+        return last
+
+
+def settings_of(**kw):
+    return resolve_settings({"image_width": 98, "device": "cpu", "publish_path": True, **kw})
+
+
+def control_of(session, settings, clock=None):
+    clock = clock or Clock()
+    counters, sink, log = Counters(), Sink(wants=()), Log()
+    decisions = KeyframeDecisions(counters)
+    holder = {"settings": settings}
+    reporter = StatusReporter(sink, session, counters, lambda: decisions.hold is not None, Tracking, clock, clock)
+    trajectory = Trajectory(100)
+    for i in range(session.pushed):
+        trajectory.append(PoseEntry(i, i, float(i), np.eye(4)))
+        decisions.stored(i + 1, np.eye(4))
+    accumulated = MapAccumulator(0.01, 10000)
+    for i in range(session.pushed):
+        accumulated.add(i, np.full((2, 3), float(i), np.float32), np.zeros((2, 3), np.uint8))
+    worker = OutputWorker(max_pending=2)
+    worker.start()
+    control = KeyframeControl(session, decisions, lambda: holder["settings"], reporter, StampGate(), counters,
+                              trajectory, accumulated, worker, sink, log, Throttle(0.0, clock), clock)
+    return SimpleNamespace(control=control, decisions=decisions, counters=counters, sink=sink, log=log,
+                           reporter=reporter, trajectory=trajectory, map=accumulated, worker=worker, clock=clock,
+                           holder=holder)
+
+
+def test_rollback_forgets_the_frame_from_path_and_map_and_answers_one_based():
+    session = FakeSession(pushed=5)
+    p = control_of(session, settings_of())
+    try:
+        assert p.control.rollback(5) == 5
+        p.worker.stop(5.0)
+        assert [e.frame_index for e in p.trajectory.entries()] == [0, 1, 2, 3]
+        assert p.map.frames() == [0, 1, 2, 3]
+        assert p.sink.paths[-1] == [0, 1, 2, 3]
+        assert p.decisions.reference() is not None and p.decisions.last_stored == 0  # frame 5 is no reference
+        assert p.sink.statuses[-1][0].state_text == "rolled back frame 5"
+    finally:
+        p.worker.stop(1.0)
+
+
+def test_a_rollback_naming_another_frame_is_refused_and_changes_nothing():
+    session = FakeSession(pushed=5)
+    p = control_of(session, settings_of())
+    try:
+        with pytest.raises(SessionError, match="the last stored frame is 5, not 3"):
+            p.control.rollback(3)
+        assert session.pushed == 5 and len(p.trajectory) == 5 and not p.sink.statuses
+    finally:
+        p.worker.stop(1.0)
+
+
+def test_commit_keeps_the_held_frame_and_counts_the_decision():
+    session = FakeSession(pushed=5, pending=2)
+    p = control_of(session, settings_of(keyframe_decision_timeout=1.0))
+    try:
+        p.decisions.start_hold(5, p.clock(), 1.0)
+        with pytest.raises(SessionError, match="not the frame waiting"):
+            p.control.commit_eviction(4)
+        assert session.commits == 0 and p.counters.snapshot().decisions_refused == 1
+        assert p.control.commit_eviction(5) == 2
+        assert p.decisions.hold is None and p.counters.snapshot().decisions_kept == 1
+        assert p.reporter.last_stats.pending_evictions == 0
+    finally:
+        p.worker.stop(1.0)
+
+
+@pytest.mark.parametrize("default", ["keep", "drop"])
+def test_a_hold_past_its_deadline_gets_the_default(default):
+    session = FakeSession(pushed=5, pending=1)
+    p = control_of(session, settings_of(keyframe_decision_timeout=0.5, keyframe_decision_default=default))
+    try:
+        p.decisions.start_hold(5, p.clock(), 0.5)
+        p.control.check_hold_deadline()
+        assert p.decisions.hold is not None  # not yet
+        p.clock.t += 0.6
+        p.control.check_hold_deadline()
+        assert p.decisions.hold is None and p.counters.snapshot().decisions_timed_out == 1
+        assert session.pushed == (4 if default == "drop" else 5)
+        assert session.commits == (0 if default == "drop" else 1)
+        assert any(f"keyframe_decision_default={default}" in m for lvl, m in p.log.lines if lvl == "warning")
+        assert p.sink.statuses[-1][0].state_text == f"frame 5: {default} by timeout"
+    finally:
+        p.worker.stop(1.0)
+
+
+def test_a_lowered_decision_timeout_releases_the_held_frame_now():
+    session = FakeSession(pushed=5)
+    p = control_of(session, settings_of(keyframe_decision_timeout=30.0))
+    try:
+        p.decisions.start_hold(5, p.clock(), 30.0)
+        p.holder["settings"] = settings_of(keyframe_decision_timeout=0.0)
+        p.control.check_hold_deadline()
+        assert p.decisions.hold is None
+    finally:
+        p.worker.stop(1.0)
+
+
+def test_the_deferral_deadline_commits_once_then_at_once_until_a_client_is_back():
+    session = FakeSession(pushed=5, pending=3)
+    p = control_of(session, settings_of(deferred_eviction_timeout=2.0))
+    try:
+        p.control.note_pending()
+        p.clock.t += 1.0
+        p.control.check_deferral_deadline()
+        assert session.commits == 0
+        p.clock.t += 1.5
+        p.control.check_deferral_deadline()
+        assert session.commits == 1 and p.counters.snapshot().evictions_auto_committed == 1
+        session.pending = 1  # the next deferral: committed at once (the client is gone)
+        p.control.note_pending()
+        p.control.check_deferral_deadline()
+        assert session.commits == 2
+        p.control.deferral_changed()  # a client sets the deferral again: the timeout counts again
+        session.pending = 1
+        p.control.note_pending()
+        p.control.check_deferral_deadline()
+        assert session.commits == 2
+    finally:
+        p.worker.stop(1.0)
+
+
+def test_status_reporter_numbers_the_last_frame_and_knows_when_a_heartbeat_is_due():
+    clock, sink = Clock(), Sink(wants=())
+    session = FakeSession(pushed=3)
+    reporter = StatusReporter(sink, session, Counters(), lambda: True, lambda: Tracking("tracking"), clock, clock)
+    assert reporter.state == State.WAITING_FOR_IMAGES and reporter.due()
+    reporter.last_index = 7
+    reporter.set(State.TRACKING, "tracking")
+    reporter.publish("hello", "stamp")
+    st, stamp = sink.statuses[-1]
+    assert (st.state_text, st.frame_index, st.state, stamp) == ("hello", 7, int(State.TRACKING), "stamp")
+    assert st.decision_pending and st.tracking_state == "tracking" and st.stored_frames == 3
+    assert not reporter.due()
+    clock.t += HEARTBEAT_PERIOD
+    assert reporter.due()
+    reporter.publish("other", None, frame_index=2)
+    assert sink.statuses[-1][0].frame_index == 2
+    session.pushed = 9
+    assert reporter.last_stats.resident_frames == 3 and reporter.refresh_stats().resident_frames == 9
+
+
+def test_tracking_judge_logs_changes_and_counts_lost_resets_only_when_asked():
+    log = Log()
+    judge = TrackingJudge(settings_of(), log)
+    judge.judge(None, None, finite=False)
+    assert judge.state == TrackingState.LOST and judge.reasons == ("non_finite",)
+    assert [lvl for lvl, m in log.lines if m.startswith("tracking")] == ["warning"]
+    assert judge.lost_reason("continue") is None and judge.lost_resets == 0
+    assert judge.lost_reason("reset") == "non_finite" and judge.lost_resets == 1
+    judge.clear()
+    assert judge.state == TrackingState.INITIALIZING and judge.reasons == () and judge.lost_resets == 1
+    assert judge.lost_reason("reset") is None
+
+
+class FakeJournal:
+    def __init__(self, writer=True) -> None:
+        self.writer = object() if writer else None
+        self.notes = []
+
+    def note_state(self, name, data):
+        self.notes.append((name, data))
+
+
+class FakeAnchor:
+    def __init__(self) -> None:
+        self.output = object()
+        self.restored = None
+
+    def snapshot(self):
+        return {"at": id(self.output)}
+
+    def restore(self, state):
+        self.restored = state
+        self.output = object()
+
+
+def test_journal_notes_write_only_what_changed():
+    journal, counters, anchor = FakeJournal(), Counters(), FakeAnchor()
+    notes = JournalNotes(journal)
+    notes.counters(counters)
+    notes.counters(counters)
+    counters.add("frames_received")
+    notes.counters(counters)
+    notes.anchor(anchor)
+    notes.anchor(anchor)
+    anchor.output = object()
+    notes.anchor(anchor)
+    assert [n for n, _ in journal.notes] == [COUNTERS_STATE, COUNTERS_STATE, ANCHOR_STATE, ANCHOR_STATE]
+    assert journal.notes[1][1]["frames_received"] == 1
+    silent = FakeJournal(writer=False)
+    JournalNotes(silent).counters(counters)
+    JournalNotes(None).anchor(anchor)
+    assert silent.notes == []
+
+
+def test_journal_notes_restore_counters_and_anchor_from_a_rebuilt_session():
+    journal, counters, anchor = FakeJournal(), Counters(), FakeAnchor()
+    notes = JournalNotes(journal)
+    journaled = dict(vars(CounterValues(frames_processed=3)))  # as JournalNotes.counters wrote them
+    resumed = Resumed("journal", "p", 3, 3, 0.1, states={COUNTERS_STATE: journaled, ANCHOR_STATE: {"anchor": None}})
+    notes.restore(resumed, counters, anchor)
+    assert counters.snapshot().frames_processed == 3 and anchor.restored == {"anchor": None}
+    assert [n for n, _ in journal.notes] == [ANCHOR_STATE]  # the restored anchor is noted; counters unchanged
+    notes.counters(counters)
+    assert [n for n, _ in journal.notes] == [ANCHOR_STATE]
+    counters.add("frames_processed")
+    notes.counters(counters)
+    assert [n for n, _ in journal.notes] == [ANCHOR_STATE, COUNTERS_STATE]
+
+
+class FakeAnchorForFrames:
+    """Model units out (scale 1, no offset), never ready."""
+
+    def __init__(self) -> None:
+        from lingbot_map_ros.robot.map_offset import OutputTransform
+
+        self.output = OutputTransform()
+        self.good_frames = []
+
+    def update_scale(self, T, frame, r, window):
+        return 1.0, False
+
+    def good(self, index, frame, T_out, ready):
+        self.good_frames.append(index)
+
+    def take_note(self):
+        return ""
+
+
+def frame_result(index, depth_value=1.0, keyframe=True):
+    c2w = np.eye(4)
+    c2w[0, 3] = 0.1 * index
+    depth = np.full((28, 42), depth_value, np.float32)
+    return SimpleNamespace(frame_index=index, c2w=c2w, depth=depth, confidence=np.full((28, 42), 5.0, np.float32),
+                           intrinsics=np.array([[40.0, 0, 21], [0, 40.0, 14], [0, 0, 1]]), size=(28, 42),
+                           is_keyframe=keyframe, timings={"model_ms": 3.0})
+
+
+def publisher_of(wants=("frame",)):
+    from lingbot_map_ros.robot.intrinsics import FocalTracker
+    from lingbot_map_ros.runtime.clouds import CloudOutput
+
+    clock, sink, log, counters = Clock(), Sink(wants=wants), Log(), Counters()
+    session = FakeSession(pushed=1)
+    decisions = KeyframeDecisions(counters)
+    tracking = TrackingJudge(settings_of(), log)
+    reporter = StatusReporter(sink, session, counters, lambda: False, Tracking, clock, clock)
+    throttle = Throttle(0.0, clock)
+    clouds = CloudOutput(sink, None, log, throttle)
+    trajectory = Trajectory(100)
+    pub = FramePublisher(session, sink, reporter, tracking, FakeAnchorForFrames(), decisions, trajectory, None,
+                         clouds, FocalTracker(), counters, RateMeter(clock=clock), log, throttle, clock)
+    return pub, SimpleNamespace(sink=sink, counters=counters, reporter=reporter, trajectory=trajectory,
+                                decisions=decisions, tracking=tracking)
+
+
+def input_frame(i):
+    return InputFrame(rgb=np.zeros((56, 84, 3), np.uint8), stamp=i, stamp_s=float(i), camera_frame="cam")
+
+
+def test_frame_publisher_publishes_pose_path_status_and_motion_reference():
+    pub, p = publisher_of()
+    assert pub.publish(frame_result(0), input_frame(0), settings_of())
+    assert pub.publish(frame_result(1, keyframe=False), input_frame(1), settings_of(), hold=False)
+    assert [o.frame_index for o in p.sink.frames] == [1, 2]
+    assert [e.frame_index for e in p.trajectory.entries()] == [0, 1]
+    assert p.counters.snapshot().frames_processed == 2 and p.reporter.last_index == 2
+    assert p.reporter.state == State.TRACKING and p.sink.statuses[-1][0].frame_index == 2
+    assert p.decisions.last_stored == 1  # only the keyframe is a motion reference
+    assert pub.last_intrinsics[1:] == (42, 28)
+
+
+def test_frame_publisher_drops_the_outputs_of_a_non_finite_depth():
+    pub, p = publisher_of()
+    assert not pub.publish(frame_result(0, depth_value=np.nan), input_frame(0), settings_of())
+    assert p.sink.frames == [] and len(p.trajectory) == 0
+    assert p.counters.snapshot().frames_dropped_invalid == 1 and p.counters.snapshot().frames_processed == 0
+    assert p.tracking.state == TrackingState.LOST
+    assert p.sink.statuses[-1][0].state_text == "dropped: non-finite depth"
