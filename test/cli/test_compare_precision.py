@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from lingbot_map_ros.cli import replay
+from lingbot_map_ros.cli import replay, replay_args
 
 
 def write_images(folder, fixtures, n=8):
@@ -23,7 +23,7 @@ def write_images(folder, fixtures, n=8):
 
 def test_choices_are_checked(capsys):
     with pytest.raises(SystemExit):
-        replay.build_parser().parse_args(["--images", "x", "--compare-precision", "int4"])
+        replay_args.build_parser().parse_args(["--images", "x", "--compare-precision", "int4"])
     assert "invalid choice" in capsys.readouterr().err
 
 

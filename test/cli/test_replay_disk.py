@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from lingbot_map_ros.cli.replay import build_parser
+from lingbot_map_ros.cli.replay_args import build_parser
 from lingbot_map_ros.io.export import read_ply, read_tum
 from disk_helpers import mount as _mount, tmpfs
 from replay_fixtures import PROG, bag_types, error_line, replay

@@ -52,10 +52,7 @@ ALLOWED: dict[tuple[str, str], str] = {}
 # only (stream/ re-exports the errors they need). Today's exceptions, with who removes them:
 THROUGH_STREAM = ("cache", "model", "kernels")
 NODE_LOGIC = ROS_LAYERS + ("runtime",)  # they reach the model through stream/ and io/
-ALLOWED_DIRECT: dict[tuple[str, str], str] = {
-    ("lingbot_map_ros.cli.replay", "cache"):
-        "cli owner (issue 19): CacheError, BackendUnavailable from lingbot_map_ros.stream",
-}
+ALLOWED_DIRECT: dict[tuple[str, str], str] = {}
 
 
 def module_name(path: Path) -> str:

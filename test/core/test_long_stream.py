@@ -72,7 +72,7 @@ def test_config_names_the_bad_value(kw, needle):
 
 
 def test_config_lives_in_config_and_the_stream_module_re_exports_it():
-    """runtime/params.py and cli/replay.py import LongStreamConfig and KEYFRAME_POLICIES from
+    """runtime/params.py and cli/replay_args.py import LongStreamConfig and KEYFRAME_POLICIES from
     stream.long_stream; they are the objects of lingbot_map_ros.config."""
     from lingbot_map_ros import config
     from lingbot_map_ros.stream import long_stream
