@@ -13,7 +13,12 @@ logic uses ``set_deferred_eviction``, ``commit_eviction`` and
 method of this object; a step that raises leaves the cache as it was. Frames are
 checked here (``check_frame``: layout, size, resolution of the running sequence); a
 refused one raises ``InvalidFrameError`` and changes nothing. The public methods are
-the ``stream.protocol.Session`` protocol, which ``LongStreamSession`` shares.
+the ``stream.protocol.Session`` protocol, which ``LongStreamSession`` shares, and the
+step seam ``plan`` -> ``launch`` | ``complete`` that ``stream.multi.submit_batch`` drives.
+
+The session checks frames, collects the scale frames and keeps the protocol; the cache
+of the running sequence and the steps that write it (planning, eager or graphed launches,
+speculation, landing the outputs, FrameResults) are its ``StepRunner`` (``stream.steps``).
 """
 from __future__ import annotations
 
