@@ -282,12 +282,14 @@ def instrument(probe: Probe, session) -> None:
     probe.time_calls(camera_channel.RosOutputs, "publish_frame")
     inner = getattr(session, "session", None)  # LongStreamSession -> StreamingSession
     if inner is not None:
-        from lingbot_map_ros.stream import graphs, session as session_module
+        from lingbot_map_ros.stream import graphs, steps as steps_module
 
-        probe.time_calls(session_module, "make_device_plan")
-        probe.time_calls(inner, "_speculate")
-        probe.time_calls(inner, "_results")
-        probe.time_calls(inner, "_eager_step")
+        # the StreamingSession's steps (stream.steps.StepRunner); None: nothing of them is timed
+        runner = getattr(getattr(inner, "inner", inner), "_runner", None)
+        probe.time_calls(steps_module, "make_device_plan")
+        probe.time_calls(runner, "_speculate")
+        probe.time_calls(runner, "_results")
+        probe.time_calls(runner, "_eager_step")
         probe.time_calls(graphs.GraphedStep, "__call__", "GraphedStep.__call__")
         probe.time_calls(graphs.GraphedStep, "prepare", "GraphedStep.prepare")
         probe.time_calls(graphs.GraphedStep, "_capture", "GraphedStep._capture")

@@ -120,7 +120,7 @@ def run_one(model, args, cfg, w, h):
                 times.append((time.perf_counter() - t) * 1e3)
         record.update(ok=True, median_ms=round(statistics.median(times), 3),
                       fps=round(1e3 / statistics.median(times), 2), backend=session.backend.name,
-                      graph_replays=0 if session._graphed is None else session._graphed.replays)
+                      graph_replays=0 if session._runner.graphed is None else session._runner.graphed.replays)
     except torch.OutOfMemoryError as exc:
         record.update(ok=False, error="out of memory: " + str(exc).split("\n")[0][:200])
     except Exception as exc:  # a benchmark: record and go on

@@ -230,7 +230,7 @@ def camera_cache_bytes(cams: CameraSessions, name: str) -> int:
     lease = cams.storage.lease_of(name)
     storage = cams.storage
     kv = 2 * storage.num_layers * lease.tokens * storage.num_heads * storage.head_dim * storage.k.element_size()
-    cam = cams.inner[name]._camera
+    cam = cams.inner[name]._runner.camera
     return kv + 2 * cam.k.numel() * cam.k.element_size()
 
 
@@ -289,7 +289,7 @@ def main(argv=None):
                               "held_at_end_gib": round((torch.cuda.memory_allocated() - base) / 2**30, 3),
                               "peak_until_filled_gib": round((filled_peak - base) / 2**30, 3),
                               "camera_head_caches_gib": round(sum(
-                                  2 * s._camera.k.numel() * s._camera.k.element_size()
+                                  2 * s._runner.camera.k.numel() * s._runner.camera.k.element_size()
                                   for s in cams.inner.values()) / 2**30, 3)},
                    "storage": {"capacity_tokens": status.capacity_tokens, "leased_tokens": status.leased_tokens,
                                "gib": round(status.nbytes / 2**30, 3), "generation": cams.storage.generation},

@@ -116,7 +116,7 @@ class ReplayTimer:
         self.pairs = []
 
     def attach(self, session):
-        graphed = session._graphed
+        graphed = session._runner.graphed
         if graphed is None or getattr(graphed, "_bench_timed", False) or graphed.graph is None:
             return
         trunk, heads = graphed.graph.replay, graphed.heads_graph.replay
@@ -331,12 +331,12 @@ def main(argv=None):
             one_at_a_time = {"frames": len(single), "median_ms": round(statistics.median(single), 3),
                              "p95_ms": round(float(np.percentile(single, 95)), 3),
                              "fps": round(1e3 / statistics.median(single), 2)}
-    attention = session._graphed.backend if session._graphed else session.backend
+    attention = session._runner.graphed.backend if session._runner.graphed else session.backend
     kv_splits_used = getattr(attention, "splits", None)
     fa3_tiles = getattr(attention, "tiles", None)  # the project-built FA3 kernel's tile, None: FlashInfer's
     peak_gib = torch.cuda.max_memory_allocated() / 2**30
     stats = session.stats()
-    graphed = session._graphed
+    graphed = session._runner.graphed
     graph_replays = 0 if graphed is None else graphed.replays
     session_fused = session.fused
     del session

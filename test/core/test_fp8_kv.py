@@ -84,7 +84,7 @@ def test_fp8_stream_tracks_the_fp32_stream(tiny_model, fixture_config, fixtures)
             res += session.push(f)
         outs[kv] = res
         if kv == "fp8":
-            assert isinstance(session._pool, Fp8KVPool)
+            assert isinstance(session._runner.pool, Fp8KVPool)
     assert len(outs["fp8"]) == len(outs["auto"]) == len(images)
     for key in ("pose_enc", "depth"):
         a = np.stack([getattr(r, key) for r in outs["fp8"]])
@@ -121,12 +121,12 @@ def test_fp8_fused_and_static_paths_equal_the_plain_path(tiny_model, fixture_con
         out = []
         for f in images[:7]:
             out += session.push(f)
-        assert isinstance(session._pool, Fp8KVPool)
+        assert isinstance(session._runner.pool, Fp8KVPool)
         return out, session
 
     plain, _ = run()
     static, session = run(static=True)
-    assert session._graphed is not None
+    assert session._runner.graphed is not None
     monkeypatch.setattr(residual, "residual_add", lambda x, b, g, norm=None, norm_dtype=torch.bfloat16:
                         residual.residual_add_reference(x, b, g, norm, norm_dtype))
     monkeypatch.setattr(mlp_kernels, "gelu_epilogue_mlp", lambda module, x: module(x))

@@ -272,7 +272,7 @@ def signature(long):
 
 
 def signature_of(session):
-    return None if session._pages is None else session._pages.state_signature()
+    return None if session._runner.pages is None else session._runner.pages.state_signature()
 
 
 def replay_inner(model, images, long, log=()):
@@ -303,7 +303,7 @@ def test_results_after_a_restart_are_the_aligned_replay(short_model, fixture_con
     replay = StreamingSession(short_model, long.cfg)
     fed = push_all(replay, [frame(images, i) for i in (4, 5)])
     again = push_all(replay, [frame(images, i) for i in range(6, 9)])
-    assert long.inner._pages.state_signature() == replay._pages.state_signature()
+    assert long.inner._runner.pages.state_signature() == replay._runner.pages.state_signature()
 
     fit = estimate_window_sim3(np.stack([out[i].c2w for i in (4, 5)]), np.stack([r.c2w for r in fed]),
                                np.stack([out[i].depth for i in (4, 5)]), np.stack([r.depth for r in fed]),
@@ -438,7 +438,7 @@ def test_failed_step_drops_the_frame_and_the_stream_goes_on(short_model, fixture
     backend = FailingBackend()
     long = make_long(short_model, fixture_config, backend=backend)
     push_all(long, [frame(images, i) for i in range(fail_frame)])
-    window, pushed, sig = long.window_index, long.frames_pushed, long.inner._pages.state_signature()
+    window, pushed, sig = long.window_index, long.frames_pushed, long.inner._runner.pages.state_signature()
     backend.arm(call)
     with pytest.raises(torch.cuda.OutOfMemoryError):
         long.push(frame(images, fail_frame))
@@ -453,7 +453,7 @@ def test_failed_step_drops_the_frame_and_the_stream_goes_on(short_model, fixture
     elif call == 8:
         assert long.window_index == window + 1 and long.stats().temporal_index == 2
     else:
-        assert long.inner._pages.state_signature() == sig and long.window_index == window
+        assert long.inner._runner.pages.state_signature() == sig and long.window_index == window
     got = push_all(long, [frame(images, i) for i in range(fail_frame + 1, 11)])
 
     reference = make_long(short_model, fixture_config)  # never saw the failed frame

@@ -33,7 +33,7 @@ def extent_bytes(cams: CameraSessions, name: str) -> tuple[torch.Tensor, torch.T
 
 
 def camera_cache(cams: CameraSessions, name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    cam = cams.inner[name]._camera
+    cam = cams.inner[name]._runner.camera
     return cam.k.clone(), cam.v.clone()
 
 
@@ -117,7 +117,7 @@ def test_one_model_one_set_of_head_copies_one_storage(tiny_model, fixture_config
         cams.sessions[name].push(seq[0])
         cams.sessions[name].push(seq[1])
     status = cams.pool_status()
-    pages = inner[0]._pages.num_pages
+    pages = inner[0]._runner.pages.num_pages
     # sized at the first camera's first frame for all three cameras: no growth
     assert status.capacity_tokens == 3 * pages * 28 == status.leased_tokens
     assert status.nbytes == cams.storage.k.numel() * 2 * 4 and cams.storage.generation == 0
@@ -153,7 +153,7 @@ def test_transitions_on_one_camera_leave_the_others_bit_identical(tiny_model, fi
     others = ("front", "left")
 
     def snapshot():
-        return {c: (extent_bytes(cams, c), camera_cache(cams, c), cams.inner[c]._pages.state_signature())
+        return {c: (extent_bytes(cams, c), camera_cache(cams, c), cams.inner[c]._runner.pages.state_signature())
                 for c in others}
 
     def unchanged(before):
@@ -200,7 +200,7 @@ def test_random_service_sequences_never_cross_page_ownership(tiny_model, fixture
     for _ in range(120):
         c = rng.choice(cams.names)
         session = cams.sessions[c]
-        others = {o: (extent_bytes(cams, o), cams.inner[o]._pages.state_signature()) for o in cams.names
+        others = {o: (extent_bytes(cams, o), cams.inner[o]._runner.pages.state_signature()) for o in cams.names
                   if o != c and cams.storage.lease_of(o) is not None}
         op = rng.choices(["push", "reset", "rollback", "defer", "commit"], [8, 1, 2, 1, 1])[0]
         try:
@@ -221,17 +221,17 @@ def test_random_service_sequences_never_cross_page_ownership(tiny_model, fixture
         for a, b in zip(leases, leases[1:]):
             assert a.end <= b.start
         for name, inner in cams.inner.items():
-            if inner._pages is None:
+            if inner._runner.pages is None:
                 continue
             lease = cams.storage.lease_of(name)
-            assert lease.pages == inner._pages.num_pages
-            sig = inner._pages.state_signature()
+            assert lease.pages == inner._runner.pages.num_pages
+            sig = inner._runner.pages.state_signature()
             resident = [p for _, p in sig[1]] + [p for _, p in sig[2]] + list(sig[3])
             assert all(0 <= p < lease.pages for p in resident)
         for o, ((k0, v0), sig0) in others.items():
             (k1, v1) = extent_bytes(cams, o)
             assert torch.equal(k0, k1) and torch.equal(v0, v1), (op, c, o)
-            assert cams.inner[o]._pages.state_signature() == sig0
+            assert cams.inner[o]._runner.pages.state_signature() == sig0
     assert sum(fed.values()) > 60 and refused < 120
 
 

@@ -70,7 +70,7 @@ def test_batched_cameras_equal_their_single_camera_replays_in_any_arrival_patter
         assert_same(results[c], replay(tiny_model, config, seqs[c]))
     batched = {c: cams.inner[c].batched_steps for c in cams.names}
     assert sum(batched.values()) >= 4, (batched, sizes)  # the batched trunk really ran
-    assert all(isinstance(b, BatchedTrunk) for b in cams.inner["cam0"]._shared.batches.values())
+    assert all(isinstance(b, BatchedTrunk) for b in cams.inner["cam0"].batch_group.batches.values())
 
 
 def test_forced_keyframe_decisions_in_a_batch_match_the_replay(tiny_model, fixture_config, images):
@@ -242,10 +242,10 @@ def test_storage_growth_for_another_resolution_rebuilds_the_batch_and_changes_no
         if i >= 5:
             frames["cam2"] = seqs["cam2"][i - 5]
         if i == 5:
-            before = cams.inner["cam0"]._shared.batches[("cam0", "cam1")]
+            before = cams.inner["cam0"].batch_group.batches[("cam0", "cam1")]
         submit_round(cams, frames, results)
     assert cams.storage.generation == 1
-    assert cams.inner["cam0"]._shared.batches[("cam0", "cam1")] is not before  # rebuilt on the new storage
+    assert cams.inner["cam0"].batch_group.batches[("cam0", "cam1")] is not before  # rebuilt on the new storage
     assert cams.inner["cam2"].batched_steps == 0
     for c in ("cam0", "cam1"):
         assert_same(results[c], replay(tiny_model, config, seqs[c]))
@@ -322,7 +322,7 @@ def test_a_failing_batched_trunk_falls_back_to_each_cameras_own_step_and_is_not_
         assert_same(results[c], replay(tiny_model, config, seqs[c]))
         assert cams.inner[c].batched_steps == 0
     assert attempts == [2]  # tried once, then never again for this pair
-    shared = cams.inner["cam0"]._shared
+    shared = cams.inner["cam0"].batch_group
     assert "RuntimeError: operation not permitted" in shared.refused[("cam0", "cam1")]
     warnings = [r for r in caplog.records if "batched step failed" in r.getMessage()]
     assert len(warnings) == 1 and "cam0, cam1" in warnings[0].getMessage()
@@ -334,30 +334,31 @@ def test_each_cameras_outputs_land_before_the_next_cameras_heads_run(tiny_model,
     use another's outputs as scratch: a batch lands camera k's outputs before camera k+1's heads
     run (on the H200 the batch once replayed every heads graph first, and outputs were clobbered)."""
     from lingbot_map_ros.stream.graphs import GraphedStep
+    from lingbot_map_ros.stream.steps import StepRunner
 
     cams = batched_cameras(tiny_model, fixture_config, 3)
     seqs = dict(zip(cams.names, sequences(images, 3)))
     owner = {id(cams.inner[c]): c for c in cams.names}
     events = []
-    heads, land = GraphedStep.heads, StreamingSession._land
+    heads, land = GraphedStep.heads, StepRunner._land
 
     def logged_heads(self, levels, positions):
         events.append(("heads", self.camera))
         return heads(self, levels, positions)
 
     def logged_land(self, *args, **kwargs):
-        events.append(("land", self._camera))
+        events.append(("land", self.camera))
         return land(self, *args, **kwargs)
 
     monkeypatch.setattr(GraphedStep, "heads", logged_heads)
-    monkeypatch.setattr(StreamingSession, "_land", logged_land)
+    monkeypatch.setattr(StepRunner, "_land", logged_land)
     results = {c: [] for c in cams.names}
     for i in range(len(seqs["cam0"])):
         events.clear()
         submit_round(cams, {c: seqs[c][i] for c in cams.names}, results)
     assert all(cams.inner[c].batched_steps > 0 for c in cams.names)
     # the last round was batched: heads and landing alternate, camera by camera
-    cameras = [cams.inner[c]._camera for c in cams.names]
+    cameras = [cams.inner[c]._runner.camera for c in cams.names]
     assert events == [e for cam in cameras for e in (("heads", cam), ("land", cam))], \
         [(kind, owner.get(id(cam))) for kind, cam in events]
     for c in cams.names:

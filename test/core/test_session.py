@@ -41,11 +41,11 @@ def test_rollback_equals_replay_without_the_frame(tiny_model, fixture_config, im
     s = make(tiny_model, fixture_config)
     push_all(s, images[:6])
     s.set_deferred_eviction(True)
-    before = s._pages.state_signature()
+    before = s._runner.pages.state_signature()
     (r6,) = s.push(images[6])
     assert r6.is_keyframe and s.stats().pending_evictions == 1
     assert s.rollback_last_frame(expected_frame_index=6) == 6
-    assert s._pages.state_signature() == before
+    assert s._runner.pages.state_signature() == before
     s.set_deferred_eviction(False)
     (after,) = s.push(images[7])
 
@@ -62,10 +62,10 @@ def test_rollback_guards(tiny_model, fixture_config, images):
     with pytest.raises(SessionError, match="nothing to roll back"):
         s.rollback_last_frame()
     push_all(s, images[:3])
-    before = s._pages.state_signature()
+    before = s._runner.pages.state_signature()
     with pytest.raises(SessionError, match="last stored frame is 2"):
         s.rollback_last_frame(expected_frame_index=1)
-    assert s._pages.state_signature() == before
+    assert s._runner.pages.state_signature() == before
     s.rollback_last_frame()
     with pytest.raises(SessionError, match="nothing to roll back"):
         s.rollback_last_frame()
@@ -146,11 +146,11 @@ def test_failed_step_leaves_cache_unchanged(tiny_model, fixture_config, images):
     cfg = StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa")
     s = StreamingSession(tiny_model, cfg, backend=backend)
     push_all(s, images[:5])
-    before = s._pages.state_signature()
+    before = s._runner.pages.state_signature()
     backend.calls, backend.fail_at = 0, 3
     with pytest.raises(torch.cuda.OutOfMemoryError):
         s.push(images[5])
-    assert s._pages.state_signature() == before and s.frames_pushed == 5
+    assert s._runner.pages.state_signature() == before and s.frames_pushed == 5
     backend.fail_at = None
     (got,) = s.push(images[5])
     replay = make(tiny_model, fixture_config)
@@ -169,10 +169,10 @@ def test_failed_step_leaves_cache_unchanged(tiny_model, fixture_config, images):
 def test_bad_images_are_refused_without_state_change(tiny_model, fixture_config, images, bad, needle):
     s = make(tiny_model, fixture_config)
     push_all(s, images[:3])
-    before = s._pages.state_signature()
+    before = s._runner.pages.state_signature()
     with pytest.raises(InvalidFrameError, match=needle):
         s.push(bad)
-    assert s._pages.state_signature() == before
+    assert s._runner.pages.state_signature() == before
     with pytest.raises(InvalidFrameError, match=needle):
         s.check_frame(bad)
     assert isinstance(InvalidFrameError("x"), ValueError)  # callers catching ValueError still do
@@ -251,19 +251,19 @@ def test_a_step_its_graph_cannot_take_runs_eagerly_with_the_same_results(tiny_mo
 
     plain = push_all(make(tiny_model, fixture_config), images[:6])
     s = make(tiny_model, fixture_config)
-    s._graphed_step = lambda: Fragmented()
+    s._runner._graphed_step = lambda: Fragmented()
     with caplog.at_level("WARNING"):
         fallback = push_all(s, images[:6])
     steps = 6 - s.cfg.num_scale_frames
-    assert Fragmented.calls == steps and Fragmented.prepares == 0 and s._next is None
+    assert Fragmented.calls == steps and Fragmented.prepares == 0 and s._runner.speculated is None
     assert s.graph_fallbacks == steps  # counted; warned about once, not at the frame rate
     assert sum("without its CUDA graph" in r.message for r in caplog.records) == 1
     for a, b in zip(fallback, plain, strict=True):
         np.testing.assert_array_equal(a.pose_enc, b.pose_enc)
         np.testing.assert_array_equal(a.depth, b.depth)
     # preparing the next step in a graph that cannot take it is skipped, not an error
-    s._speculate(Fragmented(), s.model.cfg.tokens_per_frame(*s._resolution))
-    assert Fragmented.prepares == 1 and s._next is None
+    s._runner._speculate(Fragmented(), s.model.cfg.tokens_per_frame(*s.resolution))
+    assert Fragmented.prepares == 1 and s._runner.speculated is None
 
 
 def test_submitted_frames_give_the_pushed_results(tiny_model, fixture_config, images):
@@ -287,10 +287,10 @@ def test_bad_input_to_submit_is_refused_without_state_change(tiny_model, fixture
     s = make(tiny_model, fixture_config)
     for f in images[:3]:
         s.submit(f)
-    before = (s._pages.state_signature(), s.frames_pushed)
+    before = (s._runner.pages.state_signature(), s.frames_pushed)
     with pytest.raises(ValueError, match="image size changed"):
         s.submit(images[3][:, :42, :42])
-    assert (s._pages.state_signature(), s.frames_pushed) == before
+    assert (s._runner.pages.state_signature(), s.frames_pushed) == before
 
 
 class _Pending:
@@ -311,18 +311,18 @@ class _Pending:
 
 
 def test_at_most_max_in_flight_steps_are_left_running(tiny_model, fixture_config):
-    from lingbot_map_ros.stream.session import MAX_IN_FLIGHT
+    from lingbot_map_ros.stream.steps import MAX_IN_FLIGHT
 
     s = make(tiny_model, fixture_config)
     old, newer = _Pending(), _Pending()
-    s._in_flight.extend([old, newer])
-    s._make_room()  # MAX_IN_FLIGHT (2) running: the oldest is waited for, the newer keeps running
-    assert MAX_IN_FLIGHT == 2 and old.taken == 1 and newer.taken == 0 and list(s._in_flight) == [newer]
-    s._make_room()
+    s._runner.in_flight.extend([old, newer])
+    s._runner.make_room()  # MAX_IN_FLIGHT (2) running: the oldest is waited for, the newer keeps running
+    assert MAX_IN_FLIGHT == 2 and old.taken == 1 and newer.taken == 0 and list(s._runner.in_flight) == [newer]
+    s._runner.make_room()
     assert newer.taken == 0  # one running is allowed beside the next step
     newer.result()
-    s._make_room()  # settled ones are forgotten
-    assert not s._in_flight and newer.taken == 1
-    s._in_flight.extend([_Pending(), _Pending()])
+    s._runner.make_room()  # settled ones are forgotten
+    assert not s._runner.in_flight and newer.taken == 1
+    s._runner.in_flight.extend([_Pending(), _Pending()])
     s.wait()
-    assert not s._in_flight
+    assert not s._runner.in_flight

@@ -40,12 +40,12 @@ class Counting(GraphedStep):
 
 def with_static_step(session: StreamingSession) -> StreamingSession:
     def graphed_step():
-        if session._graphed is None:
-            session._graphed = Counting(session.model, session._pool, session._camera, SdpaBackend(),
-                                        session._resolution, session.step_options, capture=False)
-        return session._graphed
+        if session._runner.graphed is None:
+            session._runner.graphed = Counting(session.model, session._runner.pool, session._runner.camera, SdpaBackend(),
+                                        session._runner.resolution, session.step_options, capture=False)
+        return session._runner.graphed
 
-    session._graphed_step = graphed_step
+    session._runner._graphed_step = graphed_step
     return session
 
 
@@ -76,7 +76,7 @@ def test_speculated_steps_equal_unspeculated_ones(tiny_model, fixture_config, im
     plain = script(StreamingSession(tiny_model, cfg), images)
     graphed_session = with_static_step(StreamingSession(tiny_model, cfg))
     spec = script(graphed_session, images)
-    calls = graphed_session._graphed.calls
+    calls = graphed_session._runner.graphed.calls
     assert calls["prepared"] >= 8 and calls["planned"] >= 3, calls  # both paths were taken
     assert [r.frame_index for r in spec] == [r.frame_index for r in plain]
     assert [r.is_keyframe for r in spec] == [r.is_keyframe for r in plain]

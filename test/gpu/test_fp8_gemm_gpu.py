@@ -68,7 +68,7 @@ def test_fp8_gemm_stream_against_fp32(backend):
             res += session.push(f.cuda())
         outs[name] = res
         if name == "fp8" and backend.startswith("flashinfer"):
-            assert session._graphed is not None and session._graphed.replays > 0
+            assert session._runner.graphed is not None and session._runner.graphed.replays > 0
     d_bf16, d_fp8 = deviation(outs["fp32"], outs["bf16"]), deviation(outs["fp32"], outs["fp8"])
     print(f"\n[fp8 gemm] {backend}: bf16 vs fp32 {d_bf16}\n[fp8 gemm] {backend}: fp8 GEMMs vs fp32 {d_fp8}")
     for key, bound in BOUNDS.items():

@@ -76,9 +76,9 @@ def test_fp8_kv_stream_against_fp32(backend):
     ref, _ = _stream("sdpa", "fp32", "auto", frames, config)
     bf16, _ = _stream(backend, "bf16", "auto", frames, config)
     fp8, session = _stream(backend, "bf16", "fp8", frames, config)
-    assert isinstance(session._pool, Fp8KVPool)
+    assert isinstance(session._runner.pool, Fp8KVPool)
     if backend.startswith("flashinfer"):
-        assert session._graphed is not None and session._graphed.replays > 0  # the graphs ran with fp8
+        assert session._runner.graphed is not None and session._runner.graphed.replays > 0  # the graphs ran with fp8
     d_bf16, d_fp8 = deviation(ref, bf16), deviation(ref, fp8)
     print(f"\n[fp8 kv] {backend}: bf16 vs fp32 {d_bf16}\n[fp8 kv] {backend}: fp8 K/V vs fp32 {d_fp8}")
     for key in ("translation_rel", "rotation_deg", "depth_rel", "confidence_rel"):

@@ -113,13 +113,13 @@ def test_steady_state_step_does_not_sync(backend, monkeypatch):
     for site in whole:
         print(f"SYNC   {site}")
 
-    convert = session._results
+    convert = session._runner._results
 
     def convert_unchecked(*args, **kwargs):
         torch.cuda.set_sync_debug_mode(0)
         return convert(*args, **kwargs)
 
-    monkeypatch.setattr(session, "_results", convert_unchecked)
+    monkeypatch.setattr(session._runner, "_results", convert_unchecked)
     for image in images[7:9]:  # a non-keyframe, then a keyframe that evicts
         sites = sync_sites(lambda: session.push(image))
         assert not sites, "host syncs in the step:\n" + "\n".join(sites)
@@ -172,5 +172,5 @@ def test_uint8_frames_become_the_float_frames_on_the_gpu():
     session = StreamingSession(model, StreamConfig(backend="sdpa", device="cuda"))
     rgb = np.random.default_rng(1).integers(0, 256, (378, 518, 3), dtype=np.uint8)
     rgb[0, :256, 0] = np.arange(256)  # every byte value
-    on_gpu = session._device_frame(session.check_frame(rgb)).cpu().numpy()
+    on_gpu = session._runner.device_frame(session.check_frame(rgb)).cpu().numpy()
     np.testing.assert_array_equal(on_gpu, uint8_to_image(rgb))

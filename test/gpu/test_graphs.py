@@ -51,8 +51,8 @@ class NoSync:
     """Sync debug mode "error" for a push, switched off only while its results are converted."""
 
     def __init__(self, session: StreamingSession) -> None:
-        self.convert = session._results
-        session._results = self._convert_unchecked
+        self.convert = session._runner._results
+        session._runner._results = self._convert_unchecked
 
     def _convert_unchecked(self, *args, **kwargs):
         torch.cuda.set_sync_debug_mode(0)
@@ -120,9 +120,9 @@ def test_graphed_step_matches_eager(backend):
     eager = script(make_session(backend, graphs=False), images, None)
     graphed_session = make_session(backend, graphs=True)
     graphed = script(graphed_session, images, NoSync(graphed_session))
-    assert graphed_session._graphed is not None and graphed_session._graphed.graph is not None
+    assert graphed_session._runner.graphed is not None and graphed_session._runner.graphed.graph is not None
     phase2 = sum(1 for r in graphed if r.frame_index >= graphed_session.cfg.num_scale_frames)
-    assert graphed_session._graphed.replays == phase2 > 12
+    assert graphed_session._runner.graphed.replays == phase2 > 12
 
     assert [(r.frame_index, r.position, r.is_keyframe) for r in graphed] == \
         [(r.frame_index, r.position, r.is_keyframe) for r in eager]
@@ -131,7 +131,7 @@ def test_graphed_step_matches_eager(backend):
         a = np.stack([getattr(r, field) for r in graphed])
         b = np.stack([getattr(r, field) for r in eager])
         errors[field] = float(np.abs(a - b).max() / np.abs(b).max())
-    print(f"GRAPHS {backend} {len(graphed)} frames, {graphed_session._graphed.replays} replays, "
+    print(f"GRAPHS {backend} {len(graphed)} frames, {graphed_session._runner.graphed.replays} replays, "
           + ", ".join(f"{k} rel {v:.2e}" for k, v in errors.items()))
     assert all(v <= REL_TOL for v in errors.values()), errors
 
@@ -145,7 +145,7 @@ def test_queued_steps_give_the_pushed_results():
     pushed = script(make_session(backend, graphs=True), images, None)
     session = make_session(backend, graphs=True)
     queued = script(session, images, NoSync(session), queued=True)
-    assert session._graphed is not None and session._graphed.replays > 12
+    assert session._runner.graphed is not None and session._runner.graphed.replays > 12
     assert [(r.frame_index, r.position, r.is_keyframe) for r in queued] == \
         [(r.frame_index, r.position, r.is_keyframe) for r in pushed]
     for field in FIELDS:
@@ -190,7 +190,7 @@ def test_parallel_heads_give_the_same_results(graphs):
         assert (session.step_options.head_stream is not None) == parallel
         runs[parallel] = script(session, images, None)
         if graphs:
-            assert session._graphed is not None and session._graphed.replays > 12
+            assert session._runner.graphed is not None and session._runner.graphed.replays > 12
     for field in FIELDS:
         a = np.stack([getattr(r, field) for r in runs[True]])
         b = np.stack([getattr(r, field) for r in runs[False]])

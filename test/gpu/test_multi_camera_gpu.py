@@ -73,7 +73,7 @@ def test_cameras_on_one_storage_equal_single_camera_sessions(setup, n, queued):
     for name, p in pending:
         results[name] += p.result()
     assert all(s.graph_fallbacks == 0 for s in cams.inner.values())
-    assert any(s._graphed is not None and s._graphed.replays > 0 for s in cams.inner.values())
+    assert any(s._runner.graphed is not None and s._runner.graphed.replays > 0 for s in cams.inner.values())
     worst = 0.0
     for c in names:
         single = StreamingSession(model, cfg)
@@ -121,7 +121,7 @@ def test_batched_cameras_equal_per_camera_steps(setup):
     inner = list(cams.inner.values())
     assert all(s.graph_fallbacks == 0 for s in inner)
     assert all(s.batched_steps > 0 for s in inner), [s.batched_steps for s in inner]
-    batches = inner[0]._shared.batches
+    batches = inner[0].batch_group.batches
     assert batches and all(b.graph is not None and b.replays > 0 for b in batches.values() if b.steps)
     fused = inner[0].fused
 
