@@ -1,7 +1,7 @@
-"""Keyframes of a long stream: which frames are stored (``KeyframePolicy``) and what is kept
+"""Keyframes of a long stream: which frames are stored (``StorePolicy``) and what is kept
 of the stored ones (``KeyframeLedger``). numpy only, no torch.
 
-``KeyframePolicy``: ``"interval"`` stores frame ``i`` (global index) when the inner session
+``StorePolicy``: ``"interval"`` stores frame ``i`` (global index) when the inner session
 would (``StreamingSession.is_keyframe_index``); ``"motion"`` stores a frame when the latest
 predicted pose has moved at least ``motion_min_translation`` or turned at least
 ``motion_min_rotation_deg`` from the last stored keyframe. A forced decision
@@ -32,7 +32,7 @@ from .window import KeptKeyframe
 log = logging.getLogger(__name__)
 
 
-class KeyframePolicy:
+class StorePolicy:
     """Whether the next frame is stored, by ``LongStreamConfig.keyframe_policy``."""
 
     def __init__(self, cfg: LongStreamConfig, is_keyframe_index: Callable[[int], bool]) -> None:
@@ -171,4 +171,4 @@ def _copy(a: np.ndarray | None) -> np.ndarray | None:
     return None if a is None else np.array(a, copy=True)
 
 
-__all__ = ["KeyframePolicy", "KeyframeLedger"]
+__all__ = ["StorePolicy", "KeyframeLedger"]

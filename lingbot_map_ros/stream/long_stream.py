@@ -56,7 +56,7 @@ pending (deferred) evictions along with the old cache. Not thread-safe: one thre
 owns the session, as with ``StreamingSession``.
 
 The parts: ``stream.window`` (the current ``Window``, re-feeding and aligning a new one),
-``stream.keyframes`` (``KeyframePolicy``: which frames are stored; ``KeyframeLedger``:
+``stream.keyframes`` (``StorePolicy``: which frames are stored; ``KeyframeLedger``:
 the kept keyframes, the motion policy's poses and the undo record, in submission order);
 this module orders them and maps the inner session's results to the global frame.
 
@@ -81,7 +81,7 @@ from ..geometry import matrix_to_quaternion
 from ..io.preprocess import input_size
 from .alignment import Sim3
 from .errors import FrameMismatchError, SessionError
-from .keyframes import KeyframeLedger, KeyframePolicy
+from .keyframes import KeyframeLedger, StorePolicy
 from .results import FrameResult
 from .session import PendingResults, StreamingSession
 from .window import KeptKeyframe, Window, fit_window, refeed
@@ -118,7 +118,7 @@ class LongStreamSession:
         self.inner = session
         self.long_cfg = cfg
         self.overlap_frames = cfg.overlap_for(session.cfg)
-        self._policy = KeyframePolicy(cfg, session.is_keyframe_index)
+        self._policy = StorePolicy(cfg, session.is_keyframe_index)
         self._ledger = KeyframeLedger(self.overlap_frames)
         self._clear()
 
