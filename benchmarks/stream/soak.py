@@ -212,7 +212,7 @@ def summarize(args, session, samples, times, errors, start, run_s):
             "keyframe_interval": args.keyframe_interval, "camera_iterations": args.camera_iterations,
             "window_frames": args.window_frames, "overlap_frames": session.overlap_frames,
             "keyframe_policy": args.keyframe_policy, "warmup_frames": args.warmup, "sample_every": args.every,
-            "max_frame_num": session.model.cfg.max_frame_num,
+            "max_frame_num": session.inner.model.cfg.max_frame_num,
         },
         "command": " ".join(["python", os.path.relpath(sys.argv[0], REPO)] + sys.argv[1:]),
         "run": run_record(),
