@@ -8,6 +8,8 @@
 #   bash benchmarks/node/node_latency.sh [--frames 300] [--rate 15] [--heights "378 294"]
 #   bash benchmarks/node/node_latency.sh --frames 300 --rate 15 --heights 378 --compare-selector
 #   PYTHON=.venv/bin/python bash benchmarks/node/node_latency.sh --cpu-smoke   # this script, on a CPU
+#   bash benchmarks/node/node_latency.sh --frames 300 --rate 15 --heights 378 \
+#       -- --node-param state_directory=/tmp/lingbot_state   # the same with the keyframe journal on
 #
 # What it does, all offline:
 #   1. installs FlashInfer into /tmp/site, unpacks the ROS 2 bundle into /tmp/lingbot_ros
