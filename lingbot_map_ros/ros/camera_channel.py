@@ -478,7 +478,7 @@ class CameraChannel:
 
     def _srv_commit(self, request, response):
         expected = int(request.expected_frame_index)
-        ok, freed, error = self.run("commit_eviction", lambda: self.engine.commit_eviction(expected))
+        ok, freed, error = self.run("commit_eviction", lambda: self.engine.keyframes.commit_eviction(expected))
         response.success = ok
         response.pages_freed = int(freed or 0)
         response.message = (f"{freed} page(s) freed" if freed else "nothing was pending") if ok else error
@@ -486,7 +486,7 @@ class CameraChannel:
 
     def _srv_rollback(self, request, response):
         expected = int(request.expected_frame_index)
-        ok, index, error = self.run("rollback_last_frame", lambda: self.engine.rollback(expected))
+        ok, index, error = self.run("rollback_last_frame", lambda: self.engine.keyframes.rollback(expected))
         response.success = ok
         response.frame_index = int(index or 0)
         response.message = f"rolled back frame {index}" if ok else f"nothing rolled back: {error}"

@@ -69,9 +69,9 @@ from .keyframe_control import KeyframeControl
 from .mapping import MapAccumulator, Trajectory
 from .model_input import ModelInput, gpu_device
 from .params import NodeSettings
-from .saving import SaveError, SaveSnapshot, write_map_files
+from .saving import SaveError, SaveSnapshot
 from .stamps import ZERO_STAMP_WARNING, StampGate
-from .status import StatusReporter, Tracking, release_device_memory
+from .status import StatusReporter, release_device_memory
 from .tracking import TrackingJudge
 from .worker import Command, Counters, RateMeter, Throttle, WorkQueue
 
@@ -116,7 +116,8 @@ class InferenceEngine:
         self.focal = FocalTracker()  # the model's focal lengths in input pixels (diagnostics)
         self._collected: list[InputFrame] = []  # pushed, waiting for their (scale-frame) results
         self.status = StatusReporter(sink, session, self.counters, lambda: self.decisions.hold is not None,
-                                     self._tracking_status, now, monotonic)
+                                     lambda: self.tracking.summary(self.anchor, self.settings.scale_source),
+                                     now, monotonic)
         # clouds, depth images and the map on the camera's output thread
         self.clouds = CloudOutput(sink, self.map, log, self.throttle, settings.map_max_points)
         self.outputs = self.clouds.worker  # the output thread (the scheduler starts it; ops run in order there)
@@ -353,11 +354,6 @@ class InferenceEngine:
         self.status.refresh_stats()
         self._reset_if_lost(frames[-1].stamp)
 
-    def _tracking_status(self) -> Tracking:
-        spread, converged = self.anchor.status()
-        return Tracking(self.tracking.state.value, self.tracking.reasons, self.tracking.lost_resets,
-                        self.anchor.applied_scale, self.settings.scale_source, spread, converged)
-
     def _reset_if_lost(self, stamp: Any) -> None:
         """on_lost=reset: a lost track starts a new sequence (logged, counted in lost_resets), placed
         in the same map frame through odometry when it can be (``MapAnchor``)."""
@@ -476,14 +472,6 @@ class InferenceEngine:
         return f"deferred eviction {'on' if enabled else 'off'} ({stats.pending_evictions if stats else 0} " \
                "eviction(s) pending)"
 
-    def commit_eviction(self, expected_frame_index: int = 0) -> int:
-        """``KeyframeControl.commit_eviction``: keep the latest stored frame (the held one)."""
-        return self.keyframes.commit_eviction(expected_frame_index)
-
-    def rollback(self, expected_frame_index: int) -> int:
-        """``KeyframeControl.rollback``: drop the latest stored frame (the held one)."""
-        return self.keyframes.rollback(expected_frame_index)
-
     # ------------------------------------------------------------------ saved sessions (journaling)
     def load_session(self, folder: Path, progress_period: float = 0.25) -> Resumed:
         """Replace the state by the saved session in ``folder`` (inference thread): the next frames
@@ -549,11 +537,6 @@ class InferenceEngine:
         self.outputs.op(snapshot.run)
         out = self.anchor.output
         return SaveSnapshot(self.trajectory.stamps(), self.trajectory.poses(), snapshot, out.scale, out.offset)
-
-    def save_map(self, directory: str) -> tuple[Path, Path]:
-        """``save_snapshot`` + ``write_map_files`` in one call (in-process use and tests)."""
-        return write_map_files(self.save_snapshot(), directory, self.settings.output_directory,
-                               self.settings.service_timeout)
 
     # ------------------------------------------------------------------ status
     def _heartbeat(self, clock_problem: str = "") -> None:

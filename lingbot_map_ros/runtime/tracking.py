@@ -15,6 +15,7 @@ import numpy as np
 
 from ..robot.health import HealthStatus, TrackingHealth, TrackingState, config_from_parameters
 from .frames import Logger
+from .status import Tracking
 
 
 class TrackingJudge:
@@ -49,6 +50,12 @@ class TrackingJudge:
             return None
         self.lost_resets += 1
         return ", ".join(self.reasons) or "lost"
+
+    def summary(self, anchor: Any, scale_source: str) -> Tracking:
+        """What ~/status says about tracking: the health, and the scale of ``anchor`` (``MapAnchor``)."""
+        spread, converged = anchor.status()
+        return Tracking(self.health.state.value, self.reasons, self.lost_resets, anchor.applied_scale, scale_source,
+                        spread, converged)
 
     def reconfigure(self, settings: Any) -> None:
         config = config_from_parameters(settings)  # checked when the settings were made

@@ -19,7 +19,7 @@ from lingbot_map_ros.runtime.engine import InferenceEngine
 from lingbot_map_ros.runtime.frames import InputFrame, State
 from lingbot_map_ros.runtime.model_input import gpu_device
 from lingbot_map_ros.runtime.params import resolve_settings
-from lingbot_map_ros.runtime.saving import SaveError
+from lingbot_map_ros.runtime.saving import SaveError, write_map_files
 from lingbot_map_ros.runtime.scheduler import CameraScheduler
 from lingbot_map_ros.stream.session import SessionError, StreamingSession
 
@@ -99,6 +99,12 @@ def feed(engine, rgb, stamp: float) -> None:
     engine.submit_frame(InputFrame(rgb=rgb, stamp=stamp, stamp_s=stamp, camera_frame="cam"))
     while engine.run_once(0):
         pass
+
+
+def save_map(engine, directory: str):
+    """~/save_map in one call: the engine's snapshot (inference thread), then the files."""
+    s = engine.settings
+    return write_map_files(engine.save_snapshot(), directory, s.output_directory, s.service_timeout)
 
 
 def replay(model, images) -> list:
@@ -261,13 +267,13 @@ def test_rollback_command_removes_points_and_pose_and_guards_the_index(model):
     n_map = len(engine.map)
     last_points = sink.frames[-1].points.shape[0]
     with pytest.raises(SessionError, match="the last stored frame is 4, not 3"):
-        engine.rollback(3)  # 1-based: the latest is 4
+        engine.keyframes.rollback(3)  # 1-based: the latest is 4
     assert len(engine.trajectory) == 4 and len(engine.map) == n_map
-    assert engine.rollback(0) == 4
+    assert engine.keyframes.rollback(0) == 4
     assert len(engine.trajectory) == 3 and len(engine.map) == n_map - last_points
     assert sink.paths[-1] == [0, 1, 2]
     with pytest.raises(SessionError, match="nothing to roll back"):
-        engine.rollback(0)
+        engine.keyframes.rollback(0)
     feed(engine, imgs[4], 4.0)
     assert sink.frames[-1].frame_index == 4
     expected = replay(model, imgs[:3] + imgs[4:5])[-1]
@@ -302,7 +308,7 @@ def test_reset_and_save_map(model, tmp_path):
     imgs = frames(4)
     for i in range(4):
         feed(engine, imgs[i], 100.0 + i)
-    ply, tum = engine.save_map(str(tmp_path / "out"))
+    ply, tum = save_map(engine, str(tmp_path / "out"))
     points, colors = read_ply(ply)
     assert points.shape[0] == len(engine.map) > 0 and colors is not None
     stamps, poses = read_tum(tum)
@@ -315,15 +321,15 @@ def test_reset_and_save_map(model, tmp_path):
     assert sink.statuses[-1][0].state == State.WAITING_FOR_IMAGES
     before = (ply.read_bytes(), tum.read_bytes())
     with pytest.raises(SaveError, match="empty"):  # before: an empty map silently replaced the saved one
-        engine.save_map(str(tmp_path / "out"))
+        save_map(engine, str(tmp_path / "out"))
     assert (ply.read_bytes(), tum.read_bytes()) == before
     for i in range(3):
         feed(engine, imgs[i], 200.0 + i)
     with pytest.raises(SaveError, match="outside output_directory"):  # a relative path may not leave it
-        engine.save_map("../../..")
+        save_map(engine, "../../..")
     off, _, _, _ = make_engine(model, accumulate_map=False)
     with pytest.raises(SaveError, match="accumulate_map"):
-        off.save_map(str(tmp_path))
+        save_map(off, str(tmp_path))
 
 
 def test_thread_processes_frames_and_commands(model):
@@ -353,7 +359,7 @@ def test_full_cache_while_deferred_drops_the_frame_and_keeps_the_state(model):
     assert (session.stats(), len(engine.trajectory)) == before
     assert engine.counters.snapshot().frames_dropped_error == 1
     assert any("commit_eviction" in m for lvl, m in log.lines if lvl == "warning")
-    assert engine.commit_eviction() > 0
+    assert engine.keyframes.commit_eviction() > 0
     feed(engine, imgs[7], 7.0)
     assert sink.frames[-1].frame_index == 7 and engine.state == State.TRACKING
 
@@ -489,7 +495,7 @@ def test_deferred_eviction_without_commit_is_committed_after_the_timeout(model):
     assert sink.frames[-1].frame_index == 8 and engine.state == State.TRACKING
     assert any("deferred_eviction_timeout" in m for lvl, m in log.lines if lvl == "warning")
     assert sink.statuses[-1][0].evictions_auto_committed == c.evictions_auto_committed
-    engine.commit_eviction()  # the client is back: evictions wait for it again
+    engine.keyframes.commit_eviction()  # the client is back: evictions wait for it again
     feed(engine, imgs[0], 10.0)
     assert session.stats().pending_evictions == 1 and engine.counters.snapshot().evictions_auto_committed == 2
 
@@ -584,11 +590,11 @@ def test_hold_keeps_the_next_frame_waiting_until_a_decision(model):
     feed(engine, imgs[3], 4.0)  # waits in the slot: frame 3 is not decided
     assert session.frames_pushed == 3 and engine.queue.pending_frame()
     with pytest.raises(SessionError, match="not the frame waiting for a decision"):
-        engine.commit_eviction(2)
+        engine.keyframes.commit_eviction(2)
     assert session.frames_pushed == 3 and engine.counters.snapshot().decisions_refused == 1
-    engine.commit_eviction(3)  # keep
+    engine.keyframes.commit_eviction(3)  # keep
     with pytest.raises(SessionError, match="already decided"):
-        engine.rollback(3)  # a second decision about frame 3
+        engine.keyframes.rollback(3)  # a second decision about frame 3
     while engine.run_once(0):
         pass
     assert session.frames_pushed == 4 and sink.infos[-1].frame_index == 4 and sink.infos[-1].decision_pending
@@ -599,7 +605,7 @@ def test_hold_keeps_the_next_frame_waiting_until_a_decision(model):
 def test_hold_drop_rolls_the_frame_back_and_the_timeout_applies_the_default(model):
     engine, sink, log, session, mono, imgs = held_engine(model, keyframe_decision_default="drop")
     before = session.stats().temporal_index
-    assert engine.rollback(3) == 3  # drop
+    assert engine.keyframes.rollback(3) == 3  # drop
     assert session.stats().temporal_index == before - 1 and len(engine.trajectory) == 2
     feed(engine, imgs[3], 4.0)  # held again (index 3 again: the dropped frame left no trace)
     assert sink.infos[-1].frame_index == 3 and sink.infos[-1].decision_pending
@@ -608,7 +614,7 @@ def test_hold_drop_rolls_the_frame_back_and_the_timeout_applies_the_default(mode
     c = engine.counters.snapshot()
     assert (c.decisions_dropped, c.decisions_timed_out) == (1, 1) and session.frames_pushed == 2
     with pytest.raises(SessionError, match="already decided"):
-        engine.commit_eviction(3)  # too late
+        engine.keyframes.commit_eviction(3)  # too late
     assert any("keyframe_decision_timeout" in m for lvl, m in log.lines if lvl == "warning")
     feed(engine, imgs[4], 5.0)
     assert sink.frames[-1].frame_index == 3
@@ -738,8 +744,8 @@ def test_fixed_scale_multiplies_poses_points_depth_and_saved_files(model, tmp_pa
     st = sink.statuses[-1][0]
     assert (st.scale, st.scale_source, st.scale_converged, st.scale_spread) == (2.5, "fixed", True, 0.0)
     np.testing.assert_array_equal(scaled.trajectory.poses(), plain.trajectory.poses())  # kept in model units
-    ply_a, tum_a = plain.save_map(str(tmp_path / "a"))
-    ply_b, tum_b = scaled.save_map(str(tmp_path / "b"))
+    ply_a, tum_a = save_map(plain, str(tmp_path / "a"))
+    ply_b, tum_b = save_map(scaled, str(tmp_path / "b"))
     np.testing.assert_allclose(read_ply(ply_b)[0], 2.5 * read_ply(ply_a)[0], rtol=1e-5)
     poses_a, poses_b = read_tum(tum_a)[1], read_tum(tum_b)[1]
     np.testing.assert_allclose(poses_b[:, :3, 3], 2.5 * poses_a[:, :3, 3], rtol=1e-5)
@@ -917,7 +923,7 @@ def test_lost_reset_with_odometry_continues_the_map_from_the_last_good_pose(mode
     # the path the node publishes (engine.output over the model-unit trajectory) and the saved files
     np.testing.assert_allclose(out.pose(engine.trajectory.poses()), [new[t].T_map_cam for t in sorted(new)],
                                atol=1e-9)
-    ply, tum = engine.save_map(str(tmp_path / "aligned"))
+    ply, tum = save_map(engine, str(tmp_path / "aligned"))
     np.testing.assert_allclose(read_tum(tum)[1], [new[t].T_map_cam for t in sorted(new)], atol=1e-5)
     assert read_ply(ply)[0].shape[0] > 0
     status = [st for st, _ in sink.statuses]

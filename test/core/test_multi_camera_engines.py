@@ -93,7 +93,7 @@ def test_a_camera_waiting_for_a_keyframe_decision_does_not_hold_up_the_other(mod
     assert [f.frame_index for f in sinks["b"].frames] == [1, 2, 3, 4]  # b went on
     submit(engines["b"], images["b"][4], 204.0)
     assert sched.run_until_idle() == 1 and sinks["b"].frames[-1].frame_index == 5
-    decision = engines["a"].submit("keep", lambda: engines["a"].commit_eviction(3))
+    decision = engines["a"].submit("keep", lambda: engines["a"].keyframes.commit_eviction(3))
     sched.run_until_idle()  # the decision, then a's waiting frame
     assert decision.error is None
     assert [f.frame_index for f in sinks["a"].frames] == [1, 2, 3, 4]
@@ -134,7 +134,7 @@ def test_batching_leaves_a_held_camera_and_a_bad_frame_to_their_engines(model):
     assert [f.frame_index for f in sinks["b"].frames] == [1, 2, 3, 4, 5]
     assert [f.frame_index for f in sinks["c"].frames] == [1, 2, 3, 4]
     assert engines["c"].counters.snapshot().frames_dropped_invalid == 1
-    decision = engines["a"].submit("keep", lambda: engines["a"].commit_eviction(3))
+    decision = engines["a"].submit("keep", lambda: engines["a"].keyframes.commit_eviction(3))
     sched.run_until_idle()
     assert decision.error is None
     assert [f.frame_index for f in sinks["a"].frames] == [1, 2, 3, 4]
