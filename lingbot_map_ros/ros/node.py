@@ -196,7 +196,8 @@ class LingBotMapNode(Node):
         self._service_handles.append(self.service_node.create_service(
             SaveMap, f"{prefix}/save_map", self.map_saving.save, qos_profile=SERVICE_QOS,
             callback_group=self._service_group))
-        self.session_services = SessionServices(self, self.service_node, prefix, self._service_group)
+        self.session_services = SessionServices(self.channels, lambda: self.settings, log, self.service_node, prefix,
+                                                self._service_group)
         self._service_handles += self.session_services.handles
         # Timers run on the steady clock: with use_sim_time and no /clock, /diagnostics and the
         # status heartbeat go on (and say so) instead of stopping without a word.

@@ -43,10 +43,11 @@ def open_journals(channels: dict, sessions: dict, camera_settings: dict) -> dict
 
 
 class SessionServices:
-    """~/save_session and ~/load_session of ``node`` (one call for every camera)."""
+    """~/save_session and ~/load_session (one call for every camera of ``channels``: name ->
+    ``CameraChannel``, filled by the node); ``settings()``: the node's settings in force."""
 
-    def __init__(self, node, service_node, prefix: str, group) -> None:
-        self.node = node
+    def __init__(self, channels: dict, settings: Callable[[], Any], log, service_node, prefix: str, group) -> None:
+        self.channels, self.settings, self.log = channels, settings, log
         self._lock = threading.Lock()  # one save or load at a time
         self.handles = [
             service_node.create_service(SaveSession, f"{prefix}/save_session", self.save, qos_profile=SERVICE_QOS,
@@ -59,7 +60,7 @@ class SessionServices:
         """One save or load at a time: ``body(response)`` fills the response and returns the
         message of a success; a refusal (SessionError, JournalError, OSError) answers
         "not <what>: <reason>" and changes nothing it had not changed already. Logged once."""
-        timeout = self.node.settings.service_timeout
+        timeout = self.settings().service_timeout
         response.success = False
         if not self._lock.acquire(timeout=timeout):
             response.message = (f"another ~/save_session or ~/load_session is still running after {timeout:.1f} s; "
@@ -72,13 +73,13 @@ class SessionServices:
                 response.message = f"not {what}: {_reason(exc)}"
             finally:
                 self._lock.release()
-        _log(self.node.get_logger(), response.success, f"~/{service}: {response.message}")
+        _log(self.log, response.success, f"~/{service}: {response.message}")
         return response
 
     def save(self, request, response):
         def body(response) -> str:
-            journals = {name: ch.engine.journal for name, ch in self.node.channels.items()}
-            folder = session_folder(request.directory, self.node.settings.output_directory)
+            journals = {name: ch.engine.journal for name, ch in self.channels.items()}
+            folder = session_folder(request.directory, self.settings().output_directory)
             response.bytes = save_sessions(journals, folder)
             response.path = str(folder)
             cameras = f" ({len(journals)} cameras)" if len(journals) > 1 else ""
@@ -87,10 +88,10 @@ class SessionServices:
 
     def load(self, request, response):
         def body(response) -> str:
-            folder = session_folder(request.directory, self.node.settings.output_directory, default_name=False)
+            folder = session_folder(request.directory, self.settings().output_directory, default_name=False)
             if not folder.is_dir():
                 raise SessionError(f"no saved session at {folder} (no such folder)")
-            channels = self.node.channels
+            channels = self.channels
             for name, channel in channels.items():  # every camera's, before any state changes
                 try:
                     check_saved(channel.engine.journal, camera_folder(folder, name), channel.settings.image_width)
