@@ -359,7 +359,10 @@ def test_save_map_writes_every_camera(graph, tmp_path):
     for c in CAMERAS:
         times, poses = read_tum(tums[c])
         assert len(times) > 0
-        recorded = {p.header.stamp.sec: p for p in client.msgs[f"{NODE}/{c}/pose"]}
+        topic = f"{NODE}/{c}/pose"  # ~/status came for every saved frame; its ~/pose may still be on the way
+        client.wait(lambda: {int(t) for t in times} <= {p.header.stamp.sec for p in client.msgs[topic]},
+                    what=f"the poses of {c}'s saved frames")
+        recorded = {p.header.stamp.sec: p for p in client.msgs[topic]}
         for t, T in zip(times, poses):
             np.testing.assert_allclose(T, pose_matrix(recorded[int(t)]), atol=1e-5)
 
