@@ -535,7 +535,9 @@ def test_save_map_then_reset(graph, tmp_path):
     assert points.shape[0] > 0 and colors is not None
     times, poses = read_tum(response.trajectory_path)
     np.testing.assert_allclose(times, [s.sec + s.nanosec * 1e-9 for s in stamps], atol=1e-6)
-    recorded = client.poses()
+    # ~/status came for every frame; a ~/pose may still be in flight on its own topic
+    recorded = client.wait(lambda: {int(t) for t in times} <= set(p := client.poses()) and p,
+                           what="the poses of the saved frames")
     for t, T in zip(times, poses):
         np.testing.assert_allclose(T, pose_matrix(recorded[int(t)]), atol=1e-5)
 
