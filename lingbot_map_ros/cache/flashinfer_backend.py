@@ -208,7 +208,41 @@ def ragged_requests(runs: list[tuple[int, int]], splits: int, qo_len: int,
     return qo, kv
 
 
-class FlashInferBackend:
+class PlannedBackend:
+    """The step protocol of the backends that plan a step once and split its keys
+    (``FlashInferBackend``, ``varlen.FlashVarlenBackend``): ``begin_step`` takes the step's
+    ``DevicePlan``, the plan is made at the first ``prepare``/``query_buffer``/``attend`` (host
+    work: before a CUDA-graph capture or replay, call ``prepare``). A subclass defines
+    ``_plan(k_pages)`` (sets ``_planned`` and ``splits``), ``_buffer(name, shape, dtype)`` and
+    ``attend``."""
+
+    _step: DevicePlan | None
+    _planned: bool
+    splits: int | None
+
+    def begin_step(self, plan: DevicePlan) -> None:
+        self._step = plan
+        self._planned = False
+
+    def prepare(self, k_pages: Tensor) -> None:
+        """Plan the step now (host work), e.g. before a CUDA-graph capture or replay."""
+        self._plan(k_pages)
+
+    def query_buffer(self, k_pages: Tensor) -> Tensor:
+        """[S, qo_len, H, D] in the pages' dtype: queries written here need no copy in ``attend``."""
+        if not self._planned:
+            self._plan(k_pages)
+        heads, dim = k_pages.shape[-2:]
+        return self._buffer("q", (self.splits, self._step.qo_len, heads, dim), k_pages.dtype)
+
+    def _plan(self, k_pages: Tensor) -> None:
+        raise NotImplementedError
+
+    def _buffer(self, name: str, shape: tuple, dtype: torch.dtype) -> Tensor:
+        raise NotImplementedError
+
+
+class FlashInferBackend(PlannedBackend):
     """``BatchPrefillWithPagedKVCacheWrapper`` (NHD layout), one plan per step, split-KV."""
 
     def __init__(self, device: torch.device | str, variant: str = "fa3", dtype: torch.dtype | None = None,
@@ -268,21 +302,6 @@ class FlashInferBackend:
     def workspace(self) -> Tensor:
         """FlashInfer's float workspace (shareable by backends whose runs are ordered on one stream)."""
         return self._workspace
-
-    def begin_step(self, plan: DevicePlan) -> None:
-        self._step = plan
-        self._planned = False
-
-    def prepare(self, k_pages: Tensor) -> None:
-        """Run the step's ``plan()`` now (host work), e.g. before a CUDA-graph capture or replay."""
-        self._plan(k_pages)
-
-    def query_buffer(self, k_pages: Tensor) -> Tensor:
-        """[S, qo_len, H, D] in the pages' dtype: queries written here need no copy in ``attend``."""
-        if not self._planned:
-            self._plan(k_pages)
-        heads, dim = k_pages.shape[-2:]
-        return self._buffer("q", (self.splits, self._step.qo_len, heads, dim), k_pages.dtype)
 
     def attend(self, q: Tensor, k_pages: Tensor, v_pages: Tensor) -> Tensor:
         """q [qo_len, H, D] (any float dtype; cast to the pages'), or ``query_buffer``'s tensor;

@@ -34,7 +34,7 @@ import math
 import torch
 from torch import Tensor
 
-from .flashinfer_backend import FragmentedPool, ragged_requests, visible_runs
+from .flashinfer_backend import FragmentedPool, PlannedBackend, ragged_requests, visible_runs
 from .pool import DevicePlan
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def attention_reference(q: Tensor, k: Tensor, v: Tensor, qo: list[int], kv: list
     return out.to(q.dtype), lse
 
 
-class FlashVarlenBackend:
+class FlashVarlenBackend(PlannedBackend):
     """The ``sdpa`` backend over PyTorch's FlashAttention-2 varlen kernel (see the module doc).
 
     ``graph_pages``: CUDA-graph mode (fixed buffers, a fixed split count chosen at the first
@@ -135,21 +135,6 @@ class FlashVarlenBackend:
         self._schema_splits = "num_splits" in str(torch.ops.aten._flash_attention_forward.default._schema)
 
     # ------------------------------------------------------------------ protocol
-    def begin_step(self, plan: DevicePlan) -> None:
-        self._step = plan
-        self._planned = False
-
-    def prepare(self, k_pages: Tensor) -> None:
-        """Plan the step now (host work; before a CUDA-graph capture or replay)."""
-        self._plan(k_pages)
-
-    def query_buffer(self, k_pages: Tensor) -> Tensor:
-        """[S, qo_len, H, D] in the pages' dtype: queries written here need no copy in ``attend``."""
-        if not self._planned:
-            self._plan(k_pages)
-        heads, dim = k_pages.shape[-2:]
-        return self._buffer("q", (self.splits, self._step.qo_len, heads, dim), k_pages.dtype)
-
     def attend(self, q: Tensor, k_pages: Tensor, v_pages: Tensor) -> Tensor:
         """q [qo_len, H, D] (cast to the pages' dtype) or ``query_buffer``'s tensor; pages
         [num_pages, page_size, H, D] -> [qo_len, H, D] in the pages' dtype."""
