@@ -81,109 +81,89 @@ def control_of(session, settings, clock=None):
     accumulated = MapAccumulator(0.01, 10000)
     for i in range(session.pushed):
         accumulated.add(i, np.full((2, 3), float(i), np.float32), np.zeros((2, 3), np.uint8))
-    worker = OutputWorker(max_pending=2)
-    worker.start()
+    worker = OutputWorker(max_pending=2)  # not started: its operations run inline
     control = KeyframeControl(session, decisions, lambda: holder["settings"], reporter, StampGate(), counters,
                               trajectory, accumulated, worker, sink, log, Throttle(0.0, clock), clock)
     return SimpleNamespace(control=control, decisions=decisions, counters=counters, sink=sink, log=log,
-                           reporter=reporter, trajectory=trajectory, map=accumulated, worker=worker, clock=clock,
+                           reporter=reporter, trajectory=trajectory, map=accumulated, clock=clock,
                            holder=holder)
 
 
 def test_rollback_forgets_the_frame_from_path_and_map_and_answers_one_based():
     session = FakeSession(pushed=5)
     p = control_of(session, settings_of())
-    try:
-        assert p.control.rollback(5) == 5
-        p.worker.stop(5.0)
-        assert [e.frame_index for e in p.trajectory.entries()] == [0, 1, 2, 3]
-        assert p.map.frames() == [0, 1, 2, 3]
-        assert p.sink.paths[-1] == [0, 1, 2, 3]
-        assert p.decisions.reference() is not None and p.decisions.last_stored == 0  # frame 5 is no reference
-        assert p.sink.statuses[-1][0].state_text == "rolled back frame 5"
-    finally:
-        p.worker.stop(1.0)
+    assert p.control.rollback(5) == 5
+    assert [e.frame_index for e in p.trajectory.entries()] == [0, 1, 2, 3]
+    assert p.map.frames() == [0, 1, 2, 3]
+    assert p.sink.paths[-1] == [0, 1, 2, 3]
+    assert p.decisions.reference() is not None and p.decisions.last_stored == 0  # frame 5 is no reference
+    assert p.sink.statuses[-1][0].state_text == "rolled back frame 5"
 
 
 def test_a_rollback_naming_another_frame_is_refused_and_changes_nothing():
     session = FakeSession(pushed=5)
     p = control_of(session, settings_of())
-    try:
-        with pytest.raises(SessionError, match="the last stored frame is 5, not 3"):
-            p.control.rollback(3)
-        assert session.pushed == 5 and len(p.trajectory) == 5 and not p.sink.statuses
-    finally:
-        p.worker.stop(1.0)
+    with pytest.raises(SessionError, match="the last stored frame is 5, not 3"):
+        p.control.rollback(3)
+    assert session.pushed == 5 and len(p.trajectory) == 5 and not p.sink.statuses
 
 
 def test_commit_keeps_the_held_frame_and_counts_the_decision():
     session = FakeSession(pushed=5, pending=2)
     p = control_of(session, settings_of(keyframe_decision_timeout=1.0))
-    try:
-        p.decisions.start_hold(5, p.clock(), 1.0)
-        with pytest.raises(SessionError, match="not the frame waiting"):
-            p.control.commit_eviction(4)
-        assert session.commits == 0 and p.counters.snapshot().decisions_refused == 1
-        assert p.control.commit_eviction(5) == 2
-        assert p.decisions.hold is None and p.counters.snapshot().decisions_kept == 1
-        assert p.reporter.last_stats.pending_evictions == 0
-    finally:
-        p.worker.stop(1.0)
+    p.decisions.start_hold(5, p.clock(), 1.0)
+    with pytest.raises(SessionError, match="not the frame waiting"):
+        p.control.commit_eviction(4)
+    assert session.commits == 0 and p.counters.snapshot().decisions_refused == 1
+    assert p.control.commit_eviction(5) == 2
+    assert p.decisions.hold is None and p.counters.snapshot().decisions_kept == 1
+    assert p.reporter.last_stats.pending_evictions == 0
 
 
 @pytest.mark.parametrize("default", ["keep", "drop"])
 def test_a_hold_past_its_deadline_gets_the_default(default):
     session = FakeSession(pushed=5, pending=1)
     p = control_of(session, settings_of(keyframe_decision_timeout=0.5, keyframe_decision_default=default))
-    try:
-        p.decisions.start_hold(5, p.clock(), 0.5)
-        p.control.check_hold_deadline()
-        assert p.decisions.hold is not None  # not yet
-        p.clock.t += 0.6
-        p.control.check_hold_deadline()
-        assert p.decisions.hold is None and p.counters.snapshot().decisions_timed_out == 1
-        assert session.pushed == (4 if default == "drop" else 5)
-        assert session.commits == (0 if default == "drop" else 1)
-        assert any(f"keyframe_decision_default={default}" in m for lvl, m in p.log.lines if lvl == "warning")
-        assert p.sink.statuses[-1][0].state_text == f"frame 5: {default} by timeout"
-    finally:
-        p.worker.stop(1.0)
+    p.decisions.start_hold(5, p.clock(), 0.5)
+    p.control.check_hold_deadline()
+    assert p.decisions.hold is not None  # not yet
+    p.clock.t += 0.6
+    p.control.check_hold_deadline()
+    assert p.decisions.hold is None and p.counters.snapshot().decisions_timed_out == 1
+    assert session.pushed == (4 if default == "drop" else 5)
+    assert session.commits == (0 if default == "drop" else 1)
+    assert any(f"keyframe_decision_default={default}" in m for lvl, m in p.log.lines if lvl == "warning")
+    assert p.sink.statuses[-1][0].state_text == f"frame 5: {default} by timeout"
 
 
 def test_a_lowered_decision_timeout_releases_the_held_frame_now():
     session = FakeSession(pushed=5)
     p = control_of(session, settings_of(keyframe_decision_timeout=30.0))
-    try:
-        p.decisions.start_hold(5, p.clock(), 30.0)
-        p.holder["settings"] = settings_of(keyframe_decision_timeout=0.0)
-        p.control.check_hold_deadline()
-        assert p.decisions.hold is None
-    finally:
-        p.worker.stop(1.0)
+    p.decisions.start_hold(5, p.clock(), 30.0)
+    p.holder["settings"] = settings_of(keyframe_decision_timeout=0.0)
+    p.control.check_hold_deadline()
+    assert p.decisions.hold is None
 
 
 def test_the_deferral_deadline_commits_once_then_at_once_until_a_client_is_back():
     session = FakeSession(pushed=5, pending=3)
     p = control_of(session, settings_of(deferred_eviction_timeout=2.0))
-    try:
-        p.control.note_pending()
-        p.clock.t += 1.0
-        p.control.check_deferral_deadline()
-        assert session.commits == 0
-        p.clock.t += 1.5
-        p.control.check_deferral_deadline()
-        assert session.commits == 1 and p.counters.snapshot().evictions_auto_committed == 1
-        session.pending = 1  # the next deferral: committed at once (the client is gone)
-        p.control.note_pending()
-        p.control.check_deferral_deadline()
-        assert session.commits == 2
-        p.control.deferral_changed()  # a client sets the deferral again: the timeout counts again
-        session.pending = 1
-        p.control.note_pending()
-        p.control.check_deferral_deadline()
-        assert session.commits == 2
-    finally:
-        p.worker.stop(1.0)
+    p.control.note_pending()
+    p.clock.t += 1.0
+    p.control.check_deferral_deadline()
+    assert session.commits == 0
+    p.clock.t += 1.5
+    p.control.check_deferral_deadline()
+    assert session.commits == 1 and p.counters.snapshot().evictions_auto_committed == 1
+    session.pending = 1  # the next deferral: committed at once (the client is gone)
+    p.control.note_pending()
+    p.control.check_deferral_deadline()
+    assert session.commits == 2
+    p.control.deferral_changed()  # a client sets the deferral again: the timeout counts again
+    session.pending = 1
+    p.control.note_pending()
+    p.control.check_deferral_deadline()
+    assert session.commits == 2
 
 
 def test_status_reporter_numbers_the_last_frame_and_knows_when_a_heartbeat_is_due():
