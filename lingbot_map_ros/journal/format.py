@@ -34,7 +34,10 @@ MAX_META = 1 << 24  # a meta longer than this is corruption, not data
 MAX_PAYLOAD = 1 << 31
 
 # record kinds (a byte on disk; the names are what code and logs use)
-KINDS = {"frame": 1, "seen": 2, "restart": 3, "rollback": 4, "commit": 5, "deferred": 6, "state": 7, "begin": 8}
+KINDS = {"frame": 1, "seen": 2, "restart": 3, "rollback": 4, "commit": 5, "deferred": 6, "state": 7, "begin": 8,
+         # the map journal (``runtime.map_journal``, its own file): a frame's map chunk, an operation on
+         # the map or the path, a path entry, the whole map and path at a compaction
+         "chunk": 9, "mapop": 10, "pose": 11, "snapshot": 12}
 _NAMES = {v: k for k, v in KINDS.items()}
 
 

@@ -91,6 +91,8 @@ def read_journal(path: str | Path, identity: dict[str, Any] | None = None, width
     """(header, good records, stop reason, corrupt). Raises JournalError (unreadable) or
     JournalMismatch (another model, configuration or resolution)."""
     found = scan(path)
+    if found.header.get("contents", "frames") != "frames":
+        raise JournalError(f"{found.path} is a {found.header['contents']} journal, not a keyframe journal")
     reason = mismatch(found.header, identity, width)
     if reason:
         raise JournalMismatch(f"{found.path}: {reason}")

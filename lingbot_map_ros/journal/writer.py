@@ -171,7 +171,7 @@ class JournalWriter:
         """Wait until the thread has handled everything queued (tests, a clean shutdown);
         True when the file then holds the whole segment."""
         done = threading.Event()
-        self._queue.put(("mark", 0, done))
+        self._put(("mark", 0, done), 0)
         if not done.wait(timeout):
             return False
         with self._lock:

@@ -471,6 +471,8 @@ class LingBotMapNode(Node):
             journal = channel.engine.journal
             if journal is not None and journal.writer is not None:
                 journal.writer.close(timeout=JOURNAL_CLOSE_S)
+            if channel.engine.map_journal is not None:
+                channel.engine.map_journal.close(timeout=JOURNAL_CLOSE_S)
         self.service_node.destroy_node()
         logging.getLogger("lingbot_map_ros").removeHandler(self._log_handler)
 

@@ -80,7 +80,8 @@ class SessionServices:
         def body(response) -> str:
             journals = {name: ch.engine.journal for name, ch in self.channels.items()}
             folder = session_folder(request.directory, self.settings().output_directory)
-            response.bytes = save_sessions(journals, folder)
+            maps = {name: ch.engine.map_journal for name, ch in self.channels.items()}
+            response.bytes = save_sessions(journals, folder, maps)
             response.path = str(folder)
             cameras = f" ({len(journals)} cameras)" if len(journals) > 1 else ""
             return f"saved the session{cameras} in {folder} ({response.bytes / 2**20:.1f} MiB)"
@@ -129,6 +130,20 @@ def journal_diag(label: str, engine) -> DiagnosticStatus | None:
             level, message = DiagnosticStatus.WARN, f"paused: {st.reason}; inference goes on"
         else:
             message = f"{st.state}: {st.records} records, {st.file_bytes / 2**20:.1f} MiB"
+        map_journal = getattr(engine, "map_journal", None)
+        if map_journal is not None:
+            ms = map_journal.status()
+            values.update({"map journal": ms.path, "map journal state": ms.state,
+                           "map journal file size (MiB)": f"{ms.file_bytes / 2**20:.1f}",
+                           "map journal written (MiB)": f"{ms.bytes_written / 2**20:.1f}"})
+            if ms.state == "paused" and level == DiagnosticStatus.OK:
+                level, message = DiagnosticStatus.WARN, f"map journal paused: {ms.reason}; inference goes on"
+    restored = getattr(engine, "restored_map", None)
+    if restored is not None:
+        values["map and path at the last resume"] = (f"not restored: {restored.note}" if restored.note and not
+                                                     restored.records else f"{restored.points} points, "
+                                                     f"{restored.poses} poses" + (f" ({restored.note})"
+                                                                                  if restored.note else ""))
     if resumed is not None:
         values["at start" if resumed.source == "journal" else "last load"] = (
             f"set aside as {resumed.set_aside}: {resumed.refused}" if resumed.refused else resumed.describe())

@@ -66,6 +66,7 @@ from .frame_output import FramePublisher
 from .frames import InputFrame, Logger, Sink, State
 from .journaling import SESSIONS_OFF, JournalNotes, Resumed, load_saved
 from .keyframe_control import KeyframeControl
+from .map_journal import MAP_JOURNAL_NAME, MapJournal, RestoredMap, restore_map
 from .mapping import MapAccumulator, Trajectory
 from .model_input import ModelInput, gpu_device
 from .params import NodeSettings
@@ -76,6 +77,7 @@ from .tracking import TrackingJudge
 from .worker import Command, Counters, RateMeter, Throttle, WorkQueue
 
 WARN_PERIOD = 5.0  # seconds between two warnings of one kind
+RESTORE_FLUSH_S = 30.0  # s a resume waits for the output thread to finish what it has (the map's clear)
 
 
 class InferenceEngine:
@@ -107,6 +109,15 @@ class InferenceEngine:
         self.trajectory = Trajectory(settings.path_max_length)
         self.map = MapAccumulator(settings.map_voxel_size, settings.map_max_points) \
             if settings.accumulate_map else None
+        # the map and path journal (map.lbj beside the keyframe journal; journal_map), else None
+        self.map_journal: MapJournal | None = None
+        if self.journal is not None and self.journal.writer is not None and settings.journal_map:
+            self.map_journal = MapJournal(self.journal.writer.path.with_name(MAP_JOURNAL_NAME), self.journal.identity,
+                                          settings.path_max_length)
+            self.map_journal.attach(self.map, self.trajectory)
+            # a saved session's map holds every frame its journal does: what the output thread has goes in
+            self.map_journal.before_copy = lambda: self.outputs.flush(RESTORE_FLUSH_S)
+        self.restored_map: RestoredMap | None = None  # what the last resume took back of the map and path
         self.stamps = StampGate()
         self.decisions = KeyframeDecisions(self.counters)
         self.anchor = MapAnchor(settings.scale_source, settings.metric_scale, settings.conf_threshold,
@@ -511,7 +522,10 @@ class InferenceEngine:
             if resumed is not None and resumed.refused:
                 self.status.set(self.status.state, f"journal set aside ({resumed.refused}); a new journal starts")
             return
+        if self.map_journal is not None:
+            self.map_journal.pause()  # the map and path are replaced below: not a change to journal
         self._clear_sequence(reset_session=False)
+        self._restore_map(resumed)
         self.stamps.clear()
         self.notes.restore(resumed, self.counters, self.anchor)
         if self.queue.discard_frame() is not None:  # it arrived during the rebuild
@@ -523,8 +537,24 @@ class InferenceEngine:
                                               camera_frame=frame_id))
         self.status.refresh_stats()
         self.status.last_index = resumed.next_frame
-        self.status.set(State.INITIALIZING, resumed.describe())
+        restored = self.restored_map
+        kept = f"; map {restored.points} points, path {restored.poses} poses" if restored and not restored.note \
+            else (f"; map and path not restored: {restored.note}" if restored else "")
+        self.status.set(State.INITIALIZING, resumed.describe() + kept)
         self.status.publish(self.status.text, None)
+
+    def _restore_map(self, resumed: Resumed) -> None:
+        """The map and path of the journal or session ``resumed`` came from (``map.lbj`` beside
+        its journal), cut at its next frame; journaled again from there (``MapJournal.start``)."""
+        if not self.outputs.flush(RESTORE_FLUSH_S):  # the map's clear runs on the output thread
+            self.log.warning("the output thread did not finish in time; the map is restored anyway")
+        identity = self.journal.identity if self.journal is not None else None
+        self.restored_map = restore_map(Path(resumed.path).parent / MAP_JOURNAL_NAME, self.map, self.trajectory,
+                                        resumed.next_frame, self.make_stamp, identity)
+        if self.map_journal is not None:
+            self.map_journal.start(self.trajectory)
+        if self.settings.publish_path and len(self.trajectory):
+            self.sink.publish_path(self.trajectory.entries())
 
     # ------------------------------------------------------------------ saving
     def save_snapshot(self) -> SaveSnapshot:

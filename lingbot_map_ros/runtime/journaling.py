@@ -32,6 +32,7 @@ from ..io.map_save import MapSaveError, new_save_id, resolve_save_directory
 from ..journal import (JOURNAL_NAME, JournaledSession, JournalError, Rebuilt, journal_identity, load_session,
                        open_state_directory, set_aside)
 from ..journal.resume import read_journal
+from .map_journal import MAP_JOURNAL_NAME
 from .params import NodeSettings
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,7 @@ log = logging.getLogger(__name__)
 COUNTERS_STATE = "counters"  # the ~/status counters, journaled as a named state (latest kept)
 ANCHOR_STATE = "anchor"  # where the sequence sits in the map (a lost reset's offset): MapAnchor.snapshot
 SESSIONS_OFF = "sessions are off: start the node with state_directory (or load_session) set to load saved sessions"
+SESSION_FILES = (JOURNAL_NAME, MAP_JOURNAL_NAME)  # what a saved session's (camera) folder holds
 JOURNALING_OFF = "journaling is off: start the node with state_directory set to save sessions"
 
 
@@ -211,11 +213,13 @@ class JournalNotes:
         self._counters = counts
 
 
-def save_sessions(sessions: dict[str, JournaledSession], folder: Path) -> int:
+def save_sessions(sessions: dict[str, JournaledSession], folder: Path, maps: dict[str, Any] | None = None) -> int:
     """Write every camera's journal (``{camera: session}``, "" = the single camera) as one saved
-    session in ``folder`` (replacing one there); returns the bytes written. SessionError when
-    journaling is off or nothing was journaled yet, OSError when the disk refuses (nothing of
-    the new session is left then, the old one is kept)."""
+    session in ``folder`` (replacing one there), with the camera's map journal (``maps``:
+    ``{camera: MapJournal}``, taken after the keyframe journal so that it holds every frame
+    that one does); returns the bytes written. SessionError when journaling is off or nothing
+    was journaled yet, OSError when the disk refuses (nothing of the new session is left then,
+    the old one is kept)."""
     if any(s is None or s.writer is None for s in sessions.values()):
         raise SessionError(JOURNALING_OFF)
     folder = Path(folder)
@@ -233,9 +237,12 @@ def save_sessions(sessions: dict[str, JournaledSession], folder: Path) -> int:
                 total += s.writer.save_copy(dest / JOURNAL_NAME)
             except ValueError as exc:
                 raise SessionError(f"camera {camera}: {exc}" if camera else str(exc)) from None
+            map_journal = (maps or {}).get(camera)
+            if map_journal is not None:
+                total += map_journal.save_copy(dest / MAP_JOURNAL_NAME)
         old = None
         if folder.exists():
-            if any(p.name != JOURNAL_NAME and not (p.is_dir() and (p / JOURNAL_NAME).exists())
+            if any(p.name not in SESSION_FILES and not (p.is_dir() and (p / JOURNAL_NAME).exists())
                    for p in folder.iterdir()):
                 raise SessionError(f"{folder} holds other files than a saved session; not replaced")
             old = parent / f".{folder.name}.old-{secrets.token_hex(4)}"

@@ -64,25 +64,39 @@ class MapAccumulator:
         self._version = 0
         self._snapshot: tuple[int, np.ndarray, np.ndarray] | None = None
         self.thinned = False  # set once the bound forced uniform thinning
+        # told every change, under the lock, after it is applied (``map_journal.MapJournal``): None = nobody
+        self.listener: Any = None
+
+    @property
+    def lock(self) -> threading.Lock:
+        """Held while the map changes (a listener that must see the map still takes it first)."""
+        return self._lock
 
     @property
     def version(self) -> int:
         """Increases on every change (readers republish when it moved)."""
         return self._version
 
-    def add(self, frame_index: int, points: np.ndarray, colors: np.ndarray) -> None:
-        """Add frame ``frame_index``'s points [N, 3] float32 (map frame) and colours [N, 3] uint8."""
-        pts, cols = self._downsample(np.asarray(points, np.float32), np.asarray(colors, np.uint8))
+    def add(self, frame_index: int, points: np.ndarray, colors: np.ndarray, downsampled: bool = False) -> None:
+        """Add frame ``frame_index``'s points [N, 3] float32 (map frame) and colours [N, 3] uint8.
+        ``downsampled``: they are a chunk as this map keeps it already (a journal's replay)."""
+        pts, cols = np.asarray(points, np.float32), np.asarray(colors, np.uint8)
+        if not downsampled:
+            pts, cols = self._downsample(pts, cols)
         with self._lock:
             self._chunks[frame_index] = (pts, cols)
             self._chunks.move_to_end(frame_index)
             self._consolidate()
             self._version += 1
+            if self.listener is not None:
+                self.listener.map_added(self, frame_index, pts, cols)
 
     def protect_from(self, frame_index: int) -> None:
         """Frames with index >= ``frame_index`` may still be rolled back: keep them separate."""
         with self._lock:
             self._floor = frame_index
+            if self.listener is not None:
+                self.listener.map_op(self, "protect", frame_index)
 
     def remove_from(self, frame_index: int) -> int:
         """Forget the frames with index >= ``frame_index``; returns the points removed."""
@@ -91,6 +105,8 @@ class MapAccumulator:
             removed = sum(self._chunks.pop(i)[0].shape[0] for i in gone)
             if gone:
                 self._version += 1
+            if self.listener is not None:
+                self.listener.map_op(self, "remove", frame_index)
             return removed
 
     def clear(self) -> None:
@@ -99,6 +115,34 @@ class MapAccumulator:
             self._base_keys = np.zeros(0, np.int64)
             self._chunks.clear()
             self._floor = 0
+            self._version += 1
+            if self.listener is not None:
+                self.listener.map_op(self, "clear", 0)
+
+    def state(self) -> dict[str, Any]:
+        """Everything that decides this map's future (its points, the chunks still held apart,
+        the floor, whether it was thinned) as arrays and numbers; ``load_state`` takes it back.
+        The arrays are the map's own (never modified in place: every change replaces them)."""
+        with self._lock:
+            return self.state_locked()
+
+    def state_locked(self) -> dict[str, Any]:
+        """``state`` for a caller that holds the lock already (a listener)."""
+        return {"base": self._base, "chunks": list(self._chunks.items()), "floor": self._floor,
+                "thinned": self.thinned}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Become the map ``state`` describes (``state``); the base's voxel keys are recomputed
+        (a point's key is a function of its coordinates)."""
+        pts, cols = (np.ascontiguousarray(state["base"][0], np.float32),
+                     np.ascontiguousarray(state["base"][1], np.uint8))
+        with self._lock:
+            self._base = (pts, cols)
+            self._base_keys = voxel_keys(pts, self.voxel_size)[0] if self.voxel_size > 0 else np.zeros(0, np.int64)
+            self._chunks = OrderedDict((int(i), (np.asarray(p, np.float32), np.asarray(c, np.uint8)))
+                                       for i, (p, c) in state["chunks"])
+            self._floor = int(state["floor"])
+            self.thinned = bool(state["thinned"])
             self._version += 1
 
     def snapshot(self) -> tuple[np.ndarray, np.ndarray, int]:
@@ -187,19 +231,30 @@ class Trajectory:
 
     def __init__(self, max_length: int) -> None:
         self._entries: deque[PoseEntry] = deque(maxlen=max_length)
+        self.listener: Any = None  # told every change after it is applied (``map_journal.MapJournal``)
+
+    @property
+    def max_length(self) -> int:
+        return self._entries.maxlen
 
     def append(self, entry: PoseEntry) -> None:
         self._entries.append(entry)
+        if self.listener is not None:
+            self.listener.path_appended(entry)
 
     def remove_from(self, frame_index: int) -> int:
         n = 0
         while self._entries and self._entries[-1].frame_index >= frame_index:
             self._entries.pop()
             n += 1
+        if n and self.listener is not None:
+            self.listener.path_op("remove", frame_index)
         return n
 
     def clear(self) -> None:
         self._entries.clear()
+        if self.listener is not None:
+            self.listener.path_op("clear", 0)
 
     def entries(self) -> list[PoseEntry]:
         return list(self._entries)

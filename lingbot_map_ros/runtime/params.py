@@ -220,6 +220,9 @@ PARAMETERS: tuple[Param, ...] = (
           "around them, written as the node runs (off the inference thread); a node started with a journal "
           "there of the same model, configuration and image_width resumes its map. Several cameras: "
           "<state_directory>/<camera>/. Empty = no journal (~/save_session refused)"),
+    Param("journal_map", True, "With state_directory: also journal the accumulated map and the path "
+          "(map.lbj beside the journal), so that they survive a restart and go into saved sessions; false "
+          "saves the disk bandwidth of every frame's map points (the map and path then restart empty)"),
     Param("load_session", "", "A session saved with ~/save_session to start from (relative = under "
           "output_directory): the node localizes in that session's map. Replaces what state_directory "
           "holds (the journal found there is set aside as journal.replaced-<time>.lbj). Empty = none"),
@@ -299,6 +302,7 @@ class NodeSettings:
     camera_tf_frame: str = ""
     state_directory: str = ""
     load_session: str = ""
+    journal_map: bool = True
     gpu_memory_check: bool = True
     deferred_eviction_timeout: float = 5.0
     keyframe_decision_timeout: float = 0.0
@@ -430,7 +434,7 @@ _PLAIN_FIELDS = ("gpu_memory_check", "camera_batching", "camera_pipelining", "se
                  "input_timeout", "service_timeout", "conf_threshold", "point_stride", "accumulate_map", "map_voxel_size",
                  "map_max_points", "map_publish_rate", "path_max_length", "path_publish_rate",
                  "publish_odometry", "publish_pose", "publish_path", "publish_points", "publish_map",
-                 "publish_depth", "output_directory", "state_directory", "load_session", "publish_tf", "tf_mode", "map_frame", "odom_frame",
+                 "publish_depth", "output_directory", "state_directory", "journal_map", "load_session", "publish_tf", "tf_mode", "map_frame", "odom_frame",
                  "base_frame", "camera_frame", "camera_tf_frame", "deferred_eviction_timeout",
                  "keyframe_decision_timeout", "keyframe_decision_default", "time_jump_threshold", "on_time_jump",
                  "on_lost", "undistort", "scale_source", "metric_scale", "scale_wait_for_convergence", "deferred_eviction") + tuple(HEALTH_PARAMETERS)
