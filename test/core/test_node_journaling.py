@@ -370,3 +370,101 @@ def test_a_save_that_fails_halfway_keeps_the_old_session_and_leaves_no_temporary
     finally:
         front.writer.close()
         rear.writer.close()
+
+
+def map_of(engine: InferenceEngine):
+    """(points, colours, stamps, poses) as ~/save_map would write them (taken on the inference thread)."""
+    taken = engine.submit("save", engine.save_snapshot)
+    assert taken.wait(30) and taken.error is None, taken.error
+    snapshot = taken.result
+    points, colors, poses = snapshot.output(30)
+    return points, colors, snapshot.stamps, poses
+
+
+def assert_same_map(got, want, what: str) -> None:
+    (p, c, s, T), (wp, wc, ws, wT) = got, want
+    assert p.shape == wp.shape and s.shape == ws.shape, f"{what}: {p.shape} {wp.shape}, {s.shape} {ws.shape}"
+    np.testing.assert_allclose(p, wp, atol=1e-4, err_msg=what)
+    assert np.array_equal(c, wc), what
+    np.testing.assert_array_equal(s, ws, err_msg=what)
+    np.testing.assert_allclose(T, wT, atol=1e-4, err_msg=what)
+
+
+@pytest.fixture(scope="module")
+def straight_map(tiny_model, tmp_path_factory):
+    """The map and path an uninterrupted engine run over FRAMES saves."""
+    settings = settings_of(tmp_path_factory.mktemp("straight_map"), accumulate_map=True)
+    engine, scheduler, sink = engine_of(tiny_model, settings)
+    try:
+        feed(engine, sink, range(len(FRAMES)))
+        out = map_of(engine)
+    finally:
+        scheduler.stop()
+    assert out[0].shape[0] > 0 and out[2].shape[0] == len(FRAMES)
+    return out
+
+
+def test_the_saved_map_and_path_survive_a_resume_and_a_saved_session(tiny_model, tmp_path, straight_map):
+    """Stopped without a clean close at frame 7 (what the writers wrote is what there is): the
+    resumed engine, fed frames 8.., saves the map and path of the uninterrupted run; so does a
+    fresh engine started from a session saved at frame 7 (load_session, no state directory)."""
+    settings = settings_of(tmp_path, accumulate_map=True, state_directory=str(tmp_path / "state"))
+    wrapped, _ = open_camera_journal(session_of(tiny_model, settings), settings, "")
+    engine, scheduler, sink = engine_of(tiny_model, settings, wrapped)
+    engine.resumed_from(None)  # as the node does at start
+    try:
+        feed(engine, sink, range(7))
+        assert engine.outputs.flush(10) and wrapped.writer.flush(10) and engine.map_journal.writer.flush(10)
+        saved = save_sessions({"": wrapped}, tmp_path / "out" / "kept", {"": engine.map_journal})
+        assert saved > 0 and (tmp_path / "out" / "kept" / "map.lbj").is_file()
+    finally:
+        scheduler.stop()
+    assert (tmp_path / "state" / "map.lbj").is_file()
+
+    wrapped2, resumed2 = open_camera_journal(session_of(tiny_model, settings), settings, "")
+    engine2, scheduler2, sink2 = engine_of(tiny_model, settings, wrapped2)
+    try:
+        engine2.resumed_from(resumed2)
+        restored = engine2.restored_map
+        assert restored.note == "" and restored.poses == 7 and restored.points > 0
+        assert f"path {restored.poses} poses" in engine2.state_text
+        feed(engine2, sink2, range(7, len(FRAMES)))
+        assert_same_map(map_of(engine2), straight_map, "resumed")
+    finally:
+        scheduler2.stop()
+        wrapped2.writer.close()
+        engine2.map_journal.close()
+
+    loader = settings_of(tmp_path, accumulate_map=True, load_session="kept")
+    wrapped3, resumed3 = open_camera_journal(session_of(tiny_model, loader), loader, "")
+    engine3, scheduler3, sink3 = engine_of(tiny_model, loader, wrapped3)
+    try:
+        assert engine3.map_journal is None  # no state directory: loaded, not journaled
+        engine3.resumed_from(resumed3)
+        feed(engine3, sink3, range(7, len(FRAMES)))
+        assert_same_map(map_of(engine3), straight_map, "loaded session")
+    finally:
+        scheduler3.stop()
+
+
+def test_journal_map_false_keeps_the_model_state_but_not_the_map(tiny_model, tmp_path):
+    settings = settings_of(tmp_path, accumulate_map=True, journal_map=False, state_directory=str(tmp_path / "s"))
+    wrapped, _ = open_camera_journal(session_of(tiny_model, settings), settings, "")
+    engine, scheduler, sink = engine_of(tiny_model, settings, wrapped)
+    try:
+        assert engine.map_journal is None
+        feed(engine, sink, range(4))
+        assert wrapped.writer.flush(10)
+    finally:
+        scheduler.stop()
+        wrapped.writer.close()
+    assert not (tmp_path / "s" / "map.lbj").exists()
+    wrapped2, resumed2 = open_camera_journal(session_of(tiny_model, settings), settings, "")
+    engine2, scheduler2, _ = engine_of(tiny_model, settings, wrapped2)
+    try:
+        engine2.resumed_from(resumed2)
+        assert resumed2.next_frame == 4 and len(engine2.trajectory) == 0
+        assert "map and path not restored: no map.lbj" in engine2.state_text
+    finally:
+        scheduler2.stop()
+        wrapped2.writer.close()
