@@ -26,8 +26,10 @@ from graph_helpers import (GraphClient, InProcessNode, fixture_params, generated
                            write_node_params)
 from lingbot_map_ros.journal import JOURNAL_NAME  # noqa: E402
 from lingbot_map_ros.journal.format import iter_records, scan  # noqa: E402
+from lingbot_map_ros.io.export import read_ply, read_tum  # noqa: E402
 from lingbot_map_ros.msg import FrameInfo, Status  # noqa: E402
-from lingbot_map_ros.srv import LoadSession, SaveSession  # noqa: E402
+from lingbot_map_ros.runtime.map_journal import MAP_JOURNAL_NAME  # noqa: E402
+from lingbot_map_ros.srv import LoadSession, SaveMap, SaveSession  # noqa: E402
 
 pytestmark = [pytest.mark.ros, pytest.mark.slow]
 
@@ -83,6 +85,39 @@ def journaled_through(path: Path) -> int:
     return last
 
 
+def mapped_through(path: Path) -> int:
+    """The highest frame index whose points the map journal holds (-1: none yet)."""
+    try:
+        found = scan(path)
+    except Exception:
+        return -1
+    last = -1
+    for r in iter_records(found):
+        if r.kind == "chunk":
+            last = max(last, int(r.meta["i"]))
+        elif r.kind == "snapshot" and r.meta.get("chunks"):
+            last = max(last, max(r.meta["chunks"]))
+    return last
+
+
+def saved_map(client: GraphClient, name: str, directory: Path) -> tuple:
+    """~/save_map into ``directory``: (points, colours, stamps, poses) read back from the files."""
+    answer = client.call(SaveMap, f"/{name}/save_map", SaveMap.Request(directory=str(directory)), timeout=60.0)
+    assert answer.success, answer.message
+    points, colors = read_ply(answer.ply_path)
+    stamps, poses = read_tum(answer.trajectory_path)
+    return points, colors, stamps, poses
+
+
+def assert_same_saved_map(got, want, what: str) -> None:
+    (p, c, s, T), (wp, wc, ws, wT) = got, want
+    assert p.shape == wp.shape and s.shape == ws.shape, f"{what}: {p.shape} vs {wp.shape}, {s.shape} vs {ws.shape}"
+    np.testing.assert_allclose(p, wp, atol=1e-4, err_msg=f"{what}: map.ply points")
+    assert np.array_equal(c, wc), f"{what}: map.ply colours"
+    np.testing.assert_allclose(s, ws, atol=1e-6, err_msg=f"{what}: trajectory.tum stamps")
+    np.testing.assert_allclose(T, wT, atol=1e-4, err_msg=f"{what}: trajectory.tum poses")
+
+
 class Robot:
     """Publishes the frames on the node's image topic and records its ~/frame by index."""
 
@@ -122,16 +157,18 @@ class Robot:
                     raise
 
 
-# name -> (the frame after which the node is killed, extra parameters); run side by side
+# name -> (the frame after which the node is killed, extra parameters); run side by side with one
+# uninterrupted node ("straight": not killed) whose saved map the others' must equal
 KILLS = {"scale-phase": (0, {}), "mid-window": (4, {}), "after-restart": (9, {}),
          "held-decision": (6, {"keyframe_decision_timeout": 1.0})}
+STRAIGHT = "straight"
 
 
 def _kill_and_resume(case: str, fixtures, frames, tmp: Path) -> dict:
     """One node process fed frames 0..k, killed with SIGKILL once frame k is in its journal (with a
     decision timeout: while the next frame is held for frame k's decision), then a new process on
     the same state_directory fed frames k+1..; what each run published and the second one's log."""
-    kill_at, extra = KILLS[case]
+    kill_at, extra = KILLS.get(case, (FRAMES - 1, {}))
     name, topic = f"lm_kill_{case.replace('-', '_')}", f"/kill_{case.replace('-', '_')}/image"
     state = tmp / "state"
     params = write_node_params(tmp / "p.yaml", fixtures, {**PARAMS, **extra, "state_directory": str(state),
@@ -143,9 +180,12 @@ def _kill_and_resume(case: str, fixtures, frames, tmp: Path) -> dict:
         procs.append(first)
         robot.client.watch(first, tmp / "first.log")
         robot.ready()
-        journal = state / JOURNAL_NAME
-        for k in range(kill_at + 1):
-            robot.send(k, frames[k], lambda k=k: journaled_through(journal) >= k and (k == 0 or k + 1 in robot.frames))
+        journal, map_journal = state / JOURNAL_NAME, state / MAP_JOURNAL_NAME
+        for k in range(kill_at + 1):  # frame k's points reach the map journal after its pose
+            robot.send(k, frames[k], lambda k=k: journaled_through(journal) >= k and (
+                k == 0 or (k + 1 in robot.frames and mapped_through(map_journal) >= k)))
+        if case == STRAIGHT:
+            return {"before": dict(robot.frames), "map": saved_map(robot.client, name, tmp / "saved")}
         os.kill(first.pid, signal.SIGKILL)
         first.wait(10)
         robot.client._watched.clear()
@@ -160,7 +200,8 @@ def _kill_and_resume(case: str, fixtures, frames, tmp: Path) -> dict:
         robot.ready()
         for k in range(kill_at + 1, FRAMES):
             robot.send(k, frames[k], lambda k=k: k + 1 in robot.frames)
-        return {"before": before, "after": dict(robot.frames), "log": (tmp / "second.log").read_text(errors="replace")}
+        return {"before": before, "after": dict(robot.frames), "log": (tmp / "second.log").read_text(errors="replace"),
+                "map": saved_map(robot.client, name, tmp / "saved")}
     finally:
         robot.client.close()
         stop_processes(*procs)
@@ -171,9 +212,9 @@ def kills(fixtures, frames, tmp_path_factory):
     """Every case of KILLS, run in parallel threads (each its own processes, topic and folder)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    with ThreadPoolExecutor(len(KILLS)) as pool:
+    with ThreadPoolExecutor(len(KILLS) + 1) as pool:
         futures = {case: pool.submit(_kill_and_resume, case, fixtures, frames, tmp_path_factory.mktemp(case))
-                   for case in KILLS}
+                   for case in [*KILLS, STRAIGHT]}
         return {case: f.result() for case, f in futures.items()}
 
 
@@ -193,6 +234,16 @@ def test_kill_9_then_restart_resumes_the_map(kills, straight, case):
     if extra.get("keyframe_decision_timeout"):
         held = run["before"][kill_at + 1]
         assert held.stored and held.decision_pending  # killed while the next frame waited for the decision
+
+
+@pytest.mark.parametrize("case", list(KILLS))
+def test_kill_9_then_restart_saves_the_map_of_an_uninterrupted_run(kills, case):
+    """~/save_map of the resumed node (map.ply, trajectory.tum) equals the uninterrupted node's:
+    the accumulated cloud and the path came back from the map journal, then grew alike."""
+    straight_run = kills[STRAIGHT]
+    assert sorted(straight_run["before"]) == list(range(1, FRAMES + 1)), sorted(straight_run["before"])
+    assert straight_run["map"][0].shape[0] > 0 and straight_run["map"][2].shape[0] == FRAMES
+    assert_same_saved_map(kills[case]["map"], straight_run["map"], case)
 
 
 def call(client: GraphClient, srv, name: str, request):
