@@ -254,10 +254,11 @@ def received(node: InProcessNode) -> int:
     return node.node.engine.counters.snapshot().frames_received
 
 
-def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures, frames, straight, tmp_path):
+def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures, frames, straight, kills, tmp_path):
     """~/save_session at frame 6 (mid-window); a fresh node (no state directory) started with
     load_session, and another that calls ~/load_session, each continue with frames 7.. exactly
-    as the uninterrupted run; refusals answer with the reason and change nothing."""
+    as the uninterrupted run, and save its map and path; refusals answer with the reason and
+    change nothing."""
     out = tmp_path / "out"
     common = {**PARAMS, "output_directory": str(out)}
     save_at = 6
@@ -271,6 +272,7 @@ def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures,
         saved = call(robot.client, SaveSession, "/lm_save/save_session", SaveSession.Request(directory="kept"))
         assert saved.success, saved.message
         assert Path(saved.path) == (out / "kept").resolve() and (out / "kept" / JOURNAL_NAME).is_file()
+        assert (out / "kept" / MAP_JOURNAL_NAME).is_file()
         assert saved.bytes > 0
         # a relative folder that leaves output_directory is refused
         bad = call(robot.client, SaveSession, "/lm_save/save_session", SaveSession.Request(directory="../x"))
@@ -291,6 +293,8 @@ def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures,
         for k in range(save_at + 1, FRAMES):
             robot.send(k, frames[k], lambda k=k: k + 1 in robot.frames)
         assert_like_straight(robot.frames, straight, range(save_at + 1, FRAMES))
+        assert_same_saved_map(saved_map(robot.client, "lm_load", tmp_path / "b_map"), kills[STRAIGHT]["map"],
+                              "load_session at start")
         # ~/save_session without a state directory: refused with the reason
         off = call(robot.client, SaveSession, "/lm_load/save_session", SaveSession.Request())
         assert not off.success and "state_directory" in off.message
@@ -318,6 +322,9 @@ def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures,
         for k in range(save_at + 1, FRAMES):
             robot.send(k, frames[k], lambda k=k: k + 1 in robot.frames)
         assert_like_straight(robot.frames, straight, range(save_at + 1, FRAMES))
+        # its own frames' points and poses are gone: the map and path are the saved session's, continued
+        assert_same_saved_map(saved_map(robot.client, "lm_svc", tmp_path / "c_map"), kills[STRAIGHT]["map"],
+                              "~/load_session")
     finally:
         robot.client.close()
         c.close()
@@ -359,7 +366,8 @@ def test_two_cameras_save_and_load_one_session(fixtures, frames, straight, tmp_p
         finally:
             client.close()
         assert saved.success, saved.message
-        assert all((out / "both" / c / JOURNAL_NAME).is_file() for c in views)
+        assert all((out / "both" / c / JOURNAL_NAME).is_file() and (out / "both" / c / MAP_JOURNAL_NAME).is_file()
+                   for c in views)
     finally:
         a.close()
     b = InProcessNode("lm_two_b", fixture_params(fixtures, {**common, "load_session": "both"}), DOMAIN_ID).start()
@@ -440,6 +448,11 @@ def test_a_full_disk_pauses_the_journal_and_inference_goes_on(fixtures, frames, 
             robot.client.wait(lambda: journal.writer.status().state == "ok", "the journal to resume", 30.0)
             assert journal.writer.flush(10)
             assert journaled_through(state / JOURNAL_NAME) == 9
+            # the map journal paused on the same full disk and is whole again too
+            map_journal = node.node.engine.map_journal
+            assert map_journal.status().pauses >= 1
+            robot.client.wait(lambda: map_journal.status().state == "ok", "the map journal to resume", 30.0)
+            assert map_journal.writer.flush(10) and mapped_through(state / MAP_JOURNAL_NAME) == 9
             assert entry().level == DiagnosticStatus.OK
         finally:
             robot.client.close()
