@@ -13,7 +13,13 @@ its node defaults (window 320). Frames are made from ../shared/data/loop when pr
 1. ``journal``: the same frames through a ``LongStreamSession`` without and with a
    ``JournaledSession`` (zlib level 0 and 1); per frame the submit-to-results latency;
    journal bytes written (appends and compactions) / frames x 15 = bytes/s at 15 Hz.
-2. ``rebuild``: a journal of exactly 8 scale frames + 64 keyframes replayed into a fresh
+2. ``map``: the map journal (``runtime.map_journal``, ``map.lbj``) fed as the node feeds it:
+   each frame's results through ``runtime.clouds.frame_clouds`` (point_stride 10) into a
+   ``MapAccumulator`` (voxel 0.01, 1M points: node defaults) and the path; bytes written
+   (chunks, path entries, compactions) / frames x 15 = bytes/s at 15 Hz, points per frame and
+   the output thread's time per frame for map add + journal append, at the node's
+   conf_threshold (1.5) and at 0 (every pixel above it: the bound).
+3. ``rebuild``: a journal of exactly 8 scale frames + 64 keyframes replayed into a fresh
    session (``journal.resume.rebuild``), cold (the fresh session captures its CUDA graphs)
    and warm (the same session again).
 
@@ -123,6 +129,45 @@ def journal_cost(model, cfg, long_cfg, images, device, warm: int) -> dict:
     return out
 
 
+def map_journal_cost(model, cfg, long_cfg, images, device) -> dict:
+    from lingbot_map_ros.geometry import optical_pose_to_map
+    from lingbot_map_ros.runtime.clouds import frame_clouds
+    from lingbot_map_ros.runtime.frames import FrameOutput
+    from lingbot_map_ros.runtime.map_journal import MAP_JOURNAL_NAME, MapJournal
+    from lingbot_map_ros.runtime.mapping import MapAccumulator, PoseEntry, Trajectory
+
+    session = make(model, cfg, long_cfg)
+    results = [r for im in images for r in session.push(im)]
+    out = {}
+    for threshold in (1.5, 0.0):
+        with tempfile.TemporaryDirectory() as folder:
+            acc, path = MapAccumulator(0.01, 1_000_000), Trajectory(5000)
+            journal = MapJournal(Path(folder) / MAP_JOURNAL_NAME, {"bench": 1}, 5000)
+            journal.attach(acc, path)
+            points, add_ms = [], []
+            for r in results:
+                T = optical_pose_to_map(r.c2w)
+                path.append(PoseEntry(r.frame_index, r.frame_index, float(r.frame_index) / RATE_HZ, T))
+                pose = FrameOutput(r.frame_index + 1, 0, 0.0, "cam", r.is_keyframe, T, r.intrinsics, None, None, None,
+                                   None)
+                _, for_map = frame_clouds(r, pose, True, False, threshold, 10)
+                t0 = time.perf_counter()
+                acc.add(r.frame_index, *for_map)
+                add_ms.append((time.perf_counter() - t0) * 1e3)
+                points.append(for_map[0].shape[0])
+            journal.writer.flush(600)
+            st = journal.status()
+            journal.close()
+        out[f"conf_threshold_{threshold:g}"] = {
+            "frames": len(results), "points_per_frame_selected": float(np.mean(points)),
+            "map_points_at_end": len(acc), "bytes_written": st.bytes_written,
+            "bytes_per_frame": st.bytes_written / len(results),
+            "mb_per_s_at_15hz": st.bytes_written / len(results) * RATE_HZ / 1e6, "rewrites": st.rewrites,
+            "map_add_and_append_ms_p50": float(np.percentile(add_ms, 50)),
+            "map_add_and_append_ms_p99": float(np.percentile(add_ms, 99))}
+    return out
+
+
 def rebuild_time(model, cfg, long_cfg, images, device) -> dict:
     n = cfg.num_scale_frames + cfg.sliding_window
     with tempfile.TemporaryDirectory() as folder:
@@ -172,6 +217,7 @@ def main() -> int:
               "keyframe_interval": cfg.keyframe_interval, "window_frames": long_cfg.window_frames,
               "images": "loop" if LOOP.is_dir() else "synthetic"}
     result["journal"] = journal_cost(model, cfg, long_cfg, images, device, warm)
+    result["map"] = map_journal_cost(model, cfg, long_cfg, images, device)
     result["rebuild"] = rebuild_time(model, cfg, long_cfg, images, device)
     name = "cpu_smoke" if args.cpu_smoke else result["run"]["device"]
     out = args.out or (Path(tempfile.gettempdir()) / "journal_bench_smoke.json" if args.cpu_smoke else None)

@@ -54,6 +54,7 @@ class JournalStatus:
     queued: int  # records waiting for the thread
     pauses: int  # times journaling paused
     rewrites: int  # whole-file rewrites (compactions, resets, recoveries)
+    seconds: float = 0.0  # from the first write to the last (bytes_written / seconds: the write rate)
 
 
 class JournalWriter:
@@ -88,6 +89,7 @@ class JournalWriter:
         self._closed = False
         self._file = None
         self._last_fsync = 0.0
+        self._first_write = self._last_write = None  # monotonic times
         self._thread = threading.Thread(target=self._run, name="journal-writer", daemon=True)
         self._thread.start()
 
@@ -144,9 +146,10 @@ class JournalWriter:
     def status(self) -> JournalStatus:
         with self._lock:
             state = "closed" if self._closed else ("paused" if self._paused else "ok")
+            seconds = 0.0 if self._first_write is None else self._last_write - self._first_write
             return JournalStatus(state, self._paused, str(self.path), len(self._mirror),
                                  sum(r.nbytes for _, r in self._mirror), self._bytes_written, self._file_bytes,
-                                 self._queued, self._pauses, self._rewrites)
+                                 self._queued, self._pauses, self._rewrites, seconds)
 
     def snapshot(self) -> tuple[dict[str, Any] | None, list[Record]]:
         """The current segment: (header, records) as the journal should hold them."""
@@ -246,6 +249,7 @@ class JournalWriter:
         with self._lock:
             self._bytes_written += len(data)
             self._file_bytes += len(data)
+            self._wrote(now)
 
     def _rewrite(self) -> None:
         with self._lock:
@@ -275,10 +279,16 @@ class JournalWriter:
             self._rewrites += 1
             self._bytes_written += written[0]
             self._file_bytes = written[0]
+            self._wrote(self._last_fsync)
         if was_paused:
             log.warning("journal %s resumed: rewritten with the %d records of the current segment", self.path,
                         len(records))
             self._changed()
+
+    def _wrote(self, now: float) -> None:
+        if self._first_write is None:
+            self._first_write = now
+        self._last_write = now
 
     def _recover(self) -> None:
         if self._paused:

@@ -467,12 +467,20 @@ class LingBotMapNode(Node):
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
         self.scheduler.stop()
-        for channel in self.channels.values():  # what was journaled reaches the disk
+        for camera, channel in self.channels.items():  # what was journaled reaches the disk
             journal = channel.engine.journal
+            written = []
             if journal is not None and journal.writer is not None:
                 journal.writer.close(timeout=JOURNAL_CLOSE_S)
+                written.append(("journal", journal.writer.status()))
             if channel.engine.map_journal is not None:
                 channel.engine.map_journal.close(timeout=JOURNAL_CLOSE_S)
+                written.append(("map journal", channel.engine.map_journal.status()))
+            if written:  # what journaling cost the disk (docs/sessions.md)
+                self.get_logger().info(f"{camera or 'camera'}: " + "; ".join(
+                    f"{what} {st.bytes_written / 1e6:.1f} MB written in {st.seconds:.1f} s"
+                    f" ({st.bytes_written / 1e6 / max(st.seconds, 1e-9):.2f} MB/s, {st.rewrites} rewrites)"
+                    for what, st in written))
         self.service_node.destroy_node()
         logging.getLogger("lingbot_map_ros").removeHandler(self._log_handler)
 
