@@ -66,28 +66,35 @@ def encode_header(header: dict[str, Any]) -> bytes:
 
 def encode_record(record: Record, compress_level: int = 0) -> bytes:
     """The bytes of one record; arrays are stored raw (lossless), zlib-compressed when
-    ``compress_level`` > 0 and that makes them smaller."""
+    ``compress_level`` > 0 and that makes them smaller. The arrays are read in place (no copy
+    of their own): the record's bytes are the one copy, made by ``bytes.join``, and zlib and
+    crc32 run without the interpreter lock, so a writer thread holds it as little as it can."""
     if record.kind not in KINDS:
         raise ValueError(f"unknown journal record kind {record.kind!r}")
     specs, parts, at = [], [], 0
     for name, a in record.arrays.items():
         a = np.ascontiguousarray(a)
         specs.append([name, a.dtype.str, list(a.shape), at, a.nbytes])
-        parts.append(a.tobytes())  # one copy; memoryview would tie the record to the caller's buffer
+        if a.nbytes:
+            parts.append(memoryview(a).cast("B"))
         at += a.nbytes
-    payload = b"".join(parts)
     flags = 0
-    if compress_level > 0 and payload:
-        packed = zlib.compress(payload, compress_level)
-        if len(packed) < len(payload):
-            payload, flags = packed, _COMPRESSED
+    if compress_level > 0 and at:
+        z = zlib.compressobj(compress_level)
+        packed = [z.compress(part) for part in parts]
+        packed.append(z.flush())
+        if sum(len(x) for x in packed) < at:
+            parts, flags = packed, _COMPRESSED
+    size = sum(len(x) for x in parts) if flags else at
     meta = dict(record.meta)
     if specs:
         meta["arrays"] = specs
     body = json.dumps(meta, sort_keys=True).encode()
-    head = _REC.pack(_TAG, KINDS[record.kind], flags, len(body), len(payload), 0)
-    crc = zlib.crc32(payload, zlib.crc32(body, zlib.crc32(head[:12])))
-    return _REC.pack(_TAG, KINDS[record.kind], flags, len(body), len(payload), crc) + body + payload
+    head = _REC.pack(_TAG, KINDS[record.kind], flags, len(body), size, 0)
+    crc = zlib.crc32(body, zlib.crc32(head[:12]))
+    for part in parts:
+        crc = zlib.crc32(part, crc)
+    return b"".join([_REC.pack(_TAG, KINDS[record.kind], flags, len(body), size, crc), body, *parts])
 
 
 @dataclass
