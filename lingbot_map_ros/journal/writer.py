@@ -64,13 +64,15 @@ class JournalWriter:
     ``fsync_s``: the file is fsync-ed at most this often (a kill loses nothing written;
     fsync bounds the loss at a power cut); ``batch_s``: after a record arrives the thread waits
     this long and writes what came meanwhile with it (fewer wake-ups competing with the
-    inference thread for the interpreter; a kill can lose these seconds more);
+    inference thread for the interpreter; a kill can lose these seconds more). Default 0: on
+    the H200 node benchmark 0.05 did not lower the node's latency (docs/sessions.md), so no
+    record waits;
     ``compress_level``: zlib level of the arrays
     (0 = raw). ``on_change(status)`` is called from the thread when the state changes.
     """
 
     def __init__(self, path: str | Path, *, compress_level: int = 1, max_queue_bytes: int = 256 << 20,
-                 max_queue_records: int = 4096, fsync_s: float = 1.0, retry_s: float = 2.0, batch_s: float = 0.05,
+                 max_queue_records: int = 4096, fsync_s: float = 1.0, retry_s: float = 2.0, batch_s: float = 0.0,
                  on_change: Callable[[JournalStatus], None] | None = None) -> None:
         self.path = Path(path)
         self.compress_level = compress_level
