@@ -142,7 +142,7 @@ def map_journal_cost(model, cfg, long_cfg, images, device) -> dict:
     for threshold in (1.5, 0.0):
         with tempfile.TemporaryDirectory() as folder:
             acc, path = MapAccumulator(0.01, 1_000_000), Trajectory(5000)
-            journal = MapJournal(Path(folder) / MAP_JOURNAL_NAME, {"bench": 1}, 5000)
+            journal = MapJournal(Path(folder) / MAP_JOURNAL_NAME, {"bench": 1})
             journal.attach(acc, path)
             points, add_ms = [], []
             for r in results:

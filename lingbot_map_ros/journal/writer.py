@@ -62,21 +62,15 @@ class JournalWriter:
 
     ``max_queue_bytes``/``max_queue_records`` bound what waits for the disk;
     ``fsync_s``: the file is fsync-ed at most this often (a kill loses nothing written;
-    fsync bounds the loss at a power cut); ``batch_s``: after a record arrives the thread waits
-    this long and writes what came meanwhile with it (fewer wake-ups competing with the
-    inference thread for the interpreter; a kill can lose these seconds more). Default 0: on
-    the H200 node benchmark 0.05 did not lower the node's latency (docs/sessions.md), so no
-    record waits;
-    ``compress_level``: zlib level of the arrays
+    fsync bounds the loss at a power cut); ``compress_level``: zlib level of the arrays
     (0 = raw). ``on_change(status)`` is called from the thread when the state changes.
     """
 
     def __init__(self, path: str | Path, *, compress_level: int = 1, max_queue_bytes: int = 256 << 20,
-                 max_queue_records: int = 4096, fsync_s: float = 1.0, retry_s: float = 2.0, batch_s: float = 0.0,
+                 max_queue_records: int = 4096, fsync_s: float = 1.0, retry_s: float = 2.0,
                  on_change: Callable[[JournalStatus], None] | None = None) -> None:
         self.path = Path(path)
         self.compress_level = compress_level
-        self.batch_s = batch_s
         self.max_queue_bytes, self.max_queue_records = max_queue_bytes, max_queue_records
         self.fsync_s, self.retry_s = fsync_s, retry_s
         self.on_change = on_change
@@ -218,52 +212,31 @@ class JournalWriter:
             except queue.Empty:
                 self._recover()
                 continue
-            items = [item]
-            if item is not _STOP and item[0] == "append" and self.batch_s > 0:
-                # gather what the next moments bring (a frame's records come from two threads) and
-                # write it together: the thread wakes and takes the interpreter lock once per batch
-                time.sleep(self.batch_s)
-                while True:
-                    try:
-                        items.append(self._queue.get_nowait())
-                    except queue.Empty:
-                        break
-            appends: list[tuple[int, Record]] = []
-            for item in items:
-                if item is _STOP:
-                    self._append(appends)
-                    self._close_file()
-                    return
-                op, seq, arg = item
-                with self._lock:
-                    self._queued -= 1
-                    if op == "append":
-                        self._queued_bytes -= arg.nbytes
+            if item is _STOP:
+                break
+            op, seq, arg = item
+            with self._lock:
+                self._queued -= 1
                 if op == "append":
-                    if not self._paused and seq > self._written:
-                        appends.append((seq, arg))
-                    continue
-                self._append(appends)
-                appends = []
-                if op == "mark":
-                    if self._paused and self._queue.empty():
-                        self._recover()
-                    arg.set()
-                elif op == "rewrite":
-                    if seq >= self._rewrite_seq:  # else a newer begin() follows in the queue
-                        self._rewrite()
-            self._append(appends)
+                    self._queued_bytes -= arg.nbytes
+            if op == "mark":
+                if self._paused and self._queue.empty():
+                    self._recover()
+                arg.set()
+            elif op == "rewrite":
+                if seq >= self._rewrite_seq:  # else a newer begin() follows in the queue
+                    self._rewrite()
+            elif op == "append" and not self._paused and seq > self._written:
+                self._append(seq, arg)
+        self._close_file()
 
-    def _append(self, records: list[tuple[int, Record]]) -> None:
-        """Append ``records`` (consecutive sequence numbers, oldest first) with one write."""
-        if not records or self._paused:
-            return
-        if self._file is None or records[0][0] != self._written + 1:
+    def _append(self, seq: int, record: Record) -> None:
+        if self._file is None or seq != self._written + 1:
             self._rewrite()  # a gap (records collapsed or skipped): the mirror makes it whole
             return
         try:
-            data = [encode_record(record, self.compress_level) for _, record in records]
-            self._file.write(b"".join(data) if len(data) > 1 else data[0])
+            data = encode_record(record, self.compress_level)
+            self._file.write(data)
             self._file.flush()
             now = time.monotonic()
             if now - self._last_fsync >= self.fsync_s:
@@ -272,11 +245,10 @@ class JournalWriter:
         except OSError as exc:
             self._failed(exc)
             return
-        self._written = records[-1][0]
+        self._written = seq
         with self._lock:
-            n = sum(len(d) for d in data)
-            self._bytes_written += n
-            self._file_bytes += n
+            self._bytes_written += len(data)
+            self._file_bytes += len(data)
             self._wrote(now)
 
     def _rewrite(self) -> None:

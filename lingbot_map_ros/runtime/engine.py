@@ -112,8 +112,7 @@ class InferenceEngine:
         # the map and path journal (map.lbj beside the keyframe journal; journal_map), else None
         self.map_journal: MapJournal | None = None
         if self.journal is not None and self.journal.writer is not None and settings.journal_map:
-            self.map_journal = MapJournal(self.journal.writer.path.with_name(MAP_JOURNAL_NAME), self.journal.identity,
-                                          settings.path_max_length)
+            self.map_journal = MapJournal(self.journal.writer.path.with_name(MAP_JOURNAL_NAME), self.journal.identity)
             self.map_journal.attach(self.map, self.trajectory)
             # a saved session's map holds every frame its journal does: what the output thread has goes in
             self.map_journal.before_copy = lambda: self.outputs.flush(RESTORE_FLUSH_S)
@@ -552,7 +551,7 @@ class InferenceEngine:
         self.restored_map = restore_map(Path(resumed.path).parent / MAP_JOURNAL_NAME, self.map, self.trajectory,
                                         resumed.next_frame, self.make_stamp, identity)
         if self.map_journal is not None:
-            self.map_journal.start(self.trajectory)
+            self.map_journal.start()
         if self.settings.publish_path and len(self.trajectory):
             self.sink.publish_path(self.trajectory.entries())
 

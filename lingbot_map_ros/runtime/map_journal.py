@@ -70,15 +70,15 @@ class MapJournal:
     COMPACT_MIN_BYTES = 16 << 20
     COMPACT_FACTOR = 2.0
 
-    def __init__(self, path: str | Path, identity: dict[str, Any], path_max_length: int,
-                 writer: JournalWriter | None = None) -> None:
+    def __init__(self, path: str | Path, identity: dict[str, Any]) -> None:
         self.path = Path(path)
         self.identity = identity
-        self.writer = writer if writer is not None else JournalWriter(self.path)
+        self.writer = JournalWriter(self.path)
         self._lock = threading.Lock()
         self._state = "new"
         self._map: MapAccumulator | None = None
-        self._poses: deque[tuple[int, int, float, np.ndarray]] = deque(maxlen=path_max_length)
+        self._trajectory: Trajectory | None = None
+        self._poses: deque[tuple[int, int, float, np.ndarray]] = deque()  # the path as journaled
         self._segment_bytes = 0
         self._snapshot_bytes = 0
         self.compactions = 0
@@ -86,12 +86,11 @@ class MapJournal:
 
     def attach(self, map_: MapAccumulator | None, trajectory: Trajectory) -> None:
         """Listen to ``map_`` (None: no map is accumulated; the path alone) and ``trajectory``."""
-        self._map = map_
+        self._map, self._trajectory = map_, trajectory
         if map_ is not None:
             map_.listener = self
         trajectory.listener = self
-        self._poses = deque(((e.frame_index, stamp_ns(e), float(e.stamp_s), _flat(e.T_map_cam))
-                             for e in trajectory.entries()), maxlen=trajectory.max_length)
+        self._poses = self._path_of(trajectory)
 
     def status(self) -> JournalStatus:
         return self.writer.status()
@@ -101,15 +100,17 @@ class MapJournal:
         with self._lock:
             self._state = "paused"
 
-    def start(self, trajectory: Trajectory | None = None) -> None:
+    def start(self) -> None:
         """Journal from now on: the file becomes one snapshot of the map and path as they are
-        (``trajectory``: take the path from it, e.g. after a restore)."""
+        (e.g. after a restore, which changed them while paused)."""
         with self._map_lock(), self._lock:
-            if trajectory is not None:
-                self._poses = deque(((e.frame_index, stamp_ns(e), float(e.stamp_s), _flat(e.T_map_cam))
-                                     for e in trajectory.entries()), maxlen=self._poses.maxlen)
+            self._poses = self._path_of(self._trajectory)
             self._state = "active"
             self._compact_locked()
+
+    @staticmethod
+    def _path_of(trajectory: Trajectory) -> deque:
+        return deque((_pose_item(e) for e in trajectory.entries()), maxlen=trajectory.max_length)
 
     def close(self, timeout: float = 30.0) -> None:
         self.writer.close(timeout)
@@ -139,7 +140,7 @@ class MapJournal:
 
     # ------------------------------------------------------------------ listener (Trajectory, inference thread)
     def path_appended(self, entry: PoseEntry) -> None:
-        item = (int(entry.frame_index), stamp_ns(entry), float(entry.stamp_s), _flat(entry.T_map_cam))
+        item = _pose_item(entry)
         with self._lock:
             if self._state == "paused":
                 return
@@ -208,8 +209,9 @@ class MapJournal:
         self.compactions += 1
 
 
-def _flat(T: np.ndarray) -> np.ndarray:
-    return np.asarray(T, np.float64).reshape(16)
+def _pose_item(entry: PoseEntry) -> tuple[int, int, float, np.ndarray]:
+    """A path entry as journaled: (frame index, stamp ns, stamp s, T_map_cam [16] float64)."""
+    return int(entry.frame_index), stamp_ns(entry), float(entry.stamp_s), np.asarray(entry.T_map_cam, np.float64).reshape(16)
 
 
 def snapshot_record(state: dict[str, Any] | None, poses: list[tuple[int, int, float, np.ndarray]]) -> Record:

@@ -72,32 +72,22 @@ def pose_matrix_of(msg: FrameInfo) -> np.ndarray:
     return pose_matrix(PoseStamped(header=msg.header, pose=msg.pose))
 
 
-def journaled_through(path: Path) -> int:
-    """The highest frame index the journal file holds a record of (-1: none yet)."""
+def last_index(path: Path, kinds=("frame", "seen")) -> int:
+    """The highest frame index a journal file holds a record of (-1: none yet): by default the
+    keyframe journal's frames; ``kinds=("chunk", "snapshot")``: the frames whose points the map
+    journal holds."""
     try:
         found = scan(path)
     except Exception:
         return -1
     last = -1
     for r in iter_records(found):
-        if r.kind in ("frame", "seen"):
-            last = max(last, int(r.meta["i"]))
+        if r.kind in kinds:
+            last = max(last, int(r.meta.get("i", -1)), *r.meta.get("chunks", []))
     return last
 
 
-def mapped_through(path: Path) -> int:
-    """The highest frame index whose points the map journal holds (-1: none yet)."""
-    try:
-        found = scan(path)
-    except Exception:
-        return -1
-    last = -1
-    for r in iter_records(found):
-        if r.kind == "chunk":
-            last = max(last, int(r.meta["i"]))
-        elif r.kind == "snapshot" and r.meta.get("chunks"):
-            last = max(last, max(r.meta["chunks"]))
-    return last
+MAP_KINDS = ("chunk", "snapshot")
 
 
 def saved_map(client: GraphClient, name: str, directory: Path) -> tuple:
@@ -182,8 +172,8 @@ def _kill_and_resume(case: str, fixtures, frames, tmp: Path) -> dict:
         robot.ready()
         journal, map_journal = state / JOURNAL_NAME, state / MAP_JOURNAL_NAME
         for k in range(kill_at + 1):  # frame k's points reach the map journal after its pose
-            robot.send(k, frames[k], lambda k=k: journaled_through(journal) >= k and (
-                k == 0 or (k + 1 in robot.frames and mapped_through(map_journal) >= k)))
+            robot.send(k, frames[k], lambda k=k: last_index(journal) >= k and (
+                k == 0 or (k + 1 in robot.frames and last_index(map_journal, MAP_KINDS) >= k)))
         if case == STRAIGHT:
             return {"before": dict(robot.frames), "map": saved_map(robot.client, name, tmp / "saved")}
         os.kill(first.pid, signal.SIGKILL)
@@ -447,12 +437,12 @@ def test_a_full_disk_pauses_the_journal_and_inference_goes_on(fixtures, frames, 
             mount("-o", "remount,size=8m", str(state))
             robot.client.wait(lambda: journal.writer.status().state == "ok", "the journal to resume", 30.0)
             assert journal.writer.flush(10)
-            assert journaled_through(state / JOURNAL_NAME) == 9
+            assert last_index(state / JOURNAL_NAME) == 9
             # the map journal paused on the same full disk and is whole again too
             map_journal = node.node.engine.map_journal
             assert map_journal.status().pauses >= 1
             robot.client.wait(lambda: map_journal.status().state == "ok", "the map journal to resume", 30.0)
-            assert map_journal.writer.flush(10) and mapped_through(state / MAP_JOURNAL_NAME) == 9
+            assert map_journal.writer.flush(10) and last_index(state / MAP_JOURNAL_NAME, MAP_KINDS) == 9
             assert entry().level == DiagnosticStatus.OK
         finally:
             robot.client.close()

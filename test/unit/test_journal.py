@@ -301,36 +301,3 @@ def test_kill_mid_write_leaves_a_readable_journal(tmp_path, mode):
     else:
         assert found.stop == ""
         assert any(n.startswith(".j.lbj.tmp-") for n in os.listdir(tmp_path))  # the next rewrite removes it
-
-
-def test_a_writer_that_gathers_records_writes_every_one_in_order(tmp_path):
-    """batch_s > 0: records from two threads, gathered and written together, all reach the file
-    in sequence order with their arrays intact; a rewrite in the middle of a batch keeps them."""
-    from lingbot_map_ros.journal.recorder import make_header
-
-    w = JournalWriter(tmp_path / "j.lbj", batch_s=0.02)
-    w.begin(make_header({"x": 1}), [])
-
-    def produce(base: int) -> None:
-        for i in range(40):
-            w.append(frame(base + i))
-
-    threads = [threading.Thread(target=produce, args=(b,)) for b in (0, 1000)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert w.flush(10)
-    first = [r.meta["i"] for r in iter_records(scan(tmp_path / "j.lbj"))]
-    assert sorted(first) == list(range(40)) + list(range(1000, 1040))
-    assert [i for i in first if i < 1000] == list(range(40))  # each thread's records in its order
-    assert [i for i in first if i >= 1000] == list(range(1000, 1040))
-    w.begin(make_header({"x": 2}), [frame(5000)])  # a compaction while appends may still wait in the batch
-    for i in range(10):
-        w.append(frame(6000 + i))
-    assert w.flush(10)
-    w.close()
-    got = [r.meta["i"] for r in iter_records(scan(tmp_path / "j.lbj"))]
-    assert got == [5000] + list(range(6000, 6010))
-    for r in iter_records(scan(tmp_path / "j.lbj")):
-        np.testing.assert_array_equal(r.arrays["image"], frame(r.meta["i"]).arrays["image"])

@@ -33,7 +33,7 @@ def new_pair(voxel=0.05, max_points=3000, path_len=40):
 
 
 def journal_of(folder: Path, m, t, min_bytes=20_000) -> MapJournal:
-    mj = MapJournal(folder / MAP_JOURNAL_NAME, IDENTITY, t.max_length)
+    mj = MapJournal(folder / MAP_JOURNAL_NAME, IDENTITY)
     mj.COMPACT_MIN_BYTES = min_bytes
     mj.attach(m, t)
     return mj
@@ -155,7 +155,7 @@ def test_paused_changes_are_not_journaled_and_start_writes_the_state_as_it_is(tm
     m.clear()
     t.clear()
     drive(m, t, 4, rng, start=100)  # e.g. a resume filling the map: not journaled as changes
-    mj.start(t)
+    mj.start()
     drive(m, t, 3, rng, start=104)
     assert mj.writer.flush(10)
     m2, t2 = new_pair()
@@ -167,7 +167,7 @@ def test_paused_changes_are_not_journaled_and_start_writes_the_state_as_it_is(tm
 
 def test_without_a_map_the_path_alone_is_journaled(tmp_path):
     t = Trajectory(30)
-    mj = MapJournal(tmp_path / MAP_JOURNAL_NAME, IDENTITY, 30)
+    mj = MapJournal(tmp_path / MAP_JOURNAL_NAME, IDENTITY)
     mj.attach(None, t)
     rng = np.random.default_rng(5)
     for i in range(50):
@@ -214,7 +214,7 @@ CHILD = textwrap.dedent("""
     from lingbot_map_ros.runtime.mapping import MapAccumulator, PoseEntry, Trajectory
     from lingbot_map_ros.runtime.map_journal import MapJournal
     m, t = MapAccumulator(0.05, 3000), Trajectory(40)
-    mj = MapJournal(Path(sys.argv[1]), {"k": 1}, 40)
+    mj = MapJournal(Path(sys.argv[1]), {"k": 1})
     mj.COMPACT_MIN_BYTES = 30_000
     mj.attach(m, t)
     rng = np.random.default_rng(11)
