@@ -22,13 +22,17 @@ STREAM_FIELDS = ("num_scale_frames", "sliding_window", "keyframe_interval", "cam
 def weights_fingerprint(model: torch.nn.Module, sample: int = 64) -> str:
     """sha256 over every parameter's name, shape, dtype and first ``sample`` values (one copy to
     the host for the whole model): tells checkpoints apart without reading a gigabyte."""
-    names, heads = [], []
+    names, runs = [], []  # runs: consecutive parameters on one device (a session may park the heads on the host)
     for name, p in model.named_parameters():
         names.append(f"{name}:{tuple(p.shape)}:{p.dtype}")
-        heads.append(p.detach().reshape(-1)[:sample].float())
+        head = p.detach().reshape(-1)[:sample].float()
+        if runs and runs[-1][0].device == head.device:
+            runs[-1].append(head)
+        else:
+            runs.append([head])
     h = hashlib.sha256("\n".join(names).encode())
-    if heads:
-        h.update(torch.cat(heads).cpu().numpy().tobytes())
+    if runs:
+        h.update(torch.cat([torch.cat(run).cpu() for run in runs]).numpy().tobytes())
     return h.hexdigest()[:32]
 
 

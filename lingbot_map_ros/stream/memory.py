@@ -3,8 +3,9 @@
 ``estimate_memory`` adds up, for a model architecture, streaming settings and a resolution:
 
 * weights: counted from the architecture (built on the meta device: no memory, ~0.3 s),
-  the aggregator in the stream's dtype (its linears in FP8 with ``precision`` fp8), the heads in float32 plus the bf16 copies a CUDA
-  bf16 stream makes of them (``bf16_depth_head``, ``bf16_camera_head``);
+  the aggregator in the stream's dtype (its linears in FP8 with ``precision`` fp8), each head
+  once: the bf16 copy a CUDA bf16 stream makes of it (``bf16_depth_head``, ``bf16_camera_head``;
+  the float32 original then waits in host memory), else in float32;
 * the K/V cache: exact, from the page table's size (scale frames + window + pending
   evictions + 1 page for the frame stored before an eviction + 2 scratch pages + the
   special tokens' pages for the model's horizon) and ``kv_cache_dtype`` (``cache.fp8``);
@@ -106,12 +107,15 @@ def estimate_memory(model: ModelConfig, stream: StreamConfig, height: int, width
     ``cuda``: the stream runs on a CUDA device (the bf16 head copies are made there only)."""
     agg, cam, depth, fp8_weights = parameter_counts(model)
     bf16 = stream.dtype == "bf16"
-    weights = agg * (2 if bf16 else 4) + (cam + (depth if with_depth else 0)) * 4
+    weights = agg * (2 if bf16 else 4)
     if stream.precision == "fp8":
         weights -= fp8_weights * ((2 if bf16 else 4) - 1)
-    if bf16 and cuda:
-        weights += (depth * 2 if with_depth and stream.bf16_depth_head else 0)
-        weights += cam * 2 if stream.bf16_camera_head and stream.fused_kernels else 0
+    # each head once on the device: its bf16 copy where the stream makes one (the float32 original
+    # is then parked in host memory, ``session.place_heads``), else the float32 original
+    copies = bf16 and cuda
+    weights += cam * (2 if copies and stream.bf16_camera_head and stream.fused_kernels else 4)
+    if with_depth:
+        weights += depth * (2 if copies and stream.bf16_depth_head else 4)
     page_size = (height // model.patch_size) * (width // model.patch_size)
     if page_size < SPECIAL_TOKENS:
         raise ConfigError(f"{width}x{height} gives {page_size} patch tokens, fewer than the {SPECIAL_TOKENS} special "

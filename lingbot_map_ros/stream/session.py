@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
+from typing import Callable
 
 import numpy as np
 import torch
@@ -83,7 +85,8 @@ def _step_options(model: LingBotMap, cfg: StreamConfig, device: torch.device, dt
     copies (the depth head's bf16 channels-last copy; with the kernels, the camera head's
     copy with bf16 weights read by one matrix-vector kernel per product: the PyTorch twin
     would convert the weights on every call) and the camera head its own CUDA stream
-    beside the depth head. The model's own heads stay float32."""
+    beside the depth head. The model's own heads stay float32 (``place_heads`` parks them in
+    host memory while no session runs them)."""
     cuda = device.type == "cuda"
     depth_head = camera_head = None
     if cfg.bf16_depth_head and dtype == torch.bfloat16 and cuda:
@@ -91,16 +94,57 @@ def _step_options(model: LingBotMap, cfg: StreamConfig, device: torch.device, dt
         if fused:
             from ..kernels.layer_norm import layer_norm as fast_norm
             from ..kernels.upsample import upsample_bilinear as fast_upsample
-        depth_head = model.depth_head.reduced_precision_copy(upsample=fast_upsample, norm_to=fast_norm)
+        # made where the model's head is (host memory when ``place_heads`` parked it), used on the device
+        depth_head = model.depth_head.reduced_precision_copy(upsample=fast_upsample, norm_to=fast_norm).to(device)
     if cfg.bf16_camera_head and fused:
         from ..kernels.gemv import gemv
 
-        camera_head = model.camera_head.reduced_precision_copy(gemv=gemv)
+        camera_head = model.camera_head.reduced_precision_copy(gemv=gemv).to(device)
     head_stream = torch.cuda.Stream(device) if cfg.parallel_heads and with_depth and cuda else None
     return StepOptions(camera_iterations=cfg.camera_iterations,
                        autocast_dtype=dtype if dtype != torch.float32 else None,
                        with_depth=with_depth, fused=fused, depth_head=depth_head, camera_head=camera_head,
                        head_stream=head_stream)
+
+
+HEADS = ("camera_head", "depth_head")
+# per model: the sessions whose steps run the model's own float32 head, by head (``place_heads``)
+_HEAD_USERS: "weakref.WeakKeyDictionary[LingBotMap, dict[str, weakref.WeakSet]]" = weakref.WeakKeyDictionary()
+PARKED = torch.device("cpu")
+
+
+def _move_module(module: torch.nn.Module, device: torch.device) -> None:
+    first = next(module.parameters(), None)
+    if first is not None and first.device != device:
+        module.to(device)
+
+
+def place_heads(model: LingBotMap, device: torch.device, options: StepOptions, user: object,
+                move: Callable[[torch.nn.Module, torch.device], None] = _move_module) -> None:
+    """Keep each of the model's float32 heads on ``device`` only while a session runs it.
+
+    A CUDA bf16 stream runs the heads' reduced-precision copies (``_step_options``); the
+    float32 originals (the camera head alone is 0.8 GiB at the released size) then sit idle
+    on the GPU. ``user`` (a session) says which heads its steps run (``options``): a head it
+    runs is brought (back) to ``device`` and ``user`` is remembered as needing it while it
+    lives; a head that no live session needs is parked in host memory. Other devices: nothing
+    moves. ``move``: how a head changes place (a test's stand-in)."""
+    if device.type != "cuda":
+        return
+    users = _HEAD_USERS.get(model)
+    if users is None:
+        users = _HEAD_USERS[model] = {name: weakref.WeakSet() for name in HEADS}
+    needs = {"camera_head": options.camera_head is None,
+             "depth_head": options.with_depth and options.depth_head is None}
+    for name in HEADS:
+        head = getattr(model, name)
+        if needs[name]:
+            users[name].add(user)
+            move(head, device)
+        else:
+            users[name].discard(user)
+            if not len(users[name]):
+                move(head, PARKED)
 
 
 class StreamingSession:
@@ -145,6 +189,7 @@ class StreamingSession:
             SharedGpuState(getattr(self.backend, "workspace", None)) if storage is not None else None)
         options = share_from.step_options if share_from is not None else \
             _step_options(model, cfg, self.device, self.dtype, fused, with_depth)
+        place_heads(model, self.device, options, self)
         if storage is not None and cfg.kv_cache_dtype == "fp8":
             raise SessionError("kv_cache_dtype 'fp8' is for a single camera: several cameras share one bf16 K/V "
                                "storage; use kv_cache_dtype 'auto'")
@@ -162,6 +207,7 @@ class StreamingSession:
 
     @step_options.setter
     def step_options(self, options: StepOptions) -> None:
+        place_heads(self.model, self.device, options, self)
         self._runner.options = options
 
     @property

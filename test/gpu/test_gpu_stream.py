@@ -174,3 +174,43 @@ def test_uint8_frames_become_the_float_frames_on_the_gpu():
     rgb[0, :256, 0] = np.arange(256)  # every byte value
     on_gpu = session._runner.device_frame(session.check_frame(rgb)).cpu().numpy()
     np.testing.assert_array_equal(on_gpu, uint8_to_image(rgb))
+
+
+def test_float32_heads_wait_in_host_memory_while_sessions_run_their_copies():
+    """A bf16 session runs the heads' bf16 copies: the model's float32 heads leave the GPU (the
+    camera head alone is 0.8 GiB at the released size) and come back for a session that runs
+    them; the outputs, the weights and the journal's fingerprint of the weights do not change."""
+    from lingbot_map_ros.journal.identity import weights_fingerprint
+
+    config = json.loads((FIXTURES / "config.json").read_text())
+    model = load_model(ModelConfig.from_dict(config), FIXTURES / "weights.safetensors", device="cuda", dtype="bf16")
+    fingerprint = weights_fingerprint(model)
+    weights = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    base = StreamConfig.from_dict(config).with_overrides(backend="sdpa", dtype="bf16", device="cuda")
+    images = torch.from_numpy(np.load(FIXTURES / "reference_kf1.npz")["images"])
+
+    def run(cfg):
+        session = StreamingSession(model, cfg)
+        out = []
+        for image in images:
+            out += session.push(image.cuda())
+        return session, out
+
+    with_copies, first = run(base)
+    assert with_copies.depth_head is not None
+    assert next(model.depth_head.parameters()).device.type == "cpu"
+    if with_copies.camera_head is not None:  # the Triton kernels run here
+        assert next(model.camera_head.parameters()).device.type == "cpu"
+    assert weights_fingerprint(model) == fingerprint
+    own, plain = run(base.with_overrides(bf16_depth_head=False, bf16_camera_head=False))
+    assert own.depth_head is None and own.camera_head is None
+    assert next(model.depth_head.parameters()).device.type == "cuda"
+    assert next(model.camera_head.parameters()).device.type == "cuda"
+    again, second = run(base)  # the float32 heads stay for `own`, which still lives
+    assert next(model.camera_head.parameters()).device.type == "cuda"
+    for a, b in zip(first, second):
+        assert np.array_equal(a.depth, b.depth) and np.array_equal(a.pose_enc, b.pose_enc)
+    for a, b in zip(first, plain):  # the copies' rounding only
+        assert np.allclose(a.depth, b.depth, rtol=5e-2, atol=5e-2 * float(np.abs(b.depth).max()))
+    assert all(torch.equal(weights[k], v.detach().cpu()) for k, v in model.state_dict().items())
+    assert weights_fingerprint(model) == fingerprint
