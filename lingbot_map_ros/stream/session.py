@@ -143,7 +143,7 @@ def place_heads(model: LingBotMap, device: torch.device, options: StepOptions, u
             move(head, device)
         else:
             users[name].discard(user)
-            if not len(users[name]):
+            if not users[name]:
                 move(head, PARKED)
 
 
