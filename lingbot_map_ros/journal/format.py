@@ -17,6 +17,7 @@ writer (``writer.py``) appends and rewrites files built from ``encode_record``.
 from __future__ import annotations
 
 import json
+import os
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -111,6 +112,7 @@ class Scan:
     size: int
     stop: str = ""
     corrupt: bool = False
+    file_id: tuple[int, int] = (0, 0)  # (st_dev, st_ino) of the file scanned: a rewrite replaces it
 
 
 def read_header(f: BinaryIO, path: Path) -> tuple[dict[str, Any], int]:
@@ -142,7 +144,8 @@ def scan(path: str | Path) -> Scan:
         size = f.seek(0, 2)
         f.seek(0)
         header, at = read_header(f, path)
-        out = Scan(path, header, [], [], at, size)
+        st = os.fstat(f.fileno())
+        out = Scan(path, header, [], [], at, size, file_id=(st.st_dev, st.st_ino))
         while at < size:
             head = f.read(_REC.size)
             if len(head) < _REC.size:
@@ -184,8 +187,17 @@ def read_record(f: BinaryIO, offset: int) -> Record:
 
 
 def iter_records(found: Scan) -> Iterator[Record]:
-    """The good records of a scanned journal, in order (read one at a time)."""
-    with open(found.path, "rb") as f:
+    """The good records of a scanned journal, in order (read one at a time). Raises
+    JournalError when the path names another file than the one scanned (an atomic rewrite, a
+    compaction, replaced it in between: its offsets would point into other bytes)."""
+    try:
+        f = open(found.path, "rb")
+    except OSError as exc:
+        raise JournalError(f"cannot open the journal {found.path}: {exc.strerror or exc}") from None
+    with f:
+        st = os.fstat(f.fileno())
+        if found.file_id != (0, 0) and (st.st_dev, st.st_ino) != found.file_id:
+            raise JournalError(f"{found.path} was replaced after it was scanned (rewritten); scan it again")
         for offset in found.offsets:
             yield read_record(f, offset)
 

@@ -25,7 +25,7 @@ from graph_helpers import (GraphClient, InProcessNode, fixture_params, generated
                            pose_matrix, private_domain_id, replay_session, start_node, stop_processes,
                            write_node_params)
 from lingbot_map_ros.journal import JOURNAL_NAME  # noqa: E402
-from lingbot_map_ros.journal.format import iter_records, scan  # noqa: E402
+from lingbot_map_ros.journal.format import JournalError, iter_records, scan  # noqa: E402
 from lingbot_map_ros.io.export import read_ply, read_tum  # noqa: E402
 from lingbot_map_ros.msg import FrameInfo, Status  # noqa: E402
 from lingbot_map_ros.runtime.map_journal import MAP_JOURNAL_NAME  # noqa: E402
@@ -76,14 +76,13 @@ def last_index(path: Path, kinds=("frame", "seen")) -> int:
     """The highest frame index a journal file holds a record of (-1: none yet): by default the
     keyframe journal's frames; ``kinds=("chunk", "snapshot")``: the frames whose points the map
     journal holds."""
-    try:
-        found = scan(path)
-    except Exception:
-        return -1
     last = -1
-    for r in iter_records(found):
-        if r.kind in kinds:
-            last = max(last, int(r.meta.get("i", -1)), *r.meta.get("chunks", []))
+    try:  # the node writes (and compacts: replaces) the file while this reads it: not there yet
+        for r in iter_records(scan(path)):
+            if r.kind in kinds:
+                last = max(last, int(r.meta.get("i", -1)), *r.meta.get("chunks", []))
+    except JournalError:
+        return -1
     return last
 
 

@@ -85,6 +85,24 @@ def test_a_damaged_record_ends_reading_with_its_name(tmp_path):
                          " (checksum mismatch)"
 
 
+def test_a_journal_rewritten_between_scan_and_read_is_refused_not_misread(tmp_path):
+    """A reader that scans while the writer compacts: the path now names a new file whose
+    offsets differ; reading the old scan's offsets from it would decode other bytes."""
+    path = tmp_path / "j.lbj"
+    write_file(path, [frame(0), frame(1), frame(2)], level=0)
+    found = scan(path)
+    aside = tmp_path / "new.lbj"
+    write_file(aside, [Record("seen", {"i": 5}), frame(3)], level=0)
+    os.replace(aside, path)  # what atomic_write does
+    with pytest.raises(JournalError, match="was replaced after it was scanned"):
+        list(iter_records(found))
+    found, got = read(path)  # scanned again: the new file reads
+    assert [r.meta["i"] for r in got] == [5, 3]
+    os.remove(path)
+    with pytest.raises(JournalError, match="cannot open the journal"):
+        list(iter_records(found))
+
+
 def test_not_a_journal_and_a_damaged_header_are_refused(tmp_path):
     path = tmp_path / "j.lbj"
     path.write_bytes(b"hello")
