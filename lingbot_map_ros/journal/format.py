@@ -66,10 +66,16 @@ def encode_header(header: dict[str, Any]) -> bytes:
 
 
 def encode_record(record: Record, compress_level: int = 0) -> bytes:
-    """The bytes of one record; arrays are stored raw (lossless), zlib-compressed when
-    ``compress_level`` > 0 and that makes them smaller. The arrays are read in place (no copy
-    of their own): the record's bytes are the one copy, made by ``bytes.join``, and zlib and
-    crc32 run without the interpreter lock, so a writer thread holds it as little as it can."""
+    """The bytes of one record (``encode_record_parts`` joined)."""
+    return b"".join(encode_record_parts(record, compress_level))
+
+
+def encode_record_parts(record: Record, compress_level: int = 0) -> list:
+    """One record as the buffers to write in order: framing, meta, then the arrays' bytes.
+    Arrays are stored raw (lossless), zlib-compressed when ``compress_level`` > 0 and that
+    makes them smaller. Raw arrays are not copied (memoryviews of them: the file write is the
+    one copy, and it runs without the interpreter lock, as zlib and crc32 do), so a writer
+    thread holds the lock as little as it can."""
     if record.kind not in KINDS:
         raise ValueError(f"unknown journal record kind {record.kind!r}")
     specs, parts, at = [], [], 0
@@ -95,7 +101,7 @@ def encode_record(record: Record, compress_level: int = 0) -> bytes:
     crc = zlib.crc32(body, zlib.crc32(head[:12]))
     for part in parts:
         crc = zlib.crc32(part, crc)
-    return b"".join([_REC.pack(_TAG, KINDS[record.kind], flags, len(body), size, crc), body, *parts])
+    return [_REC.pack(_TAG, KINDS[record.kind], flags, len(body), size, crc), body, *parts]
 
 
 @dataclass
@@ -206,9 +212,11 @@ def write_journal(f: BinaryIO, header: dict[str, Any], records: list[Record], co
     """A whole journal (for atomic rewrites and saved sessions); returns the bytes written."""
     n = f.write(encode_header(header))
     for r in records:
-        n += f.write(encode_record(r, compress_level))
+        for part in encode_record_parts(r, compress_level):
+            n += f.write(part)
     return n
 
 
 __all__ = ["FORMAT_VERSION", "KINDS", "JournalError", "Record", "Scan", "encode_header", "encode_record",
+           "encode_record_parts",
            "iter_records", "read_record", "scan", "write_journal"]

@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..io.atomic import atomic_write, remove_stale_temps
-from .format import Record, encode_record, write_journal
+from .format import Record, encode_record_parts, write_journal
 
 log = logging.getLogger(__name__)
 
@@ -235,8 +235,9 @@ class JournalWriter:
             self._rewrite()  # a gap (records collapsed or skipped): the mirror makes it whole
             return
         try:
-            data = encode_record(record, self.compress_level)
-            self._file.write(data)
+            size = 0
+            for part in encode_record_parts(record, self.compress_level):
+                size += self._file.write(part)
             self._file.flush()
             now = time.monotonic()
             if now - self._last_fsync >= self.fsync_s:
@@ -247,8 +248,8 @@ class JournalWriter:
             return
         self._written = seq
         with self._lock:
-            self._bytes_written += len(data)
-            self._file_bytes += len(data)
+            self._bytes_written += size
+            self._file_bytes += size
             self._wrote(now)
 
     def _rewrite(self) -> None:

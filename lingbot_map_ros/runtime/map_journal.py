@@ -20,6 +20,8 @@ appends a record for every change, after it is applied and under the structure's
 the records are in the order of the changes. It compacts (a new segment: one snapshot) when
 the segment has grown past ``COMPACT_FACTOR`` times the last snapshot (and at least
 ``COMPACT_MIN_BYTES``), and at a ``clear``: the file stays within a few times the map's size.
+With a map, only map changes compact (they come from the output thread; a path entry comes
+from the inference thread, which should not wait for a copy of the whole map).
 Writing happens on the writer's thread; a full disk pauses it as it pauses the keyframe
 journal (``JournalWriter``).
 
@@ -147,7 +149,10 @@ class MapJournal:
             self._poses.append(item)
             if self._state == "active":
                 self._append(Record("pose", {"i": item[0], "ns": item[1], "s": item[2], "T": item[3].tolist()}))
-            due = self._state == "new" or self._grown()
+            # a grown journal with a map is compacted by the next map change (on the output thread:
+            # a snapshot copies the whole map, which the inference thread should not wait for);
+            # here only when no map change came for long (frames without points: a bound)
+            due = self._state == "new" or self._grown(1 if self._map is None else 4)
         if due:
             self._compact()
 
@@ -182,8 +187,8 @@ class MapJournal:
         self._segment_bytes += record.nbytes + 64
         self.writer.append(record)
 
-    def _grown(self) -> bool:
-        return self._segment_bytes > max(self.COMPACT_MIN_BYTES, self.COMPACT_FACTOR * self._snapshot_bytes)
+    def _grown(self, times: float = 1) -> bool:
+        return self._segment_bytes > times * max(self.COMPACT_MIN_BYTES, self.COMPACT_FACTOR * self._snapshot_bytes)
 
     def _maybe_compact(self) -> None:
         if self._grown():

@@ -158,14 +158,14 @@ def test_disk_full_pauses_with_a_reason_and_resumes_whole(tmp_path, monkeypatch,
     the producer is never blocked; once writes work again the journal holds every record."""
     path = tmp_path / "j.lbj"
     full = threading.Event()
-    real = writer_mod.encode_record
+    real = writer_mod.encode_record_parts
 
     def encode(record, level=0):
         if full.is_set():
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(record, level)
 
-    monkeypatch.setattr(writer_mod, "encode_record", encode)
+    monkeypatch.setattr(writer_mod, "encode_record_parts", encode)
     real_write = writer_mod.write_journal
 
     def write_journal(f, header, records, level=0):
@@ -201,13 +201,13 @@ def test_disk_full_pauses_with_a_reason_and_resumes_whole(tmp_path, monkeypatch,
 def test_a_full_queue_pauses_instead_of_blocking(tmp_path, monkeypatch):
     path = tmp_path / "j.lbj"
     gate = threading.Event()
-    real = writer_mod.encode_record
+    real = writer_mod.encode_record_parts
 
     def slow(record, level=0):
         gate.wait()
         return real(record, level)
 
-    monkeypatch.setattr(writer_mod, "encode_record", slow)
+    monkeypatch.setattr(writer_mod, "encode_record_parts", slow)
     w = JournalWriter(path, max_queue_records=3, retry_s=0.05)
     w.begin(HEADER)
     for i in range(10):
@@ -287,12 +287,12 @@ for i in range(3):
     w.append(Record("frame", {"i": i}, {"image": np.full((64, 64, 3), i, np.uint8)}))
 w.flush()
 if mode == "record":  # die in the middle of appending a record
-    real = wm.encode_record
+    real = wm.encode_record_parts
     def half(record, level=0):
-        data = real(record, level)
+        data = b"".join(real(record, level))
         w._file.write(data[: len(data) // 2]); w._file.flush()
         os.kill(os.getpid(), 9)
-    wm.encode_record = half
+    wm.encode_record_parts = half
     w.append(Record("frame", {"i": 3}, {"image": np.full((64, 64, 3), 3, np.uint8)}))
 else:  # die in the middle of a rewrite (compaction): the temp file is half written
     real = wm.write_journal

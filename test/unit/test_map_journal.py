@@ -260,3 +260,36 @@ def test_a_process_killed_at_any_moment_leaves_a_map_journal_that_restores_a_pre
         # the path holds the poses up to that frame (perhaps the next one's too: it is appended first)
         idx = [e.frame_index for e in t2.entries()]
         assert idx == list(range(idx[0], idx[-1] + 1)) and idx[-1] in (last, last + 1)
+
+
+def test_path_entries_leave_the_map_snapshot_to_the_output_thread(tmp_path):
+    """A path entry (the inference thread) never copies the whole map into a snapshot: a journal
+    grown by path entries alone is compacted by the next map change (the output thread); with
+    no map, by the path entry itself. Either way the restored pair is the original."""
+    rng = np.random.default_rng(3)
+    m, t = new_pair(path_len=300)
+    mj = journal_of(tmp_path, m, t, min_bytes=2_000)
+    m.add(0, rng.normal(size=(50, 3)).astype(np.float32), rng.integers(0, 256, (50, 3)).astype(np.uint8))
+    first = mj.compactions
+    i = 0
+    while not mj._grown():  # path entries only (hundreds of bytes each) until past the threshold
+        i += 1
+        t.append(PoseEntry(i, 1000 + i, 1000.0 + i, rng.normal(size=(4, 4))))
+    assert mj.compactions == first
+    m.add(i + 1, rng.normal(size=(5, 3)).astype(np.float32), rng.integers(0, 256, (5, 3)).astype(np.uint8))
+    assert mj.compactions == first + 1 and not mj._grown()
+    for i in range(i + 2, i + 2000):  # frames without points for long: bounded all the same
+        t.append(PoseEntry(i, 1000 + i, 1000.0 + i, rng.normal(size=(4, 4))))
+    assert first + 1 < mj.compactions and not mj._grown(4)
+    assert mj.writer.flush()
+    m2, t2 = new_pair(path_len=300)
+    restore_map(tmp_path / MAP_JOURNAL_NAME, m2, t2, next_frame=10**6, identity=IDENTITY)
+    assert_same(m, t, m2, t2)
+    mj.close()
+
+    t3 = Trajectory(300)  # no map: the path entries compact the path journal themselves
+    mj3 = journal_of(tmp_path / "nomap", None, t3, min_bytes=2_000)
+    for i in range(80):
+        t3.append(PoseEntry(i, 1000 + i, 1000.0 + i, rng.normal(size=(4, 4))))
+    assert mj3.compactions > 1 and not mj3._grown()
+    mj3.close()
