@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository: lingbot_map_ros
 
@@ -50,16 +51,55 @@ class _Backend:
     name = "simulated"
 
 
+def _size(image: np.ndarray) -> tuple[int, int]:
+    """(H, W) of a frame as the node pushes it: uint8 [H, W, 3] or float32 [3, H, W]."""
+    return tuple(image.shape[:2]) if image.dtype == np.uint8 else tuple(image.shape[-2:])
+
+
+class _SimModelConfig:
+    def to_dict(self) -> dict:
+        return {"simulated": True}
+
+
+class _SimModel(torch.nn.Module):
+    """What the journal's identity reads of a model (a config and some weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = _SimModelConfig()
+        self.stand_in = torch.nn.Parameter(torch.zeros(4))
+
+
+class _Done:
+    """The pending results of a simulated submit (the step ran inside it)."""
+
+    done = True
+
+    def __init__(self, results: list[FrameResult]) -> None:
+        self._results = results
+
+    def result(self) -> list[FrameResult]:
+        return self._results
+
+
 class SimulatedSession:
-    """The engine-facing surface of LongStreamSession with a timed stand-in for the model."""
+    """The engine-facing surface of StreamingSession with a timed stand-in for the model. It
+    never restarts its window; with the node's ``state_directory`` the keyframe journal records
+    its frames as it does the real session's (the scale frames, then every frame stored)."""
 
     def __init__(self, cfg: StreamConfig, step_ms: float, host_ms: float) -> None:
         self.cfg = cfg
         self.step_s, self.host_s = step_ms / 1e3, min(host_ms, step_ms) / 1e3
         self.device = None
         self.backend = _Backend()
+        self.model = _SimModel()
+        self.with_depth = True
+        self.resolution = None
         self.deferred_eviction = False
         self.window_index = 0
+        self.restart_pending = False
+        self.overlap_indices: list[int] = []
+        self._pending: list = []
         self.reset()
 
     def check_frame(self, image, resolution=None):
@@ -91,7 +131,11 @@ class SimulatedSession:
         self.frames_pushed -= 1
         return self.frames_pushed
 
+    def submit(self, image: np.ndarray, keyframe: bool | None = None) -> _Done:
+        return _Done(self.push(image))
+
     def push(self, image: np.ndarray) -> list[FrameResult]:
+        self.resolution = _size(image)
         self._waiting.append(image)
         if self.frames_pushed == 0 and len(self._waiting) < self.cfg.num_scale_frames:
             return []
@@ -103,7 +147,7 @@ class SimulatedSession:
         while time.perf_counter() - t0 < self.host_s:  # launch/planning work: holds the GIL
             pass
         time.sleep(max(0.0, self.step_s - (time.perf_counter() - t0)))  # the GPU: GIL released
-        _, h, w = image.shape
+        h, w = _size(image)
         i = self.frames_pushed
         a = 0.05 * i
         c2w = np.eye(4)

@@ -13,6 +13,9 @@ from types import SimpleNamespace
 import pytest
 
 from lingbot_map_ros.cli import demo
+from lingbot_map_ros.journal import JOURNAL_NAME
+from lingbot_map_ros.journal.format import iter_records, scan
+from lingbot_map_ros.runtime.map_journal import MAP_JOURNAL_NAME
 
 pytestmark = pytest.mark.ros
 REPO = Path(__file__).resolve().parents[2]
@@ -156,7 +159,8 @@ def _e2e_commands(tmp: Path, domains: dict[str, int]) -> dict[str, tuple[list[st
         "probe": (_bench("--preset", "tiny", "--width", "98", "--height", "70", "--frames", "10", "--rate", "10",
                          "--warmup-poses", "3", "--no-save-map", "--node-script", str(BENCH / "node_probe.py"),
                          "--out", str(probe / "out"), "--domain-id", str(domains["probe"]), "--timeout", "60",
-                         "--json", str(probe / "result.json")), probe_env, REPO),
+                         "--json", str(probe / "result.json"),
+                         "--node-param", f"state_directory={probe / 'state'}"), probe_env, REPO),
         # decision timeout 5 s: on a loaded CI machine no frame may fall back to the default
         "selector": (_bench("--preset", "tiny", "--frames", "8", "--rate", "4", "--width", "98", "--height", "70",
                             "--warmup-poses", "4", "--startup-timeout", "90", "--no-save-map", "--keyframe-selector",
@@ -238,6 +242,14 @@ def test_node_probe_runs_the_real_node_with_a_simulated_step(e2e):
     assert "lingbot_map_inference" in probe["thread_cpu_s"] and "lingbot_map_outputs" in probe["thread_cpu_s"]
     rss = probe["rss_mb"]
     assert rss["samples"] >= 1 and 50 < rss["first"] <= rss["max"] and rss["last"] <= rss["max"]
+    # with a state directory the simulated session is journaled as the real one is: its scale
+    # frames and stored frames (uint8, the frame's size), and the map journal beside it
+    found = scan(folder / "state" / JOURNAL_NAME)
+    records = list(iter_records(found))
+    frames = [r for r in records if r.kind == "frame"]
+    assert found.stop == "" and [r.meta["decision"] for r in frames[:2]] == ["scale", "scale"], found.kinds
+    assert frames[-1].meta["decision"] == "keyframe" and frames[-1].arrays["image"].shape == (70, 98, 3)
+    assert (folder / "state" / MAP_JOURNAL_NAME).is_file()
 
 
 @pytest.mark.slow
