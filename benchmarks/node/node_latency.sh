@@ -53,6 +53,8 @@
 #               parts, CPU per thread) and keep its report as node_probe_518xH.json in $OUT
 #   --simulate MS  the real node with a simulated MS-ms model step instead of the model (no GPU:
 #               tiny preset on cpu, --probe implied): the node's own overhead and frame losses
+#   --no-probe-report  with --simulate: no probe threads or report (the probe's own load can hide
+#               small differences; the simulated step still runs through node_probe.py)
 #   --keyframe-selector  only the runs with the selector in the loop (files *_selector.json)
 #   --compare-selector   per height, a run without and one with the selector, back to back
 #               (a COMPARE line in the log: latency, output rate and drops with vs without)
@@ -74,7 +76,7 @@ cd "$ROOT"
 OUT=${OUT:-./node_latency_out}
 PYTHON=${PYTHON:-python3}
 FRAMES=300 RATE=15 HEIGHTS="378" WIDTH=518 WARMUP=80 STARTUP_TIMEOUT=420 TIMEOUT=60 DEADLINE=560 INPUT_QOS=reliable
-DEVICE=cuda BACKEND=flashinfer-fa3 DTYPE=bf16 PRESET=lingbot-map BUNDLE=1 DDS_PROFILE=1 PROBE=0 SIM_MS=""
+DEVICE=cuda BACKEND=flashinfer-fa3 DTYPE=bf16 PRESET=lingbot-map BUNDLE=1 DDS_PROFILE=1 PROBE=0 NO_REPORT=0 SIM_MS=""
 SELECTOR_MODES="off" DECISION_TIMEOUT=0.5
 EXTRA=()
 while (( $# )); do
@@ -94,6 +96,7 @@ while (( $# )); do
     --no-bundle) BUNDLE=0; shift ;;
     --no-dds-profile) DDS_PROFILE=0; shift ;;
     --probe) PROBE=1; shift ;;
+    --no-probe-report) NO_REPORT=1; shift ;;
     --keyframe-selector) SELECTOR_MODES="on"; shift ;;
     --compare-selector) SELECTOR_MODES="off on"; shift ;;
     --decision-timeout) DECISION_TIMEOUT=$2; shift 2 ;;
@@ -199,7 +202,7 @@ for SEL in $SELECTOR_MODES; do
   probe_args=()
   if (( PROBE )); then
     probe_args=(--node-script benchmarks/node/node_probe.py)
-    export LINGBOT_PROBE_OUT="$OUT/node_probe_$name.json"
+    if (( NO_REPORT )); then unset LINGBOT_PROBE_OUT; else export LINGBOT_PROBE_OUT="$OUT/node_probe_$name.json"; fi
   fi
   if [[ -n "$SIM_MS" ]]; then export LINGBOT_SIM_STEP_MS="$SIM_MS"; else unset LINGBOT_SIM_STEP_MS; fi
   # SIGINT first: node_latency.py then stops the node and the publisher it started.
