@@ -14,7 +14,7 @@ setup(
     python_requires=">=3.10",
     packages=find_packages(include=["lingbot_map_ros", "lingbot_map_ros.*"]),
     package_data={"lingbot_map_ros.kernels": ["csrc/*.cu"]},  # compiled on the GPU machine at first use
-    install_requires=["torch>=2.4", "numpy", "safetensors", "Pillow", "tqdm"],
+    install_requires=["torch>=2.4", "numpy", "safetensors", "Pillow", "tqdm", "lz4"],
     extras_require={
         "gpu": ["flashinfer-python"],
         "hub": ["huggingface_hub"],

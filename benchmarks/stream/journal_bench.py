@@ -109,7 +109,7 @@ def journal_cost(model, cfg, long_cfg, images, device, warm: int) -> dict:
     for level in (0, 1):
         with tempfile.TemporaryDirectory() as folder:
             session = make(model, cfg, long_cfg)
-            writer = JournalWriter(Path(folder) / JOURNAL_NAME, compress_level=level)
+            writer = JournalWriter(Path(folder) / JOURNAL_NAME, compression=level)
             journaled = JournaledSession(session, writer, journal_identity(session, "random seed 0"))
             run_frames(journaled, images[:warm], device)
             journaled.reset()
@@ -173,7 +173,7 @@ def rebuild_time(model, cfg, long_cfg, images, device) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / JOURNAL_NAME
         session = make(model, cfg, long_cfg)
-        writer = JournalWriter(path, compress_level=1)
+        writer = JournalWriter(path, compression=1)
         journaled = JournaledSession(session, writer, journal_identity(session, "random seed 0"))
         for i in range(n):
             journaled.push(images[i % len(images)], keyframe=True)

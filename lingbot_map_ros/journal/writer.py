@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..io.atomic import atomic_write, remove_stale_temps
-from .format import Record, encode_record_parts, write_journal
+from .format import Record, check_compression, encode_record_parts, write_journal
 
 log = logging.getLogger(__name__)
 
@@ -62,15 +62,15 @@ class JournalWriter:
 
     ``max_queue_bytes``/``max_queue_records`` bound what waits for the disk;
     ``fsync_s``: the file is fsync-ed at most this often (a kill loses nothing written;
-    fsync bounds the loss at a power cut); ``compress_level``: zlib level of the arrays
-    (0 = raw). ``on_change(status)`` is called from the thread when the state changes.
+    fsync bounds the loss at a power cut); ``compression``: how the arrays are stored
+    (``format.COMPRESSIONS``: "none", "lz4", "zlib"; an int is a zlib level, 0 = raw). ``on_change(status)`` is called from the thread when the state changes.
     """
 
-    def __init__(self, path: str | Path, *, compress_level: int = 1, max_queue_bytes: int = 256 << 20,
+    def __init__(self, path: str | Path, *, compression: str | int = "none", max_queue_bytes: int = 256 << 20,
                  max_queue_records: int = 4096, fsync_s: float = 1.0, retry_s: float = 2.0,
                  on_change: Callable[[JournalStatus], None] | None = None) -> None:
         self.path = Path(path)
-        self.compress_level = compress_level
+        self.compression = check_compression(compression)
         self.max_queue_bytes, self.max_queue_records = max_queue_bytes, max_queue_records
         self.fsync_s, self.retry_s = fsync_s, retry_s
         self.on_change = on_change
@@ -165,7 +165,7 @@ class JournalWriter:
         written = [0]
 
         def write(f):
-            written[0] = write_journal(f, header, records, self.compress_level)
+            written[0] = write_journal(f, header, records, self.compression)
 
         atomic_write(dest, write)
         return written[0]
@@ -236,7 +236,7 @@ class JournalWriter:
             return
         try:
             size = 0
-            for part in encode_record_parts(record, self.compress_level):
+            for part in encode_record_parts(record, self.compression):
                 size += self._file.write(part)
             self._file.flush()
             now = time.monotonic()
@@ -262,7 +262,7 @@ class JournalWriter:
         written = [0]
 
         def write(f):
-            written[0] = write_journal(f, header, records, self.compress_level)
+            written[0] = write_journal(f, header, records, self.compression)
 
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)

@@ -112,7 +112,8 @@ class InferenceEngine:
         # the map and path journal (map.lbj beside the keyframe journal; journal_map), else None
         self.map_journal: MapJournal | None = None
         if self.journal is not None and self.journal.writer is not None and settings.journal_map:
-            self.map_journal = MapJournal(self.journal.writer.path.with_name(MAP_JOURNAL_NAME), self.journal.identity)
+            self.map_journal = MapJournal(self.journal.writer.path.with_name(MAP_JOURNAL_NAME), self.journal.identity,
+                                          compression=self.journal.writer.compression)
             self.map_journal.attach(self.map, self.trajectory)
             # a saved session's map holds every frame its journal does: what the output thread has goes in
             self.map_journal.before_copy = lambda: self.outputs.flush(RESTORE_FLUSH_S)

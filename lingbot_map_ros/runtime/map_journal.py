@@ -72,10 +72,10 @@ class MapJournal:
     COMPACT_MIN_BYTES = 16 << 20
     COMPACT_FACTOR = 2.0
 
-    def __init__(self, path: str | Path, identity: dict[str, Any]) -> None:
+    def __init__(self, path: str | Path, identity: dict[str, Any], compression: str | int = "none") -> None:
         self.path = Path(path)
         self.identity = identity
-        self.writer = JournalWriter(self.path)
+        self.writer = JournalWriter(self.path, compression=compression)
         self._lock = threading.Lock()
         self._state = "new"
         self._map: MapAccumulator | None = None

@@ -26,6 +26,7 @@ from ..robot.health import HEALTH_PARAMETERS, HealthConfig, config_from_paramete
 INPUT_TRANSPORTS = ("raw", "compressed")
 INPUT_QOS = ("sensor_data", "reliable")
 TF_MODES = ("auto", "map_to_odom", "map_to_base", "map_to_camera")
+JOURNAL_COMPRESSIONS = ("lz4", "zlib", "none")  # journal.format.COMPRESSIONS, as the node offers them
 DEVICES_HELP = "auto (CUDA when available, else CPU), cpu, cuda or cuda:N"
 ON_TIME_JUMP = ("reset", "drop")
 ON_LOST = ("continue", "reset")
@@ -223,6 +224,10 @@ PARAMETERS: tuple[Param, ...] = (
     Param("journal_map", True, "With state_directory: also journal the accumulated map and the path "
           "(map.lbj beside the journal), so that they survive a restart and go into saved sessions; false "
           "saves the disk bandwidth of every frame's map points (the map and path then restart empty)"),
+    Param("journal_compression", "lz4", "How the journals store frames and map points: lz4 (fast; camera "
+          "images about a third smaller; without the lz4 module the node warns and stores them raw), zlib "
+          "(camera images about half; about ten times lz4's CPU, on the writer thread), none (raw: the least "
+          "CPU, the most disk). Journals of any kind are read back alike", choices=JOURNAL_COMPRESSIONS),
     Param("load_session", "", "A session saved with ~/save_session to start from (relative = under "
           "output_directory): the node localizes in that session's map. Replaces what state_directory "
           "holds (the journal found there is set aside as journal.replaced-<time>.lbj). Empty = none"),
@@ -303,6 +308,7 @@ class NodeSettings:
     state_directory: str = ""
     load_session: str = ""
     journal_map: bool = True
+    journal_compression: str = "lz4"
     gpu_memory_check: bool = True
     deferred_eviction_timeout: float = 5.0
     keyframe_decision_timeout: float = 0.0
@@ -434,7 +440,7 @@ _PLAIN_FIELDS = ("gpu_memory_check", "camera_batching", "camera_pipelining", "se
                  "input_timeout", "service_timeout", "conf_threshold", "point_stride", "accumulate_map", "map_voxel_size",
                  "map_max_points", "map_publish_rate", "path_max_length", "path_publish_rate",
                  "publish_odometry", "publish_pose", "publish_path", "publish_points", "publish_map",
-                 "publish_depth", "output_directory", "state_directory", "journal_map", "load_session", "publish_tf", "tf_mode", "map_frame", "odom_frame",
+                 "publish_depth", "output_directory", "state_directory", "journal_map", "journal_compression", "load_session", "publish_tf", "tf_mode", "map_frame", "odom_frame",
                  "base_frame", "camera_frame", "camera_tf_frame", "deferred_eviction_timeout",
                  "keyframe_decision_timeout", "keyframe_decision_default", "time_jump_threshold", "on_time_jump",
                  "on_lost", "undistort", "scale_source", "metric_scale", "scale_wait_for_convergence", "deferred_eviction") + tuple(HEALTH_PARAMETERS)

@@ -468,3 +468,23 @@ def test_journal_map_false_keeps_the_model_state_but_not_the_map(tiny_model, tmp
     finally:
         scheduler2.stop()
         wrapped2.writer.close()
+
+
+def test_journal_compression_reaches_both_journals_and_lz4_falls_back_when_missing(tiny_model, tmp_path,
+                                                                                   monkeypatch, caplog):
+    from lingbot_map_ros.runtime import journaling
+
+    for asked, have_lz4, want in (("zlib", True, "zlib"), ("lz4", True, "lz4"), ("lz4", False, "none")):
+        monkeypatch.setattr(journaling, "lz4_available", lambda have=have_lz4: have)
+        folder = tmp_path / f"{asked}_{have_lz4}"
+        settings = settings_of(tmp_path, accumulate_map=True, state_directory=str(folder), journal_compression=asked)
+        caplog.clear()
+        wrapped, _ = open_camera_journal(session_of(tiny_model, settings), settings, "")
+        engine, scheduler, _ = engine_of(tiny_model, settings, wrapped)
+        try:
+            assert wrapped.writer.compression == want and engine.map_journal.writer.compression == want
+            assert ("the lz4 module is not installed" in caplog.text) == (not have_lz4), caplog.text
+        finally:
+            scheduler.stop()
+            wrapped.writer.close()
+            engine.map_journal.close()

@@ -319,3 +319,52 @@ def test_kill_mid_write_leaves_a_readable_journal(tmp_path, mode):
     else:
         assert found.stop == ""
         assert any(n.startswith(".j.lbj.tmp-") for n in os.listdir(tmp_path))  # the next rewrite removes it
+
+
+def _compressible(i: int) -> Record:
+    """A frame that compresses (smooth, as camera images are) beside a float array."""
+    y, x = np.mgrid[0:48, 0:64] // 8
+    image = np.stack([(x * 30 + i) % 256, (y * 50) % 256, (x + y) % 256], -1).astype(np.uint8)
+    depth = np.repeat(np.linspace(1, 2, 48 * 8, dtype=np.float32), 8)
+    return Record("frame", {"i": i}, {"image": image, "depth": depth})
+
+
+@pytest.mark.parametrize("compression", ["none", "lz4", "zlib", 6])
+def test_each_compression_round_trips_and_a_reader_needs_no_setting(tmp_path, compression):
+    path = tmp_path / "j.lbj"
+    w = JournalWriter(path, compression=compression)
+    w.begin(HEADER, [Record("begin", {"deferred": False})])
+    for i in range(3):
+        w.append(_compressible(i))
+    assert w.flush()
+    w.close()
+    found, got = read(path)
+    assert found.stop == "" and [r.meta.get("i") for r in got] == [None, 0, 1, 2]
+    for r, i in zip(got[1:], range(3)):
+        want = _compressible(i)
+        for k in want.arrays:
+            np.testing.assert_array_equal(r.arrays[k], want.arrays[k])
+    raw = sum(len(encode_record(_compressible(i), "none")) for i in range(3))
+    packed = sum(len(encode_record(_compressible(i), compression)) for i in range(3))
+    assert (packed == raw) if compression == "none" else (packed < raw), (compression, packed, raw)
+
+
+def test_lz4_torn_record_and_a_missing_module_have_clear_answers(tmp_path, monkeypatch):
+    from lingbot_map_ros.journal import format as fmt
+
+    path = tmp_path / "j.lbj"
+    write_file(path, [_compressible(0), _compressible(1)], level="lz4")
+    full = path.read_bytes()
+    path.write_bytes(full[:-5])  # torn inside the last LZ4 frame: the framing says so, nothing decodes it
+    found, got = read(path)
+    assert [r.meta["i"] for r in got] == [0] and found.stop.startswith("torn last record")
+    path.write_bytes(full)
+    found = scan(path)
+    monkeypatch.setattr(fmt, "_lz4", lambda: None)  # a machine without the lz4 module
+    with pytest.raises(JournalError, match="written with LZ4 compression: install the lz4 module"):
+        list(iter_records(found))
+    with pytest.raises(ValueError, match="needs the lz4 module"):
+        JournalWriter(tmp_path / "k.lbj", compression="lz4")
+    for bad in ("gzip", "", 10, -1, True, None):
+        with pytest.raises(ValueError, match="journal compression"):
+            JournalWriter(tmp_path / "k.lbj", compression=bad)

@@ -20,7 +20,7 @@ ROSDEP_KEY = {
     "nav_msgs": "nav_msgs", "diagnostic_msgs": "diagnostic_msgs", "visualization_msgs": "visualization_msgs",
     "tf2_ros": "tf2_ros", "tf2_msgs": "tf2_msgs", "cv_bridge": "cv_bridge", "launch": "launch",
     "launch_ros": "launch_ros", "numpy": "python3-numpy", "PIL": "python3-pil", "tqdm": "python3-tqdm",
-    "yaml": "python3-yaml", "cv2": "python3-opencv",
+    "yaml": "python3-yaml", "cv2": "python3-opencv", "lz4": "python3-lz4",
 }
 # imported, deliberately not in package.xml (pip-installed; setup.py names each pip package)
 NOT_LISTED = {
