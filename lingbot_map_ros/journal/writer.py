@@ -23,6 +23,7 @@ collapse to the latest, and "state" records to the latest of each name.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -30,7 +31,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..io.atomic import atomic_write, remove_stale_temps
 from .format import Record, check_compression, encode_record_parts, write_journal
@@ -83,6 +84,8 @@ class JournalWriter:
         self._written = 0  # the file holds every record up to this sequence number
         self._rewrite_seq = 0  # begin() asked for a rewrite with records up to this one
         self._queued = self._queued_bytes = 0
+        self._holds = 0  # hold() depth
+        self._held: list[tuple] = []  # what was put while held, in order
         self._paused = ""  # reason
         self._pauses = self._rewrites = 0
         self._bytes_written = self._file_bytes = 0
@@ -137,11 +140,39 @@ class JournalWriter:
             self._state_at[name] = len(self._mirror)
         self._mirror.append((seq, record))
 
-    def _put(self, item: tuple, nbytes: int) -> None:
+    def _put(self, item: tuple, nbytes: int, force: bool = False) -> None:
+        """To the thread, or kept back while a ``hold`` lasts (``force``: now, with what was kept
+        back before it, in order)."""
         with self._lock:
             self._queued += 1
             self._queued_bytes += nbytes
-        self._queue.put(item)
+            if self._holds and not force:
+                self._held.append(item)
+                return
+            self._release_held_locked()
+            self._queue.put(item)
+
+    def _release_held_locked(self) -> None:
+        held, self._held = self._held, []
+        for item in held:
+            self._queue.put(item)
+
+    @contextlib.contextmanager
+    def hold(self) -> Iterator[None]:
+        """Keep what is appended meanwhile (from any thread) from the writer thread until the
+        outermost hold ends, then hand it over at once, in order. A node holds its journals
+        while it handles a frame (its records, the pose, the messages), so that the thread's
+        work, which needs the interpreter in short turns, comes after the frame's instead of
+        interleaving with it. ``flush`` and ``close`` do not wait for a hold to end."""
+        with self._lock:
+            self._holds += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._holds -= 1
+                if not self._holds:
+                    self._release_held_locked()
 
     def status(self) -> JournalStatus:
         with self._lock:
@@ -174,7 +205,7 @@ class JournalWriter:
         """Wait until the thread has handled everything queued (tests, a clean shutdown);
         True when the file then holds the whole segment."""
         done = threading.Event()
-        self._put(("mark", 0, done), 0)
+        self._put(("mark", 0, done), 0, force=True)
         if not done.wait(timeout):
             return False
         with self._lock:
@@ -187,7 +218,8 @@ class JournalWriter:
         self.flush(timeout)
         with self._lock:
             self._closed = True
-        self._queue.put(_STOP)
+            self._release_held_locked()  # appended under a hold after the flush: still written
+            self._queue.put(_STOP)
         self._thread.join(timeout)
 
     # ------------------------------------------------------------------ the thread

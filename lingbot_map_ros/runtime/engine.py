@@ -48,6 +48,7 @@ engine's state.
 """
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from dataclasses import replace
@@ -224,14 +225,28 @@ class InferenceEngine:
         image = self._admit(frame)
         if image is None:
             return
-        try:
-            if self.journal is None:
+        if self.journal is None:
+            try:
                 results = self.session.push(image)
-            else:
+            except Exception as exc:
+                return self._push_failed(frame, exc)
+            return self._pushed(frame, results)
+        with self._journals_held():
+            try:
                 results = self.journal.push(image, stamp=_stamp_ns(frame), tag=_tag(frame))
-        except Exception as exc:
-            return self._push_failed(frame, exc)
-        self._pushed(frame, results)
+            except Exception as exc:
+                return self._push_failed(frame, exc)
+            self._pushed(frame, results)
+
+    def _journals_held(self) -> contextlib.ExitStack:
+        """The journals' writers held (``JournalWriter.hold``) while a frame is handled: their
+        threads take the frame's records once its messages are out."""
+        stack = contextlib.ExitStack()
+        if self.journal is not None and self.journal.writer is not None:
+            stack.enter_context(self.journal.writer.hold())
+        if self.map_journal is not None:
+            stack.enter_context(self.map_journal.writer.hold())
+        return stack
 
     # the parts of ``_process`` around the session's step, so that the scheduler can run several
     # cameras' steps together (``take_batch_frame``, ``admit``, the batched submit, ``complete``) or
@@ -271,11 +286,12 @@ class InferenceEngine:
         try:
             if isinstance(outcome, Exception):
                 return self._push_failed(frame, outcome)
-            try:
-                results = outcome.result()
-            except Exception as exc:
-                return self._push_failed(frame, exc)
-            self._pushed(frame, results)
+            with self._journals_held():
+                try:
+                    results = outcome.result()
+                except Exception as exc:
+                    return self._push_failed(frame, exc)
+                self._pushed(frame, results)
         except Exception as exc:  # never let the inference thread die
             self.log.error(f"unexpected error while handling a frame: {type(exc).__name__}: {exc}")
 

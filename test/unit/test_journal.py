@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -368,3 +369,31 @@ def test_lz4_torn_record_and_a_missing_module_have_clear_answers(tmp_path, monke
     for bad in ("gzip", "", 10, -1, True, None):
         with pytest.raises(ValueError, match="journal compression"):
             JournalWriter(tmp_path / "k.lbj", compression=bad)
+
+
+def test_a_hold_keeps_records_from_the_thread_until_it_ends_and_loses_none(tmp_path):
+    """What is appended under a hold (nested, from two threads) reaches the file only after the
+    outermost hold ends, in order; flush and close inside a hold do not wait for it."""
+    path = tmp_path / "j.lbj"
+    w = JournalWriter(path)
+    w.begin(HEADER)
+    w.append(frame(0))
+    assert w.flush()
+    with w.hold():
+        w.append(frame(1))
+        with w.hold():
+            other = threading.Thread(target=lambda: [w.append(Record("seen", {"i": 100 + k})) for k in range(3)])
+            other.start()
+            other.join()
+        time.sleep(0.2)  # the thread had time: nothing reached it
+        assert [r.meta["i"] for r in read(path)[1]] == [0]
+        assert w.status().queued == 4
+    assert w.flush()
+    assert [r.meta["i"] for r in read(path)[1]] == [0, 1, 100, 101, 102]
+    with w.hold():
+        w.append(frame(2))
+        assert w.flush(5)  # a flush inside a hold hands the held records over first
+        assert [r.meta["i"] for r in read(path)[1]][-1] == 2
+        w.append(frame(3))
+        w.close(5)  # so does close
+    assert [r.meta["i"] for r in read(path)[1]] == [0, 1, 100, 101, 102, 2, 3]
