@@ -119,8 +119,10 @@ trap 'tar -czf "$OUT/logs.tar.gz" -C "$RUNS" . 2>/dev/null' EXIT
 if (( BUNDLE )); then
   [[ -d .whl/fi && -f .whl/ros312_bundle.tar.xz ]] || {
     say "missing .whl/fi or .whl/ros312_bundle.tar.xz: carry them (see benchmarks/node/node_latency_bundle.sh)"; exit 1; }
+  # .whl/lz4 (optional): the lz4 module for the journals' default compression (without it a node
+  # with a state_directory warns and journals raw)
   "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-    .whl/fi/*.whl 2>&1 \
+    .whl/fi/*.whl $(ls .whl/lz4/*.whl 2>/dev/null) 2>&1 \
     | grep -v "as the 'root' user" | tail -n 3
   bash benchmarks/kernels/fi_aot_cache.sh /tmp/site  # FlashInfer JIT caches carried in .ficache, if any
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
