@@ -211,7 +211,7 @@ def make_session(args: argparse.Namespace, settings: Settings):
 def _journaled(args: argparse.Namespace, session):
     """The session with a journal (--save-session, --resume); a resumed one rebuilt from it."""
     from ..journal import JOURNAL_NAME, JournaledSession, JournalError, JournalWriter, journal_identity, rebuild
-    from ..journal.format import lz4_available
+    from ..journal.writer import usable_compression
 
     label = args.checkpoint or f"random seed {args.seed}"
     identity = journal_identity(session, label)
@@ -231,7 +231,7 @@ def _journaled(args: argparse.Namespace, session):
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise UserError(f"cannot create the session folder {folder}: {exc.strerror or exc}") from None
-    writer = JournalWriter(folder / JOURNAL_NAME, compression="lz4" if lz4_available() else "none")
+    writer = JournalWriter(folder / JOURNAL_NAME, compression=usable_compression("lz4"))
     wrapped = JournaledSession(session, writer, identity, begin=rebuilt is None)
     if rebuilt is not None:
         wrapped.adopt(rebuilt.records, rebuilt.scale_count, rebuilt.state_records)

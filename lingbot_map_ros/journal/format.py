@@ -37,7 +37,7 @@ _LZ4 = 2
 # a writer's choices: raw arrays (the least CPU), an LZ4 frame (fast: about a millisecond for a
 # 518x378 frame, which it shrinks by about a third on camera images), zlib level 1 (about ten
 # times the CPU, shrinks such a frame by half); a bare int is a zlib level (0 = raw)
-COMPRESSIONS = ("none", "lz4", "zlib")
+COMPRESSIONS = ("lz4", "zlib", "none")
 MAX_META = 1 << 24  # a meta longer than this is corruption, not data
 MAX_PAYLOAD = 1 << 31
 
@@ -263,6 +263,6 @@ def write_journal(f: BinaryIO, header: dict[str, Any], records: list[Record], co
     return n
 
 
-__all__ = ["COMPRESSIONS", "FORMAT_VERSION", "KINDS", "JournalError", "check_compression", "lz4_available", "Record", "Scan", "encode_header", "encode_record",
-           "encode_record_parts",
-           "iter_records", "read_record", "scan", "write_journal"]
+__all__ = ["COMPRESSIONS", "FORMAT_VERSION", "KINDS", "JournalError", "Record", "Scan", "check_compression",
+           "encode_header", "encode_record", "encode_record_parts", "iter_records", "lz4_available", "read_record",
+           "scan", "write_journal"]

@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..io.atomic import atomic_write, remove_stale_temps
-from .format import Record, check_compression, encode_record_parts, write_journal
+from .format import Record, check_compression, encode_record_parts, lz4_available, write_journal
 
 log = logging.getLogger(__name__)
 
@@ -58,13 +58,24 @@ class JournalStatus:
     seconds: float = 0.0  # from the first write to the last (bytes_written / seconds: the write rate)
 
 
+def usable_compression(requested: str | int) -> str | int:
+    """``requested`` as a writer can use it here: "lz4" without the lz4 module falls back to raw,
+    with a warning that says how to get it."""
+    if requested == "lz4" and not lz4_available():
+        log.warning("journal compression lz4: the lz4 module is not installed (pip install lz4, or the python3-lz4 "
+                    "package); the journals store frames uncompressed")
+        return "none"
+    return requested
+
+
 class JournalWriter:
     """Writes one journal file (``path``) from a thread; see the module docstring.
 
     ``max_queue_bytes``/``max_queue_records`` bound what waits for the disk;
     ``fsync_s``: the file is fsync-ed at most this often (a kill loses nothing written;
     fsync bounds the loss at a power cut); ``compression``: how the arrays are stored
-    (``format.COMPRESSIONS``: "none", "lz4", "zlib"; an int is a zlib level, 0 = raw). ``on_change(status)`` is called from the thread when the state changes.
+    (``format.COMPRESSIONS``; an int is a zlib level, 0 = raw; ``usable_compression``).
+    ``on_change(status)`` is called from the thread when the state changes.
     """
 
     def __init__(self, path: str | Path, *, compression: str | int = "none", max_queue_bytes: int = 256 << 20,
@@ -343,4 +354,4 @@ class JournalWriter:
             self._file = None
 
 
-__all__ = ["JournalWriter", "JournalStatus"]
+__all__ = ["JournalWriter", "JournalStatus", "usable_compression"]

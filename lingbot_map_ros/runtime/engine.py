@@ -225,22 +225,21 @@ class InferenceEngine:
         image = self._admit(frame)
         if image is None:
             return
-        if self.journal is None:
-            try:
-                results = self.session.push(image)
-            except Exception as exc:
-                return self._push_failed(frame, exc)
-            return self._pushed(frame, results)
         with self._journals_held():
             try:
-                results = self.journal.push(image, stamp=_stamp_ns(frame), tag=_tag(frame))
+                if self.journal is None:
+                    results = self.session.push(image)
+                else:
+                    results = self.journal.push(image, stamp=_stamp_ns(frame), tag=_tag(frame))
             except Exception as exc:
                 return self._push_failed(frame, exc)
             self._pushed(frame, results)
 
-    def _journals_held(self) -> contextlib.ExitStack:
+    def _journals_held(self) -> contextlib.AbstractContextManager:
         """The journals' writers held (``JournalWriter.hold``) while a frame is handled: their
         threads take the frame's records once its messages are out."""
+        if self.journal is None:
+            return contextlib.nullcontext()
         stack = contextlib.ExitStack()
         if self.journal is not None and self.journal.writer is not None:
             stack.enter_context(self.journal.writer.hold())

@@ -32,7 +32,7 @@ from ..io.map_save import MapSaveError, new_save_id, resolve_save_directory
 from ..journal import (JOURNAL_NAME, JournaledSession, JournalError, Rebuilt, journal_identity, load_session,
                        open_state_directory, set_aside)
 from ..journal.resume import read_journal
-from ..journal.format import lz4_available
+from ..journal.writer import usable_compression
 from .map_journal import MAP_JOURNAL_NAME
 from .params import NodeSettings
 
@@ -110,16 +110,6 @@ def session_folder(requested: str, output_directory: str, default_name: bool = T
         raise SessionError(str(exc)) from None
 
 
-def journal_compression(requested: str) -> str:
-    """The journals' compression for the parameter ``requested``: "lz4" without the lz4 module
-    falls back to raw, with a warning that says how to get it."""
-    if requested == "lz4" and not lz4_available():
-        log.warning("journal_compression lz4: the lz4 module is not installed (pip install lz4, or the python3-lz4 "
-                    "package); the journals store frames uncompressed")
-        return "none"
-    return requested
-
-
 def journal_label(settings: NodeSettings) -> str:
     """What the journal header names as the weights (shown when a journal is refused)."""
     return settings.checkpoint or f"random seed {settings.seed}"
@@ -143,7 +133,7 @@ def open_camera_journal(session, settings: NodeSettings, camera: str,
             if aside is not None:
                 log.warning("the journal in %s is set aside as %s (load_session replaces it)", folder, aside.name)
         opened = open_state_directory(folder, session, identity, settings.image_width, progress,
-                                      compression=journal_compression(settings.journal_compression))
+                                      compression=usable_compression(settings.journal_compression))
         wrapped = opened.session
         if opened.rebuilt is not None:
             resumed = Resumed.of("journal", opened.rebuilt)

@@ -26,7 +26,7 @@ from ..robot.health import HEALTH_PARAMETERS, HealthConfig, config_from_paramete
 INPUT_TRANSPORTS = ("raw", "compressed")
 INPUT_QOS = ("sensor_data", "reliable")
 TF_MODES = ("auto", "map_to_odom", "map_to_base", "map_to_camera")
-JOURNAL_COMPRESSIONS = ("lz4", "zlib", "none")  # journal.format.COMPRESSIONS, as the node offers them
+JOURNAL_COMPRESSIONS = ("lz4", "zlib", "none")  # journal.format.COMPRESSIONS (not imported: that pulls in torch)
 DEVICES_HELP = "auto (CUDA when available, else CPU), cpu, cuda or cuda:N"
 ON_TIME_JUMP = ("reset", "drop")
 ON_LOST = ("continue", "reset")

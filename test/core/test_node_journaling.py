@@ -472,10 +472,14 @@ def test_journal_map_false_keeps_the_model_state_but_not_the_map(tiny_model, tmp
 
 def test_journal_compression_reaches_both_journals_and_lz4_falls_back_when_missing(tiny_model, tmp_path,
                                                                                    monkeypatch, caplog):
-    from lingbot_map_ros.runtime import journaling
+    from lingbot_map_ros.journal import writer as writer_mod
+    from lingbot_map_ros.journal.format import COMPRESSIONS
+    from lingbot_map_ros.runtime.params import JOURNAL_COMPRESSIONS
+
+    assert JOURNAL_COMPRESSIONS == COMPRESSIONS  # the parameter offers what the writer takes
 
     for asked, have_lz4, want in (("zlib", True, "zlib"), ("lz4", True, "lz4"), ("lz4", False, "none")):
-        monkeypatch.setattr(journaling, "lz4_available", lambda have=have_lz4: have)
+        monkeypatch.setattr(writer_mod, "lz4_available", lambda have=have_lz4: have)
         folder = tmp_path / f"{asked}_{have_lz4}"
         settings = settings_of(tmp_path, accumulate_map=True, state_directory=str(folder), journal_compression=asked)
         caplog.clear()
