@@ -1,24 +1,26 @@
 """The keyframe journal's cost: bytes written per second, per-frame latency with and without
 journaling, and the time to rebuild a full window from a journal.
 
-    python benchmarks/stream/journal_bench.py [--frames 300] [--out FILE]   # H200: released config
+    python benchmarks/stream/journal_bench.py [--frames 300] [--images DIR] [--out FILE]   # H200: released config
     python benchmarks/stream/journal_bench.py --cpu-smoke                   # tiny model, CPU, seconds
 
 GPU: the released architecture with random weights, bf16, FlashInfer FA3, CUDA graphs,
 518x378 uint8 frames (what the node pushes at that size), 8 scale frames, sliding window
 64, keyframe interval 1 (every frame stored: the journal's worst case), long stream with
-its node defaults (window 320). Frames are made from ../shared/data/loop when present
-(resized to 518x378), else a smooth synthetic scene with sensor noise.
+its node defaults (window 320). Frames are made from ``--images`` (default
+../shared/data/loop) when present (resized to 518x378), else a smooth synthetic scene with
+sensor noise.
 
 1. ``journal``: the same frames through a ``LongStreamSession`` without and with a
-   ``JournaledSession`` (zlib level 0 and 1); per frame the submit-to-results latency;
+   ``JournaledSession`` with each ``journal_compression`` (none, lz4: the default, zlib
+   level 1); per frame the submit-to-results latency;
    journal bytes written (appends and compactions) / frames x 15 = bytes/s at 15 Hz.
 2. ``map``: the map journal (``runtime.map_journal``, ``map.lbj``) fed as the node feeds it:
    each frame's results through ``runtime.clouds.frame_clouds`` (point_stride 10) into a
    ``MapAccumulator`` (voxel 0.01, 1M points: node defaults) and the path; bytes written
    (chunks, path entries, compactions) / frames x 15 = bytes/s at 15 Hz, points per frame and
    the output thread's time per frame for map add + journal append, at the node's
-   conf_threshold (1.5) and at 0 (every pixel above it: the bound).
+   conf_threshold (1.5) and at 0 (every pixel above it: the bound); LZ4, the default.
 3. ``rebuild``: a journal of exactly 8 scale frames + 64 keyframes replayed into a fresh
    session (``journal.resume.rebuild``), cold (the fresh session captures its CUDA graphs)
    and warm (the same session again).
@@ -49,9 +51,12 @@ LOOP = Path(__file__).resolve().parents[3] / "shared" / "data" / "loop"
 RATE_HZ = 15.0
 
 
-def frames(n: int, h: int, w: int) -> list[np.ndarray]:
+CODECS = ("none", "lz4", "zlib")
+
+
+def frames(n: int, h: int, w: int, folder: Path = LOOP) -> list[np.ndarray]:
     """n uint8 [h, w, 3] frames: the loop data set resized, or a synthetic moving scene."""
-    paths = sorted(LOOP.glob("*.jpg")) if LOOP.is_dir() else []
+    paths = sorted(folder.glob("*.jpg")) if folder.is_dir() else []
     out = []
     if paths:
         from PIL import Image
@@ -106,10 +111,10 @@ def journal_cost(model, cfg, long_cfg, images, device, warm: int) -> dict:
     run_frames(plain, images[:warm], device)  # graphs captured, kernels compiled
     plain.reset()
     out["off"] = summary(run_frames(plain, images, device), cfg.num_scale_frames)
-    for level in (0, 1):
+    for codec in CODECS:
         with tempfile.TemporaryDirectory() as folder:
             session = make(model, cfg, long_cfg)
-            writer = JournalWriter(Path(folder) / JOURNAL_NAME, compression=level)
+            writer = JournalWriter(Path(folder) / JOURNAL_NAME, compression=codec)
             journaled = JournaledSession(session, writer, journal_identity(session, "random seed 0"))
             run_frames(journaled, images[:warm], device)
             journaled.reset()
@@ -122,7 +127,7 @@ def journal_cost(model, cfg, long_cfg, images, device, warm: int) -> dict:
             st = writer.status()
             written = st.bytes_written - before
             writer.close()
-        out[f"on_zlib{level}"] = {**summary(lat, cfg.num_scale_frames), "bytes_written": written,
+        out[f"on_{codec}"] = {**summary(lat, cfg.num_scale_frames), "bytes_written": written,
                                   "bytes_per_frame": written / len(images),
                                   "mb_per_s_at_15hz": written / len(images) * RATE_HZ / 1e6,
                                   "writer_kept_up_s": wall, "pauses": st.pauses, "rewrites": st.rewrites}
@@ -142,7 +147,7 @@ def map_journal_cost(model, cfg, long_cfg, images, device) -> dict:
     for threshold in (1.5, 0.0):
         with tempfile.TemporaryDirectory() as folder:
             acc, path = MapAccumulator(0.01, 1_000_000), Trajectory(5000)
-            journal = MapJournal(Path(folder) / MAP_JOURNAL_NAME, {"bench": 1})
+            journal = MapJournal(Path(folder) / MAP_JOURNAL_NAME, {"bench": 1}, compression="lz4")
             journal.attach(acc, path)
             points, add_ms = [], []
             for r in results:
@@ -173,7 +178,7 @@ def rebuild_time(model, cfg, long_cfg, images, device) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         path = Path(folder) / JOURNAL_NAME
         session = make(model, cfg, long_cfg)
-        writer = JournalWriter(path, compression=1)
+        writer = JournalWriter(path, compression="lz4")
         journaled = JournaledSession(session, writer, journal_identity(session, "random seed 0"))
         for i in range(n):
             journaled.push(images[i % len(images)], keyframe=True)
@@ -197,6 +202,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--frames", type=int, default=300)
     p.add_argument("--cpu-smoke", action="store_true", help="tiny model, CPU, fp32, a few frames (checks the script)")
+    p.add_argument("--images", type=Path, default=LOOP, help="folder of .jpg frames (default ../shared/data/loop)")
     p.add_argument("--out", type=Path)
     args = p.parse_args()
     if args.cpu_smoke:
@@ -212,10 +218,11 @@ def main() -> int:
         h, w, n, warm = 378, 518, args.frames, 12
     long_cfg = LongStreamConfig()
     device = next(model.parameters()).device
-    images = frames(n, h, w)
+    images = frames(n, h, w, args.images)
     result = {"run": run_record([__file__] + sys.argv[1:]), "resolution": [h, w], "frames": n,
               "keyframe_interval": cfg.keyframe_interval, "window_frames": long_cfg.window_frames,
-              "images": "loop" if LOOP.is_dir() else "synthetic"}
+              "images": str(args.images) if any(args.images.glob("*.jpg")) else "synthetic",
+              "compression": {"map": "lz4", "rebuild": "lz4"}}
     result["journal"] = journal_cost(model, cfg, long_cfg, images, device, warm)
     result["map"] = map_journal_cost(model, cfg, long_cfg, images, device)
     result["rebuild"] = rebuild_time(model, cfg, long_cfg, images, device)
