@@ -19,6 +19,7 @@ outputs are exactly today's: ``map_frame`` and the engine's poses as they are.
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import threading
 import time
@@ -55,6 +56,11 @@ from ..runtime.worker import Command, Throttle
 NODE_NAME = "lingbot_map"
 ARRIVAL_WINDOW = 64  # images whose age on arrival /diagnostics summarises
 PLACED_FRAMES = 64  # frames whose placement is remembered until their clouds are published
+# After a frame is handed over, the executor thread lets go of the GIL at once (``time.sleep(0)``):
+# the inference thread, woken by the frame, starts on it instead of waiting until the executor
+# has done its own Python bookkeeping or the switch interval forces it off (about 1 ms a frame,
+# see docs/performance.md). ``LINGBOT_HANDOVER_YIELD=0`` turns it off (for A/B measurements).
+HANDOVER_YIELD = os.environ.get("LINGBOT_HANDOVER_YIELD", "1").strip() != "0"
 SETTINGS_WAIT_S = 0.5  # s; longest wait of a parameter set for the inference thread to take the new settings
 
 
@@ -414,6 +420,8 @@ class CameraChannel:
                                             camera_frame=self.camera_frame(msg.header.frame_id),
                                             convert_ms=(time.perf_counter() - t0) * 1e3,
                                             camera=self.camera_model))
+        if HANDOVER_YIELD:
+            time.sleep(0)  # the GIL to the inference thread now (see HANDOVER_YIELD)
 
     def on_depth(self, msg: Image) -> None:
         """scale_source depth: cache the image (16UC1 millimetres or 32FC1 metres) by its stamp."""
