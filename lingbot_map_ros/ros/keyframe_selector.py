@@ -175,8 +175,9 @@ class KeyframeSelector(Node):
         self._available = True
         self.keep_client = self.create_client(CommitEviction, f"{target}/commit_eviction")
         self.drop_client = self.create_client(RollbackFrame, f"{target}/rollback_last_frame")
-        self.create_subscription(FrameInfo, f"{target}/frame", self._on_frame,
-                                 QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+        self._frames = self.create_subscription(FrameInfo, f"{target}/frame", self._on_frame,
+                                                QoSProfile(depth=10, reliability=ReliabilityPolicy.RELIABLE))
+        self._publishers_seen = 0  # publishers of the frame topic matched at the last timer tick
         self.create_timer(TIMER_PERIOD, self._on_timer)
         if p["summary_period"] > 0:
             self.create_timer(p["summary_period"], self.log_summary)
@@ -205,12 +206,23 @@ class KeyframeSelector(Node):
         self._dispatch()
 
     def _on_timer(self) -> None:
+        self._note_publishers()
         if self._in_flight is not None and time.monotonic() - self._in_flight.sent > self.timeout:
             self.get_logger().warning(f"no answer about frame {self._in_flight.frame_index} within "
                                       f"{self.timeout} s; giving it up")
             self.counts["unanswered"] += 1
             self._in_flight = None
         self._dispatch()
+
+    def _note_publishers(self) -> None:
+        """Log when the frame topic gains its first matched publisher (the node: from then on its
+        frames reach this selector) and when it loses the last one."""
+        n = self._frames.get_publisher_count()
+        if n and not self._publishers_seen:
+            self.get_logger().info(f"receiving {self._frames.topic_name} ({n} publisher{'s' if n > 1 else ''})")
+        elif not n and self._publishers_seen:
+            self.get_logger().warning(f"no publisher on {self._frames.topic_name} any more")
+        self._publishers_seen = n
 
     def _dispatch(self) -> None:
         """Decide about the waiting frame and send the call, if none is in flight and the services are up."""

@@ -14,6 +14,8 @@ selector never calls rear's services.
 """
 from __future__ import annotations
 
+import time
+
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +40,7 @@ SELECTOR_MODULE = "lingbot_map_ros.ros.keyframe_selector"
 NODE = "/lingbot_map"
 CAMERAS = ("front", "rear")
 START_TIMEOUT = 90.0
+MATCH_SETTLE_S = 0.5  # s after the selector matched the node's writer, for the node's side of the match
 STEP_TIMEOUT = 30.0
 DECISION_TIMEOUT = 10.0  # front's hold: far longer than the selector needs (a timeout would fail the test)
 KEPT, DROPPED = 3, 2  # front's held frames the selector keeps, then drops
@@ -108,6 +111,12 @@ def graph(tmp_path_factory, fixtures):
                     and client.node.count_clients(f"{NODE}/front/commit_eviction") >= 1
                     and client.node.count_clients(f"{NODE}/front/rollback_last_frame") >= 1,
                     timeout=START_TIMEOUT, what="the selector on front's frame topic and services")
+        # and the selector's side matched to the node's frame publisher (the test client seeing the
+        # selector's subscription does not mean the node's writer has matched it yet: front's first
+        # frame infos were lost that way in CI)
+        client.wait(lambda: "receiving /lingbot_map/front/frame" in (tmp / "selector.log").read_text(),
+                    timeout=START_TIMEOUT, what="the selector receiving front's frame topic")
+        time.sleep(MATCH_SETTLE_S)
         yield client, node, selector, frames, tmp
     finally:
         client.close()
