@@ -152,6 +152,7 @@ class GraphClient:
 
 
 PRIME_PERIOD = 1.5  # s between the copies of a priming message
+MAP_SETTLE_S = 2.0  # s: 20 periods of map_publish_rate (10 Hz)
 
 
 def prime_input(client: GraphClient, publisher, msg, received: Callable[[], bool], what: str,
@@ -472,8 +473,18 @@ def test_rollback_restores_the_previous_state(graph, replay):
     stamps = [client.send_rgb(rgb)[0] for rgb in frames[:4]]
     client.wait(lambda: len(client.latest(f"{A}/path").poses) == 4, what="path of 4")
     before = client.latest(f"{A}/status")
-    map_before = client.wait(lambda: (m := client.latest(f"{A}/map_points")) is not None and m.header.stamp
-                             == stamps[-1] and m, what="map with frame 4")
+    # A map is stamped with the latest pose, which goes out before the output thread adds that
+    # frame's points: the first map stamped with frame 4 may lack them (CI saw it). Frame 4's ~/points
+    # leave after its points joined the map; the widest map stamped frame 4 once one more map came
+    # after them (or none came within a few map periods: it came before) holds them.
+    client.wait(lambda: any(m.header.stamp == stamps[-1] for m in client.msgs[f"{A}/points"]), what="frame 4's points")
+    maps_seen = len(client.msgs[f"{A}/map_points"])
+    try:
+        client.wait(lambda: len(client.msgs[f"{A}/map_points"]) > maps_seen, timeout=MAP_SETTLE_S,
+                    what="a map after frame 4's points")
+    except AssertionError:
+        pass  # the map with them was published before its ~/points arrived: it is among those seen
+    width_before = max(m.width for m in client.msgs[f"{A}/map_points"] if m.header.stamp == stamps[-1])
 
     response = client.call(RollbackFrame, f"{A}/rollback_last_frame", RollbackFrame.Request(expected_frame_index=9))
     assert not response.success and "not" in response.message
@@ -487,7 +498,7 @@ def test_rollback_restores_the_previous_state(graph, replay):
     status = client.wait(lambda: (s := client.latest(f"{A}/status")).temporal_index == before.temporal_index - 1
                          and s, what="cache stats after rollback")
     assert status.stored_frames == before.stored_frames - 1 and status.free_pages > before.free_pages
-    client.wait(lambda: client.latest(f"{A}/map_points").width < map_before.width, what="map shrink")
+    client.wait(lambda: client.latest(f"{A}/map_points").width < width_before, what="map shrink")
 
     again = client.call(RollbackFrame, f"{A}/rollback_last_frame", RollbackFrame.Request(expected_frame_index=0))
     assert not again.success and "nothing to roll back" in again.message
