@@ -238,10 +238,10 @@ class InferenceEngine:
     def _journals_held(self) -> contextlib.AbstractContextManager:
         """The journals' writers held (``JournalWriter.hold``) while a frame is handled: their
         threads take the frame's records once its messages are out."""
-        if self.journal is None:
+        if self.journal is None:  # the map journal exists only beside it
             return contextlib.nullcontext()
         stack = contextlib.ExitStack()
-        if self.journal is not None and self.journal.writer is not None:
+        if self.journal.writer is not None:
             stack.enter_context(self.journal.writer.hold())
         if self.map_journal is not None:
             stack.enter_context(self.map_journal.writer.hold())

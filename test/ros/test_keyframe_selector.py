@@ -327,8 +327,10 @@ def test_outage_refusal_stall_and_restart(fake: FakeMapper, tmp_path: Path):
         # restart: a new node of the same name, indices from 1; with decide_unheld, a frame stored
         # without a hold is decided too (here: the first after the restart, kept)
         fake.close()
+        selector.wait_log(f"no publisher on {FAKE}/frame any more")  # the node gone: said once
         restarted = FakeMapper()
         restarted.wait_for_selector()
+        selector.wait_log(f"receiving {FAKE}/frame (1 publisher)", count=2)  # and back
         for index, x, pending, want in [(1, 5.0, False, "keep"), (2, 5.05, True, "drop"), (2, 5.2, True, "keep")]:
             if index == 1:  # the new fake's first frame (the selector logs the restart as it arrives)
                 restarted.publish_first(selector, "frame index went back from 6 to 1", index, x, 0.0, 0.9,

@@ -15,7 +15,6 @@ selector never calls rear's services.
 from __future__ import annotations
 
 import time
-
 from pathlib import Path
 
 import numpy as np
