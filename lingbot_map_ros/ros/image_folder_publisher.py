@@ -195,7 +195,7 @@ class ImageFolderPublisher(Node):
             if item is None:
                 return self._finish()
         rgb, data, fmt, (width, height) = item
-        header = Header(stamp=self.get_clock().now().to_msg(), frame_id=p["frame_id"])
+        header = Header(frame_id=p["frame_id"])
         if self.compressed:
             if data is None:
                 data, fmt = encode_jpeg(rgb), "jpeg"
@@ -203,6 +203,9 @@ class ImageFolderPublisher(Node):
             msg.data = data
         else:
             msg = rgb_to_image_msg(rgb, header)
+        # stamped once the message is built (as a driver stamps at capture): the stamp -> pose
+        # latency a subscriber measures does not include this process's own conversion
+        header.stamp = self.get_clock().now().to_msg()
         self.pub.publish(msg)
         if self.info_pub is not None:
             K = default_intrinsics(width, height, p["fx"], p["fy"], p["cx"], p["cy"])

@@ -210,6 +210,45 @@ def test_gil_switch_interval_is_shortened_and_can_be_kept_or_overridden(capsys):
         sys.setswitchinterval(before)
 
 
+def test_executor_choice_from_the_environment(monkeypatch):
+    """LINGBOT_EXECUTOR: auto/events take rclpy's events executor where it exists, single the
+    single-threaded one; a bad value is said and treated as auto; an rclpy without the events
+    executor (ROS 2 Jazzy) falls back to single-threaded, said only when events was asked for."""
+    import sys
+
+    rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
+    from rclpy.executors import SingleThreadedExecutor
+
+    from lingbot_map_ros.ros.main import EXECUTOR_ENV, make_executor
+
+    has_events = True
+    try:
+        from rclpy.experimental import EventsExecutor  # noqa: F401
+    except ImportError:
+        has_events = False
+    lines: list[str] = []
+    rclpy.init()
+    try:
+        executor, kind = make_executor({EXECUTOR_ENV: "single"}, lines.append)
+        assert kind == "single" and isinstance(executor, SingleThreadedExecutor)
+        executor.shutdown()
+        for value in ("", "auto", "Events", "fastest"):
+            executor, kind = make_executor({EXECUTOR_ENV: value}, lines.append)
+            assert kind == ("events" if has_events else "single")
+            executor.shutdown()
+        assert lines == ["ignoring LINGBOT_EXECUTOR='fastest' (expected one of auto, events, single); using auto"]
+        lines.clear()
+        monkeypatch.setitem(sys.modules, "rclpy.experimental", None)  # an rclpy without it
+        executor, kind = make_executor({}, lines.append)
+        assert kind == "single" and isinstance(executor, SingleThreadedExecutor) and lines == []
+        executor.shutdown()
+        executor, kind = make_executor({EXECUTOR_ENV: "events"}, lines.append)
+        assert kind == "single" and "this rclpy has no events executor" in lines[0]
+        executor.shutdown()
+    finally:
+        rclpy.try_shutdown()
+
+
 def test_shutdown_joins_our_threads_and_names_one_that_hangs():
     """The node's exit waits for its threads (a thread still in C++ code when the interpreter
     finalizes aborts the process); one that never returns is named, within the time given."""
