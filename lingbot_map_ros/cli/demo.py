@@ -349,15 +349,18 @@ class Graph:
 
     def __enter__(self) -> Graph:
         import rclpy
-        from rclpy.executors import SingleThreadedExecutor
 
+        from ..ros.executors import make_executor, spin_forever
         from ..ros.recorder import Recorder
 
         rclpy.init()
         self.recorder = Recorder("/lingbot_map")
-        self._executor = SingleThreadedExecutor()
+        # the node's executor choice (LINGBOT_EXECUTOR): a pose's arrival is timed in its callback
+        self._executor, _ = make_executor(log=lambda line: print(f"{self.prog}: {line}", file=sys.stderr))
         self._executor.add_node(self.recorder)
-        self._spin_thread = threading.Thread(target=self._executor.spin, name="demo_recorder", daemon=True)
+        self._spin_stop = threading.Event()
+        self._spin_thread = threading.Thread(target=spin_forever, args=(self._executor, self._spin_stop, 0.1),
+                                             name="demo_recorder", daemon=True)
         self._spin_thread.start()
         return self
 
@@ -367,6 +370,7 @@ class Graph:
         stop(self.pub_proc)
         stop(self.sel_proc)
         stop(self.node_proc)
+        self._spin_stop.set()
         self._executor.shutdown(timeout_sec=1.0)
         # joined: a thread still in rclpy's C++ wait when the interpreter finalizes aborts the
         # process ("terminate called without an active exception")

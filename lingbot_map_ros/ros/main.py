@@ -17,10 +17,11 @@ import threading
 import time
 
 import rclpy
-from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor, SingleThreadedExecutor
+from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.signals import SignalHandlerOptions
 
 from .camera_channel import NODE_NAME
+from .executors import make_executor
 from .node import LingBotMapNode, StartupError
 
 
@@ -37,33 +38,6 @@ THREAD_JOIN_S = 10.0  # s; how long shutdown waits for the service thread to lea
 SPIN_PERIOD = 0.2  # s; the main loop's longest wait, so SIGINT/SIGTERM are handled promptly
 GIL_SWITCH_ENV = "LINGBOT_GIL_SWITCH_MS"
 GIL_SWITCH_MS = 0.5
-EXECUTOR_ENV = "LINGBOT_EXECUTOR"
-EXECUTORS = ("auto", "events", "single")
-
-
-def make_executor(environ=os.environ, log=None):
-    """The executor of the node's own callbacks (images, timers, parameters): (executor, kind).
-
-    ``events``: rclpy's events executor (``rclpy.experimental.EventsExecutor``, rclpy 9 and
-    later), which dispatches each arriving message from C++ instead of rebuilding a wait set
-    in Python every time it wakes up. ``single``: rclpy's ``SingleThreadedExecutor``.
-    ``LINGBOT_EXECUTOR`` picks one; ``auto`` (the default) is ``events`` where this rclpy has it
-    and ``single`` otherwise (ROS 2 Jazzy's rclpy has no events executor). ``log``: where a
-    refused value or an unavailable choice is said (a callable taking one line)."""
-    raw = environ.get(EXECUTOR_ENV, "").strip().lower() or "auto"
-    if raw not in EXECUTORS:
-        if log is not None:
-            log(f"ignoring {EXECUTOR_ENV}={raw!r} (expected one of {', '.join(EXECUTORS)}); using auto")
-        raw = "auto"
-    if raw in ("auto", "events"):
-        try:
-            from rclpy.experimental import EventsExecutor
-        except ImportError:
-            if raw == "events" and log is not None:
-                log(f"{EXECUTOR_ENV}=events: this rclpy has no events executor; using the single-threaded one")
-        else:
-            return EventsExecutor(), "events"
-    return SingleThreadedExecutor(), "single"
 
 
 def set_gil_switch_interval(environ=os.environ) -> float:

@@ -219,7 +219,7 @@ def test_executor_choice_from_the_environment(monkeypatch):
     rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
     from rclpy.executors import SingleThreadedExecutor
 
-    from lingbot_map_ros.ros.main import EXECUTOR_ENV, make_executor
+    from lingbot_map_ros.ros.executors import EXECUTOR_ENV, make_executor
 
     has_events = True
     try:
