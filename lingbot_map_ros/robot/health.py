@@ -43,6 +43,7 @@ import enum
 import logging
 import math
 import re
+import statistics
 from collections import deque
 from dataclasses import dataclass, fields
 from typing import Any, Mapping
@@ -50,7 +51,6 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..config import ConfigError
-from ..geometry import rotation_angle_deg
 
 log = logging.getLogger(__name__)
 
@@ -236,10 +236,14 @@ class TrackingHealth:
         prev, self._prev_pose = self._prev_pose, pose
         if prev is None:
             return math.nan, math.nan
-        t_step = float(np.linalg.norm(pose[:3, 3] - prev[:3, 3]))
-        r_step = float(rotation_angle_deg(prev[:3, :3], pose[:3, :3]))
+        # scalar arithmetic on 3-vectors and 3x3 blocks (NumPy's per-call overhead is most of the cost
+        # here, on the path of every frame's pose): the step length, and the angle of prevᵀ·pose
+        # from its trace, which is the element-wise product's sum
+        t_step = math.dist(pose[:3, 3].tolist(), prev[:3, 3].tolist())
+        trace = sum(a * b for a, b in zip(prev[:3, :3].ravel().tolist(), pose[:3, :3].ravel().tolist()))
+        r_step = math.degrees(math.acos(min(1.0, max(-1.0, (trace - 1.0) / 2.0))))
         if len(self._steps) >= cfg.jump_min_history:
-            median = float(np.median(np.fromiter(self._steps, dtype=np.float64)))
+            median = statistics.median(self._steps)
             if t_step > cfg.jump_factor * median and t_step > cfg.jump_floor:
                 reasons.append("translation_jump")
         if r_step > cfg.max_rotation_step_deg:

@@ -364,15 +364,19 @@ class InferenceEngine:
             return
         if self.anchor.aligning:
             self.anchor.align(results, frames)
+        protect = None
         if stored and self.map is not None:
+            # queued by the first frame's publish once its pose is out (before its clouds): waking the
+            # output thread earlier would have it compete for the GIL with the pose's own work
             first, acc = results[0].frame_index, self.map
-            self.outputs.op(lambda: acc.protect_from(first))
+            protect = lambda: self.outputs.op(lambda: acc.protect_from(first))  # noqa: E731
         # hold a single stored frame (not the scale frames, not a restart's re-fed batch) for a decision
         s = self.settings
         hold = s.keyframe_decision_timeout > 0 and stored and len(results) == 1
         published = False
         for r, frame in zip(results, frames):
-            published |= self.frame_output.publish(r, frame, s, hold)
+            published |= self.frame_output.publish(r, frame, s, hold, before_clouds=protect)
+            protect = None
         if hold and published:
             self.decisions.start_hold(results[0].frame_index + 1, self.monotonic(), s.keyframe_decision_timeout)
         if published and s.publish_path:

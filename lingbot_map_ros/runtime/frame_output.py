@@ -42,11 +42,16 @@ class FramePublisher:
         self.counters, self.output_rate, self.log, self.throttle, self.now = counters, output_rate, log, throttle, now
         self.last_intrinsics: tuple[np.ndarray, int, int] | None = None
 
-    def publish(self, r: FrameResult, frame: InputFrame, settings: NodeSettings, hold: bool = False) -> bool:
+    def publish(self, r: FrameResult, frame: InputFrame, settings: NodeSettings, hold: bool = False,
+                before_clouds: Callable[[], None] | None = None) -> bool:
         """Publish frame ``r`` (its input ``frame``); False when its outputs were dropped.
-        ``hold``: its keyframe decision will be held (said in its ~/frame)."""
+        ``hold``: its keyframe decision will be held (said in its ~/frame). ``before_clouds``: called
+        once the pose is out and before the clouds are queued, or at once when the outputs are dropped
+        (the engine's map bookkeeping for a stored frame, which the frame's clouds must follow)."""
         t0 = time.perf_counter()
         if r.depth is not None and not (np.isfinite(r.depth).all() and np.isfinite(r.confidence).all()):
+            if before_clouds is not None:
+                before_clouds()
             self.counters.add("frames_dropped_invalid")
             self.throttle.emit(self.log.warning, f"non-finite depth from the model for frame {r.frame_index + 1}: "
                                "outputs dropped (the frame stays in the cache)", kind="non-finite depth")
@@ -73,6 +78,8 @@ class FramePublisher:
                            r.intrinsics, None, None, None, None,
                            covariance=self.tracking.health.covariance(scale).ravel(), scale=scale, scale_ready=ready)
         self.sink.publish_frame(pose)
+        if before_clouds is not None:
+            before_clouds()
         self._summary(r, pose, hold, conf_stats)
         t2 = time.perf_counter()
         if need_points or need_depth:
