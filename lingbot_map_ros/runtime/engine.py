@@ -364,12 +364,14 @@ class InferenceEngine:
             return
         if self.anchor.aligning:
             self.anchor.align(results, frames)
-        protect = None
+        protect: Callable[[], None] | None = None
         if stored and self.map is not None:
             # queued by the first frame's publish once its pose is out (before its clouds): waking the
             # output thread earlier would have it compete for the GIL with the pose's own work
             first, acc = results[0].frame_index, self.map
-            protect = lambda: self.outputs.op(lambda: acc.protect_from(first))  # noqa: E731
+
+            def protect() -> None:
+                self.outputs.op(lambda: acc.protect_from(first))
         # hold a single stored frame (not the scale frames, not a restart's re-fed batch) for a decision
         s = self.settings
         hold = s.keyframe_decision_timeout > 0 and stored and len(results) == 1

@@ -324,3 +324,20 @@ def test_frame_publisher_drops_the_outputs_of_a_non_finite_depth():
     assert p.counters.snapshot().frames_dropped_invalid == 1 and p.counters.snapshot().frames_processed == 0
     assert p.tracking.state == TrackingState.LOST
     assert p.sink.statuses[-1][0].state_text == "dropped: non-finite depth"
+
+
+def test_frame_publisher_runs_before_clouds_after_the_pose_and_before_the_clouds():
+    """The engine's map bookkeeping of a stored frame (``before_clouds``) comes once the pose is out
+    (not during the pose's own work) and before the frame's clouds; at once when the outputs are
+    dropped, so a non-finite frame still gets it."""
+    pub, p = publisher_of(wants=("frame", "points"))
+    order = []
+    publish_frame = p.sink.publish_frame
+    p.sink.publish_frame = lambda out: (order.append("pose"), publish_frame(out))
+    pub.clouds.submit = lambda *args, **kwargs: order.append("clouds")  # queued to the output thread
+    assert pub.publish(frame_result(0), input_frame(0), settings_of(), before_clouds=lambda: order.append("protect"))
+    assert order == ["pose", "protect", "clouds"]
+    order.clear()
+    assert not pub.publish(frame_result(1, depth_value=np.inf), input_frame(1), settings_of(),
+                           before_clouds=lambda: order.append("protect"))
+    assert order == ["protect"]
