@@ -374,7 +374,8 @@ class LingBotMapNode(Node):
         s = max(cameras, key=lambda c: (c.image_width, c.stream.sliding_window + c.stream.num_scale_frames))
         if not self.settings.gpu_memory_check:
             return
-        est = check_fits(s.model, s.stream, s.image_width, cameras=len(cameras))
+        est = check_fits(s.model, s.stream, s.image_width, cameras=len(cameras),
+                         budget_gib=self.settings.gpu_memory_budget_gib)
         if est is not None:
             self.get_logger().info(f"GPU memory estimate: {est.describe()}" + (
                 f" per camera's K/V, {len(cameras)} cameras" if len(cameras) > 1 else ""))
