@@ -355,8 +355,8 @@ class Graph:
 
         rclpy.init()
         self.recorder = Recorder("/lingbot_map")
-        # the node's executor choice (LINGBOT_EXECUTOR): a pose's arrival is timed in its callback
-        self._executor, _ = make_executor(log=lambda line: print(f"{self.prog}: {line}", file=sys.stderr))
+        # the node's executor (events where rclpy has it): a pose's arrival is timed in its callback
+        self._executor, _ = make_executor()
         self._executor.add_node(self.recorder)
         self._spin_stop = threading.Event()
         self._spin_thread = threading.Thread(target=spin_forever, args=(self._executor, self._spin_stop, 0.1),
