@@ -12,7 +12,7 @@ this process; every demo option applies) and measures it:
   JIT compilation, CUDA-graph capture, filling the window; bounded by ``--startup-timeout``),
   waits until the node is idle, then publishes the ``--frames`` timed frames: only poses of
   images stamped after that point are measured;
-- ``--node-script FILE`` runs the node from FILE instead of ``lingbot_map_ros.ros.node``
+- ``--node-script FILE`` runs the node from FILE instead of ``lingbot_map_ros.ros.main``
   (``benchmarks/node/node_probe.py``: the real node under probes, optionally with a simulated
   model step);
 - ``--json PATH`` writes the measurement: latency (image header stamp -> pose received by
@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "bounded by --startup-timeout")
     p.add_argument("--json", type=Path, default=None, help="write the measurement as JSON to this file")
     p.add_argument("--node-script", type=Path, default=None,
-                   help="run the node from this Python script instead of lingbot_map_ros.ros.node (e.g. "
+                   help="run the node from this Python script instead of lingbot_map_ros.ros.main (e.g. "
                         "benchmarks/node/node_probe.py: the real node under probes, optionally with a simulated "
                         "model step)")
     return p

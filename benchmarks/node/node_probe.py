@@ -1,6 +1,6 @@
 """The real ROS node under probes, optionally with a SIMULATED model step.
 
-Runs ``lingbot_map_ros.ros.node`` in this process (started by ``benchmarks/node/node_latency.py
+Runs the node (``lingbot_map_ros.ros.main``) in this process (started by ``benchmarks/node/node_latency.py
 --node-script benchmarks/node/node_probe.py``, which ``benchmarks/node/node_latency.sh --probe``
 and ``--simulate MS`` do) and, when ``LINGBOT_PROBE_OUT`` names a file, writes there at
 exit what stalls the node's threads:

@@ -380,10 +380,10 @@ class Graph:
 
     def start_node(self, params: Path, script: Path | None = None) -> float:
         """Start the node with ``params`` (``script``: run this Python file instead of
-        ``lingbot_map_ros.ros.node``) and wait until it advertises ``~/pose``, bounded by
+        ``lingbot_map_ros.ros.main``) and wait until it advertises ``~/pose``, bounded by
         ``--startup-timeout``; returns the seconds that took."""
         t0 = time.monotonic()
-        node = [str(script)] if script else ["-m", "lingbot_map_ros.ros.node"]
+        node = [str(script)] if script else ["-m", "lingbot_map_ros.ros.main"]
         self.node_proc = start([sys.executable, *node, "--ros-args", "--params-file", str(params)], self.env,
                                self.out / "node.log")
         deadline = t0 + self.startup_timeout

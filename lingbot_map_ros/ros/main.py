@@ -1,7 +1,7 @@
 """The process entry point of ``lingbot_map_node``: rclpy, the signals, the executors, the exit.
 
     ros2 run lingbot_map_ros lingbot_map_node --ros-args --params-file config/lingbot_map.yaml
-    python -m lingbot_map_ros.ros.node ...   (the same ``main``)
+    python -m lingbot_map_ros.ros.main --ros-args ...   (the same ``main``)
 
 ``main`` builds the node (``node.LingBotMapNode``), spins it on one executor thread and its
 services (the helper node ``<name>_services``) on a multi-threaded executor of their own,
@@ -131,3 +131,7 @@ def main(args: list[str] | None = None, executor: str = "auto", gil_switch_ms: f
             sys.stderr.flush()
             os._exit(0)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

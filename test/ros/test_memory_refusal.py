@@ -24,7 +24,7 @@ def node_command(tmp_path, fixtures, name: str, **params) -> list[str]:
     values = {"checkpoint": str(fixtures / "weights.safetensors"), "model_config": str(fixtures / "config.json"),
               "image_width": 98, "num_scale_frames": 2, "sliding_window": 3, "device": "cpu", **params}
     path = write_params_file(tmp_path / f"{name}.yaml", values)
-    return [sys.executable, "-m", "lingbot_map_ros.ros.node", "--ros-args", "--params-file", str(path),
+    return [sys.executable, "-m", "lingbot_map_ros.ros.main", "--ros-args", "--params-file", str(path),
             "-r", f"__node:={name}"]
 
 
