@@ -43,31 +43,11 @@ from lingbot_map_ros.geometry import (OPTICAL_TO_REP103, matrix_to_quaternion, o
 from lingbot_map_ros.io.demosaic import BAYER_PATTERNS, demosaic_bilinear
 from lingbot_map_ros.io.image_msgs import MAX_PIXELS, ImageDecodeError, decode_compressed
 
-__all__ = [
-    "CLOUD_DTYPE",
-    "CLOUD_FIELDS",
-    "DEFAULT_MAX_PIXELS",
-    "ImageConversionError",
-    "OPTICAL_TO_REP103",
-    "SUPPORTED_ENCODINGS",
-    "camera_info_msg",
-    "compressed_to_rgb",
-    "demosaic_bilinear",
-    "depth_to_image_msg",
-    "image_to_depth",
-    "image_to_rgb",
-    "sensor_depth_array",
-    "make_pointcloud2",
-    "matrix_to_quaternion",
-    "odometry_msg",
-    "optical_pose_to_map",
-    "points_to_map",
-    "pose_to_msg",
-    "quaternion_to_matrix",
-    "read_pointcloud2",
-    "rgb_to_image_msg",
-    "transform_stamped",
-]
+__all__ = ["CLOUD_DTYPE", "CLOUD_FIELDS", "DEFAULT_MAX_PIXELS", "ImageConversionError", "OPTICAL_TO_REP103",
+           "SUPPORTED_ENCODINGS", "camera_info_msg", "compressed_to_rgb", "demosaic_bilinear",
+           "depth_to_image_msg", "image_to_depth", "image_to_rgb", "sensor_depth_array", "make_pointcloud2",
+           "matrix_to_quaternion", "odometry_msg", "optical_pose_to_map", "points_to_map", "pose_to_msg",
+           "quaternion_to_matrix", "read_pointcloud2", "rgb_to_image_msg", "transform_stamped"]
 
 DEFAULT_MAX_PIXELS = MAX_PIXELS
 """Largest accepted image (width x height, 64 Mpx); larger ones are rejected."""
