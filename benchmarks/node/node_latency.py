@@ -4,7 +4,7 @@
         --backend flashinfer-fa3 --width 518 --height 378 --frames 300 --rate 15 \\
         --warmup-poses 80 --no-save-map --json node_latency_518x378.json
 
-Runs the graph of ``lingbot-map-demo`` (``lingbot_map_ros.cli.demo.Graph``: the node and the
+Runs the graph of ``lingbot-map-demo`` (``lingbot_map_ros.cli.demo_graph.Graph``: the node and the
 image folder publisher as processes on a private ROS domain on this machine, a recorder in
 this process; every demo option applies) and measures it:
 
@@ -12,7 +12,7 @@ this process; every demo option applies) and measures it:
   JIT compilation, CUDA-graph capture, filling the window; bounded by ``--startup-timeout``),
   waits until the node is idle, then publishes the ``--frames`` timed frames: only poses of
   images stamped after that point are measured;
-- ``--node-script FILE`` runs the node from FILE instead of ``lingbot_map_ros.ros.node``
+- ``--node-script FILE`` runs the node from FILE instead of ``lingbot_map_ros.ros.main``
   (``benchmarks/node/node_probe.py``: the real node under probes, optionally with a simulated
   model step);
 - ``--json PATH`` writes the measurement: latency (image header stamp -> pose received by
@@ -46,8 +46,8 @@ sys.path[:0] = [str(BENCH), str(BENCH.parent)]  # provenance.py; lingbot_map_ros
 
 import provenance
 
-from lingbot_map_ros.cli import demo, demo_selector
-from lingbot_map_ros.cli.demo import COUNTERS, DemoError, counters
+from lingbot_map_ros.cli import demo, demo_graph, demo_selector
+from lingbot_map_ros.cli.demo_graph import COUNTERS, DemoError, counters
 from lingbot_map_ros.io.atomic import atomic_write
 
 PROG = "node_latency"
@@ -63,20 +63,20 @@ def build_parser() -> argparse.ArgumentParser:
                         "bounded by --startup-timeout")
     p.add_argument("--json", type=Path, default=None, help="write the measurement as JSON to this file")
     p.add_argument("--node-script", type=Path, default=None,
-                   help="run the node from this Python script instead of lingbot_map_ros.ros.node (e.g. "
+                   help="run the node from this Python script instead of lingbot_map_ros.ros.main (e.g. "
                         "benchmarks/node/node_probe.py: the real node under probes, optionally with a simulated "
                         "model step)")
     return p
 
 
 # ------------------------------------------------------------------ warm-up
-def warm_up(args: argparse.Namespace, graph: demo.Graph, images: Path, t_start: float) -> dict:
+def warm_up(args: argparse.Namespace, graph: demo_graph.Graph, images: Path, t_start: float) -> dict:
     """Loop the images until ``--warmup-poses`` poses came back, stop, wait until the node is
     idle. Seconds since ``t_start`` (monotonic) of the first pose, of the warm-up, its poses
     and frames received."""
     t0 = time.monotonic()
     log = graph.out / "warmup_publisher.log"
-    proc = demo.start(demo.publisher_cmd(images, args.rate, 0, graph.startup_timeout, loop=True), graph.env, log)
+    proc = demo_graph.start(demo_graph.publisher_cmd(images, args.rate, 0, graph.startup_timeout, loop=True), graph.env, log)
     first_pose_s = None
     deadline = t0 + graph.startup_timeout
     try:
@@ -88,13 +88,13 @@ def warm_up(args: argparse.Namespace, graph: demo.Graph, images: Path, t_start: 
                 break
             graph.check_alive(" during the warm-up")
             if proc.poll() is not None:
-                raise DemoError(f"the warm-up publisher exited with status {proc.returncode}:\n{demo.tail(log)}")
+                raise DemoError(f"the warm-up publisher exited with status {proc.returncode}:\n{demo_graph.tail(log)}")
             if time.monotonic() > deadline:
                 raise DemoError(f"warm-up: {len(poses)} of {args.warmup_poses} poses after {graph.startup_timeout} s "
-                                f"(--startup-timeout):\n{demo.tail(graph.out / 'node.log')}")
+                                f"(--startup-timeout):\n{demo_graph.tail(graph.out / 'node.log')}")
             time.sleep(0.05)
     finally:
-        demo.stop(proc)
+        demo_graph.stop(proc)
     warmup_s = round(time.monotonic() - t0, 3)
     wait_drained(graph.recorder, deadline=time.monotonic() + args.timeout)
     poses, status = graph.recorder.snapshot()
@@ -232,11 +232,11 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="lingbot_node_latency_") as tmp_name:
         setup = demo.prepare(args, Path(tmp_name))
         demo.announce(args, setup, PROG)
-        with demo.Graph(args, setup.out, setup.env, PROG) as graph:
+        with demo_graph.Graph(args, setup.out, setup.env, PROG) as graph:
             return measure(args, graph, setup)
 
 
-def measure(args: argparse.Namespace, graph: demo.Graph, setup: demo.Setup) -> int:
+def measure(args: argparse.Namespace, graph: demo_graph.Graph, setup: demo.Setup) -> int:
     """Node up, selector, warm-up, the timed frames; the JSON and the report."""
     from lingbot_map_ros.io.preprocess import list_images
 
@@ -263,7 +263,7 @@ def measure(args: argparse.Namespace, graph: demo.Graph, setup: demo.Setup) -> i
     if status_log is not None:
         graph.stop_selector()
         decisions = demo_selector.decision_measurement(
-            status_log.events(), since_s, decisions_baseline, recorder.snapshot()[1], demo.decision_timeout(args),
+            status_log.events(), since_s, decisions_baseline, recorder.snapshot()[1], demo_selector.decision_timeout(args),
             demo_selector.selector_summary(setup.out / "selector.log"))
     response = None if args.no_save_map else graph.save_map()
     result = measurement(recorder, since_s, baseline, published, startup, args, setup.values, setup.images,

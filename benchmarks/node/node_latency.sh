@@ -55,6 +55,9 @@
 #               tiny preset on cpu, --probe implied): the node's own overhead and frame losses
 #   --no-probe-report  with --simulate: no probe threads or report (the probe's own load can hide
 #               small differences; the simulated step still runs through node_probe.py)
+#   --executor auto|events|single  the node's callback executor (default: the node's, auto); A/B runs
+#   --gil-switch-ms MS  the node's GIL switch interval (default: the node's, 0.5; Python's own is 5)
+#               (either runs the node through node_probe.py, without its report unless --probe)
 #   --keyframe-selector  only the runs with the selector in the loop (files *_selector.json)
 #   --compare-selector   per height, a run without and one with the selector, back to back
 #               (a COMPARE line in the log: latency, output rate and drops with vs without)
@@ -77,7 +80,7 @@ OUT=${OUT:-./node_latency_out}
 PYTHON=${PYTHON:-python3}
 FRAMES=300 RATE=15 HEIGHTS="378" WIDTH=518 WARMUP=80 STARTUP_TIMEOUT=420 TIMEOUT=60 DEADLINE=560 INPUT_QOS=reliable
 DEVICE=cuda BACKEND=flashinfer-fa3 DTYPE=bf16 PRESET=lingbot-map BUNDLE=1 DDS_PROFILE=1 PROBE=0 NO_REPORT=0 SIM_MS=""
-SELECTOR_MODES="off" DECISION_TIMEOUT=0.5
+SELECTOR_MODES="off" DECISION_TIMEOUT=0.5 EXECUTOR="" GIL_MS=""
 EXTRA=()
 while (( $# )); do
   case "$1" in
@@ -100,6 +103,8 @@ while (( $# )); do
     --keyframe-selector) SELECTOR_MODES="on"; shift ;;
     --compare-selector) SELECTOR_MODES="off on"; shift ;;
     --decision-timeout) DECISION_TIMEOUT=$2; shift 2 ;;
+    --executor) EXECUTOR=$2; shift 2 ;;
+    --gil-switch-ms) GIL_MS=$2; shift 2 ;;
     --simulate) SIM_MS=$2 PROBE=1 PRESET=tiny DEVICE=cpu BACKEND=auto DTYPE=fp32; shift 2 ;;
     --cpu-smoke) BUNDLE=0 DEVICE=cpu BACKEND=auto DTYPE=fp32 PRESET=tiny WIDTH=98 HEIGHTS=70 FRAMES=12 RATE=5
                  WARMUP=5 STARTUP_TIMEOUT=120 DEADLINE=300; shift ;;
@@ -202,10 +207,11 @@ for SEL in $SELECTOR_MODES; do
       "$WARMUP warm-up poses$sel_text (limit ${left} s)"
   start=$SECONDS
   probe_args=()
-  if (( PROBE )); then
+  if (( PROBE )) || [[ -n "$EXECUTOR$GIL_MS" ]]; then
     probe_args=(--node-script benchmarks/node/node_probe.py)
-    if (( NO_REPORT )); then unset LINGBOT_PROBE_OUT; else export LINGBOT_PROBE_OUT="$OUT/node_probe_$name.json"; fi
+    if (( NO_REPORT || ! PROBE )); then unset LINGBOT_PROBE_OUT; else export LINGBOT_PROBE_OUT="$OUT/node_probe_$name.json"; fi
   fi
+  export LINGBOT_BENCH_EXECUTOR="$EXECUTOR" LINGBOT_BENCH_GIL_SWITCH_MS="$GIL_MS"
   if [[ -n "$SIM_MS" ]]; then export LINGBOT_SIM_STEP_MS="$SIM_MS"; else unset LINGBOT_SIM_STEP_MS; fi
   # SIGINT first: node_latency.py then stops the node and the publisher it started.
   timeout -s INT -k 15 "$left" "$PYTHON" benchmarks/node/node_latency.py \

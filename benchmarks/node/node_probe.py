@@ -1,6 +1,6 @@
 """The real ROS node under probes, optionally with a SIMULATED model step.
 
-Runs ``lingbot_map_ros.ros.node`` in this process (started by ``benchmarks/node/node_latency.py
+Runs the node (``lingbot_map_ros.ros.main``) in this process (started by ``benchmarks/node/node_latency.py
 --node-script benchmarks/node/node_probe.py``, which ``benchmarks/node/node_latency.sh --probe``
 and ``--simulate MS`` do) and, when ``LINGBOT_PROBE_OUT`` names a file, writes there at
 exit what stalls the node's threads:
@@ -15,6 +15,10 @@ exit what stalls the node's threads:
   speculation and result copy; the cloud and status outputs);
 - ``thread_cpu_s``: CPU seconds per thread name (which threads burn the cores);
 - ``rss_mb``: the process's resident memory, sampled once a second (a soak's leak check).
+
+A/B runs of the node's measured choices (``node_latency.sh --executor KIND --gil-switch-ms MS``):
+``LINGBOT_BENCH_EXECUTOR`` (auto, events, single) and ``LINGBOT_BENCH_GIL_SWITCH_MS`` (Python's
+own is 5) are passed to ``ros.main.main``; unset, the node's defaults.
 
 Simulated model (``LINGBOT_SIM_STEP_MS`` set): everything but the model is the node's
 code (rclpy executor, image conversion, preprocessing, the inference and output
@@ -360,8 +364,10 @@ def main() -> int:
         return sessions
 
     node_module.LingBotMapNode._load_sessions = load_sessions
+    gil_ms = os.environ.get("LINGBOT_BENCH_GIL_SWITCH_MS")
     try:
-        return main_module.main()
+        return main_module.main(executor=os.environ.get("LINGBOT_BENCH_EXECUTOR") or "auto",
+                                gil_switch_ms=float(gil_ms) if gil_ms else main_module.GIL_SWITCH_MS)
     finally:
         if probe is not None:
             probe.write()

@@ -22,6 +22,7 @@ What is measured here, all in the demo's recorder process (one clock, ``time.tim
 """
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 import threading
@@ -194,6 +195,11 @@ def decision_measurement(events: list[StatusEvent], since_s: float | None, basel
         "hold_waits": {"frames": len(waits), "ms": stats(waits), "definition": HOLD_WAIT},
         "selector": selector,  # its final summary line, whole run (warm-up included)
     }
+
+
+def decision_timeout(args: argparse.Namespace) -> float:
+    """The node's keyframe_decision_timeout (s) with --keyframe-selector."""
+    return args.decision_timeout if args.decision_timeout is not None else DEFAULT_DECISION_TIMEOUT
 
 
 def selector_cmd(params: list[str], target: str = "/lingbot_map") -> list[str]:

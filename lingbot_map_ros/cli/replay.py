@@ -51,9 +51,8 @@ from dataclasses import replace
 from typing import Callable
 
 from .replay_args import Settings, build_parser, configure
-from .replay_console import (PROG, StderrHandler, UserError, close_failure, explain, log, progress_bar, say,
-                             with_partial)
-from .replay_outputs import FrameMeta, OutputError, Outputs
+from .replay_console import PROG, StderrHandler, UserError, explain, log, progress_bar, say
+from .replay_outputs import FrameMeta, OutputError, Outputs, close_failure, with_partial
 
 MAX_SHOWN_BAD_FRAMES = 10  # warnings for the first bad frames; later ones are only counted
 

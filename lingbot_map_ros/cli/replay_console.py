@@ -1,6 +1,6 @@
 """What ``lingbot-map-replay`` tells its user on stderr: its name, its logger, the one-line
-errors (``UserError``, an OSError in a few words, the ``.partial`` files kept), the
-progress bar and the log handler that prints above it.
+errors (``UserError``, an OSError in a few words), the progress bar and the log handler that
+prints above it. (The lines about the outputs, ``.partial`` files kept, are ``replay_outputs``'.)
 """
 from __future__ import annotations
 
@@ -8,13 +8,10 @@ import errno
 import logging
 import sys
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import argparse
-
-    from .replay_outputs import Closed, Unfinished
 
 PROG = "lingbot-map-replay"
 
@@ -94,25 +91,3 @@ def explain(exc: BaseException) -> str:
     if isinstance(exc, OSError):
         return describe_os_error(exc)
     return str(exc)
-
-
-def with_partial(message: str, kept: list[Path], unfinished: list[Unfinished] = ()) -> str:
-    """``message``, then the ``.partial`` files kept and the outputs that could not even be kept so."""
-    parts = [message]
-    if kept:
-        parts.append(f"partial outputs kept: {', '.join(map(str, kept))}")
-    lost = [u for u in unfinished if not u.kept]
-    if lost:
-        parts.append("not kept: " + ", ".join(f"{u.flag} {u.path} ({u.reason + '; ' if u.reason else ''}{u.note()})"
-                                              for u in lost))
-    return "; ".join(parts)
-
-
-def close_failure(frames: int, closed: Closed) -> str:
-    """The error line of a run whose outputs could not all be written at the end."""
-    causes = ", ".join(f"{u.flag} {u.path} ({u.reason})" for u in closed.failed)
-    written = ", ".join(map(str, closed.written)) or "nothing"
-    not_written = ", ".join(f"{u.path} ({u.note()})" for u in closed.failed)
-    return (f"{frames} frames replayed, but not every output could be written: {causes}; written: {written}; "
-            f"not written: {not_written}")
-

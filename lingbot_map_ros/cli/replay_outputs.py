@@ -185,3 +185,24 @@ class Outputs:
             reason = reason or describe_os_error(exc)
             return Unfinished(flag, path, reason, [], [p for p in writer.leftovers() if os.path.lexists(p)])
         return Unfinished(flag, path, reason, result if isinstance(result, list) else [result], [])
+
+
+def with_partial(message: str, kept: list[Path], unfinished: list[Unfinished] = ()) -> str:
+    """``message``, then the ``.partial`` files kept and the outputs that could not even be kept so."""
+    parts = [message]
+    if kept:
+        parts.append(f"partial outputs kept: {', '.join(map(str, kept))}")
+    lost = [u for u in unfinished if not u.kept]
+    if lost:
+        parts.append("not kept: " + ", ".join(f"{u.flag} {u.path} ({u.reason + '; ' if u.reason else ''}{u.note()})"
+                                              for u in lost))
+    return "; ".join(parts)
+
+
+def close_failure(frames: int, closed: Closed) -> str:
+    """The error line of a run whose outputs could not all be written at the end."""
+    causes = ", ".join(f"{u.flag} {u.path} ({u.reason})" for u in closed.failed)
+    written = ", ".join(map(str, closed.written)) or "nothing"
+    not_written = ", ".join(f"{u.path} ({u.note()})" for u in closed.failed)
+    return (f"{frames} frames replayed, but not every output could be written: {causes}; written: {written}; "
+            f"not written: {not_written}")

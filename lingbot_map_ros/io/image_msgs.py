@@ -6,16 +6,17 @@ Raw encodings: rgb8, rgba8, bgr8, bgra8, mono8, mono16 and their OpenCV aliases
 (8UC1, 8UC3 = BGR, 8UC4 = BGRA, 16UC1). Row padding (``step``) is skipped; 16-bit
 data honours ``is_bigendian`` and is scaled from [0, 65535] to [0, 255]; alpha is
 dropped; mono is replicated to three channels. Compressed: JPEG or PNG, decoded
-with Pillow in full (a truncated image fails here, not later).
+with Pillow in full (a truncated image fails here, not later) by ``decode_compressed``, which the
+node's live messages go through too (``ros.conversions.compressed_to_rgb``).
 
-Every failure raises ``ImageDecodeError`` (a ``ValueError``) with a one-line reason.
+Every failure raises ``ImageDecodeError`` (a ``ValueError``) with a one-line reason; the node's
+conversions raise the same type.
 """
 from __future__ import annotations
 
 import io
 
 import numpy as np
-from PIL import Image
 
 MAX_PIXELS = 8192 * 8192  # larger images are refused (decompression-bomb guard)
 
@@ -70,33 +71,55 @@ def raw_to_rgb(msg) -> np.ndarray:
     return np.ascontiguousarray(rgb)
 
 
-def compressed_to_rgb(msg) -> np.ndarray:
-    """[H, W, 3] uint8 RGB from a JPEG or PNG ``sensor_msgs/CompressedImage``."""
-    fmt = str(msg.format)
+def decode_compressed(fmt: str, data: bytes, max_pixels: int = MAX_PIXELS) -> np.ndarray:
+    """[H, W, 3] uint8 RGB from the ``format`` and ``data`` of a ``sensor_msgs/CompressedImage``
+    (JPEG or PNG), decoded with Pillow: the one decoder of compressed images, for bags and live
+    messages alike.
+
+    The whole image is decoded here, so truncated or corrupt data fails now rather than later.
+    The size in the header is checked against ``max_pixels`` before decoding (decompression-bomb
+    guard). 16-bit grey PNGs are scaled like ``mono16``; alpha is dropped.
+
+    Raises:
+        ImageDecodeError: depth-compressed or non-JPEG/PNG data, corrupt or truncated data, or
+            an image larger than ``max_pixels``.
+    """
+    from PIL import Image
+
+    fmt = str(fmt)
     if "compresseddepth" in fmt.lower():
         raise ImageDecodeError(f"compressed depth images are not colour images (format {fmt!r})")
-    data = msg.data.tobytes() if isinstance(msg.data, np.ndarray) else bytes(msg.data)
     if not data:
         raise ImageDecodeError(f"empty compressed image (format {fmt!r})")
     try:
         img = Image.open(io.BytesIO(data), formats=["JPEG", "PNG"])
     except Image.DecompressionBombError as exc:
-        raise ImageDecodeError(f"compressed image too large: {exc}") from None
-    except Exception:  # Pillow raises several types for unrecognised data; their text names a BytesIO
-        raise ImageDecodeError(f"not a JPEG or PNG image (format {fmt!r})") from None
+        raise ImageDecodeError(f"compressed image too large: {exc}") from exc
+    except Image.UnidentifiedImageError as exc:  # its text names a BytesIO object: no use in a log
+        raise ImageDecodeError(f"not a JPEG or PNG image (format {fmt!r}): unrecognised data") from exc
+    except Exception as exc:  # Pillow raises several types for unrecognised data
+        raise ImageDecodeError(f"not a JPEG or PNG image (format {fmt!r}): {exc}") from exc
     with img:
         width, height = img.size
-        if width * height > MAX_PIXELS:
-            raise ImageDecodeError(f"compressed image of {width}x{height} pixels exceeds the limit of {MAX_PIXELS}")
+        if width == 0 or height == 0:
+            raise ImageDecodeError(f"empty compressed image: {width}x{height}")
+        if width * height > max_pixels:
+            raise ImageDecodeError(f"compressed image of {width}x{height} = {width * height} pixels exceeds the "
+                                   f"limit of {max_pixels}")
         try:
             img.load()
         except Exception as exc:  # OSError for truncation; others for corrupt streams
-            raise ImageDecodeError(f"corrupt or truncated {img.format} image: {exc}") from None
+            raise ImageDecodeError(f"corrupt or truncated {img.format} image (format {fmt!r}): {exc}") from exc
         if img.mode in ("I", "I;16", "I;16B", "I;16L"):
             words = np.clip(np.asarray(img).astype(np.int64), 0, 65535)
             mono = ((words * 255 + 32767) // 65535).astype(np.uint8)
             return np.repeat(mono[:, :, None], 3, axis=2)
         return np.array(img.convert("RGB"), dtype=np.uint8)
+
+
+def compressed_to_rgb(msg) -> np.ndarray:
+    """[H, W, 3] uint8 RGB from a JPEG or PNG ``sensor_msgs/CompressedImage`` (``decode_compressed``)."""
+    return decode_compressed(msg.format, msg.data.tobytes() if isinstance(msg.data, np.ndarray) else bytes(msg.data))
 
 
 def message_to_rgb(msg, msgtype: str) -> np.ndarray:
@@ -115,4 +138,4 @@ def stamp_ns(header) -> int:
 
 
 __all__ = ["ImageDecodeError", "IMAGE_TYPES", "COMPRESSED_TYPES", "RAW_ENCODINGS", "MAX_PIXELS", "is_image_type",
-           "raw_to_rgb", "compressed_to_rgb", "message_to_rgb", "stamp_ns"]
+           "raw_to_rgb", "decode_compressed", "compressed_to_rgb", "message_to_rgb", "stamp_ns"]

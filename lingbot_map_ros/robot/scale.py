@@ -14,46 +14,18 @@ interface (``ScaleSource``):
   gives the median of ``sensor / model`` over confident pixels.
 * ``FixedScale``: a value the operator knows.
 
-Robust fit (both estimators): the last ``window`` samples; median ``m`` and
-``MAD = median |r − m|``; samples further than ``outlier_k · 1.4826 · MAD`` and
-``max_spread · m`` from ``m`` are outliers; the estimate is the median of the inliers; ``spread`` is the relative
-robust standard deviation of the inliers, ``1.4826 · MAD_inliers / estimate`` (how much
-the samples disagree, not a standard error). The fit is *converged* once at least
-``min_samples`` inliers agree within ``max_spread``; from then on the published
-``scale`` HOLDS: a later converged refit replaces it only when it differs by more than
-``hold_tolerance`` (relative), and a refit that is not converged (a burst of bad
-samples) never replaces it.
-
-Long-stream window restarts (``restart_window``): the long stream maps each new window
-into the global frame with a Sim(3) whose scale comes from a depth ratio over the
-overlap frames, so the global frame's unit can drift a little from window to window.
-We therefore refit per window: ``restart_window`` drops the samples (they measured the
-old window's unit) and the odometry anchor (no increment spans a restart), but keeps
-publishing the held scale, still ``converged``, with ``refitting`` set; the first
-converged fit of the new window replaces it whatever the difference. ``reset`` forgets
-everything (a new sequence: a new world, a new unit).
+The robust fit behind both estimators, the held value and the refit per long-stream window:
+``robot.scale_fit``.
 """
 from __future__ import annotations
 
-import logging
 import math
-from collections import deque
-from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from ..config import ConfigError
 from ..io.preprocess import target_size
-
-log = logging.getLogger(__name__)
-
-MAD_TO_SIGMA = 1.4826  # MAD of a normal distribution times this = its standard deviation
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ConfigError(message)
+from .scale_fit import FitConfig, RobustRatioScale, finite, require
 
 
 # ----------------------------------------------------------------------------- protocol
@@ -92,156 +64,9 @@ class ScaleSource(Protocol):
         """Flat dict of plain Python values for logs / diagnostics / a status message."""
 
 
-# ----------------------------------------------------------------------------- robust fit
-
-@dataclass(frozen=True)
-class RobustFit:
-    """One fit of ratio samples: estimate, relative spread, inliers used, outliers dropped."""
-
-    estimate: float
-    spread: float
-    inliers: int
-    outliers: int
-
-
-def robust_fit(samples: np.ndarray, outlier_k: float, min_tolerance: float = 0.0) -> RobustFit:
-    """Median of the samples within ``outlier_k`` robust sigmas of their median.
-
-    Args:
-        samples: [N] positive finite ratios, N ≥ 1.
-        outlier_k: rejection threshold in units of ``1.4826 · MAD``.
-        min_tolerance: samples within this relative distance of the median are never
-            outliers (a few nearly equal samples have a tiny MAD that would otherwise
-            reject good ones).
-    """
-    r = np.asarray(samples, dtype=np.float64)
-    m = float(np.median(r))
-    sigma = MAD_TO_SIGMA * float(np.median(np.abs(r - m)))
-    tol = max(outlier_k * sigma, min_tolerance * abs(m), 1e-12 * abs(m))
-    inl = r[np.abs(r - m) <= tol]
-    est = float(np.median(inl))
-    spread = MAD_TO_SIGMA * float(np.median(np.abs(inl - est))) / est
-    return RobustFit(est, spread, int(inl.size), int(r.size - inl.size))
-
-
-@dataclass(frozen=True)
-class _FitConfig:
-    """Shared fit settings (validated by the estimators' constructors)."""
-
-    window: int
-    min_samples: int
-    max_spread: float
-    outlier_k: float
-    hold_tolerance: float
-
-    def __post_init__(self) -> None:
-        _require(isinstance(self.window, int) and self.window >= 1,
-                 f"window must be an integer >= 1, got {self.window!r}")
-        _require(isinstance(self.min_samples, int) and 1 <= self.min_samples <= self.window,
-                 f"min_samples must be an integer in [1, window={self.window}], got {self.min_samples!r}")
-        _require(_finite(self.max_spread) and self.max_spread > 0,
-                 f"max_spread must be a finite number > 0, got {self.max_spread!r}")
-        _require(_finite(self.outlier_k) and self.outlier_k > 0,
-                 f"outlier_k must be a finite number > 0, got {self.outlier_k!r}")
-        _require(_finite(self.hold_tolerance) and self.hold_tolerance >= 0,
-                 f"hold_tolerance must be a finite number >= 0, got {self.hold_tolerance!r}")
-
-
-def _finite(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
-
-
-class _RobustRatioScale:
-    """Window of ratio samples, robust refit, held value (shared by both estimators)."""
-
-    SOURCE = ""
-
-    def __init__(self, fit: _FitConfig) -> None:
-        self._fit_cfg = fit
-        self._samples: deque[float] = deque(maxlen=fit.window)
-        self._held: float | None = None
-        self._held_spread = math.nan
-        self._last: RobustFit | None = None
-        self._refitting = False
-        self.rejected: dict[str, int] = {}
-
-    # -- the ScaleSource interface
-    @property
-    def scale(self) -> float | None:
-        return self._held
-
-    @property
-    def spread(self) -> float:
-        if self._held is not None:
-            return self._held_spread
-        return self._last.spread if self._last is not None else math.nan
-
-    @property
-    def converged(self) -> bool:
-        return self._held is not None
-
-    @property
-    def samples(self) -> int:
-        return len(self._samples)
-
-    @property
-    def source(self) -> str:
-        return self.SOURCE
-
-    @property
-    def estimate(self) -> float | None:
-        """The latest fit's value (converged or not); None before any sample."""
-        return self._last.estimate if self._last is not None else None
-
-    @property
-    def refitting(self) -> bool:
-        """True after ``restart_window`` until the new window's fit converges."""
-        return self._refitting
-
-    def reset(self) -> None:
-        self._samples.clear()
-        self._held, self._held_spread, self._last, self._refitting = None, math.nan, None, False
-        self.rejected = {}
-
-    def restart_window(self) -> None:
-        self._samples.clear()
-        self._last = None
-        self._refitting = self._held is not None
-
-    def as_status(self) -> dict[str, Any]:
-        last = self._last
-        return {
-            "source": self.source, "scale": self._held, "converged": self.converged, "spread": self.spread,
-            "samples": self.samples, "estimate": self.estimate,
-            "estimate_spread": last.spread if last is not None else math.nan,
-            "inliers": last.inliers if last is not None else 0, "refitting": self._refitting,
-            "rejected": dict(self.rejected),
-        }
-
-    # -- for the subclasses
-    def _reject(self, reason: str) -> bool:
-        self.rejected[reason] = self.rejected.get(reason, 0) + 1
-        return False
-
-    def _add(self, ratio: float) -> bool:
-        """Append one positive finite ratio sample and refit."""
-        self._samples.append(ratio)
-        cfg = self._fit_cfg
-        fit = robust_fit(np.fromiter(self._samples, dtype=np.float64), cfg.outlier_k, cfg.max_spread)
-        self._last = fit
-        if fit.inliers < cfg.min_samples or fit.spread > cfg.max_spread:
-            return True
-        if self._held is None or self._refitting or abs(fit.estimate - self._held) > cfg.hold_tolerance * self._held:
-            log.info("%s scale %s: %.6g m/unit (spread %.3g, %d inliers)", self.SOURCE,
-                     "updated" if self._held is not None else "converged", fit.estimate, fit.spread, fit.inliers)
-            self._held, self._held_spread = fit.estimate, fit.spread
-        self._refitting = False
-        return True
-
-
 # ----------------------------------------------------------------------------- odometry
 
-class OdometryScaleEstimator(_RobustRatioScale):
+class OdometryScaleEstimator(RobustRatioScale):
     """Scale from motion increments of one body point seen by the model and by odometry.
 
     Feed every frame with ``update(model_position, odom_position)``:
@@ -277,9 +102,9 @@ class OdometryScaleEstimator(_RobustRatioScale):
     def __init__(self, window: int = 30, min_motion: float = 0.10, min_model_motion: float = 0.01,
                  min_samples: int = 5, max_spread: float = 0.10, outlier_k: float = 3.0,
                  hold_tolerance: float = 0.02) -> None:
-        super().__init__(_FitConfig(window, min_samples, max_spread, outlier_k, hold_tolerance))
-        _require(_finite(min_motion) and min_motion > 0, f"min_motion must be a finite number > 0, got {min_motion!r}")
-        _require(_finite(min_model_motion) and min_model_motion > 0,
+        super().__init__(FitConfig(window, min_samples, max_spread, outlier_k, hold_tolerance))
+        require(finite(min_motion) and min_motion > 0, f"min_motion must be a finite number > 0, got {min_motion!r}")
+        require(finite(min_model_motion) and min_model_motion > 0,
                  f"min_model_motion must be a finite number > 0, got {min_model_motion!r}")
         self.min_motion = float(min_motion)
         self.min_model_motion = float(min_model_motion)
@@ -385,7 +210,7 @@ def _nearest_index(sensor_hw: tuple[int, int], model_hw: tuple[int, int], color_
     return rows, cols
 
 
-class DepthScaleEstimator(_RobustRatioScale):
+class DepthScaleEstimator(RobustRatioScale):
     """Scale from a depth sensor registered to the colour image.
 
     Per frame (``update``): the sensor depth in metres is resampled onto the model's
@@ -410,14 +235,14 @@ class DepthScaleEstimator(_RobustRatioScale):
                  max_spread: float = 0.05, outlier_k: float = 3.0, hold_tolerance: float = 0.02,
                  min_pixels: int = 200, min_depth: float = 0.1, max_depth: float = 10.0,
                  uint16_unit: float = 0.001, pixel_step: int = 2) -> None:
-        super().__init__(_FitConfig(window, min_samples, max_spread, outlier_k, hold_tolerance))
-        _require(_finite(conf_threshold), f"conf_threshold must be a finite number, got {conf_threshold!r}")
-        _require(isinstance(min_pixels, int) and min_pixels >= 1, f"min_pixels must be an integer >= 1, got {min_pixels!r}")
-        _require(_finite(min_depth) and min_depth >= 0, f"min_depth must be a finite number >= 0, got {min_depth!r}")
-        _require(_finite(max_depth) and max_depth > min_depth,
+        super().__init__(FitConfig(window, min_samples, max_spread, outlier_k, hold_tolerance))
+        require(finite(conf_threshold), f"conf_threshold must be a finite number, got {conf_threshold!r}")
+        require(isinstance(min_pixels, int) and min_pixels >= 1, f"min_pixels must be an integer >= 1, got {min_pixels!r}")
+        require(finite(min_depth) and min_depth >= 0, f"min_depth must be a finite number >= 0, got {min_depth!r}")
+        require(finite(max_depth) and max_depth > min_depth,
                  f"max_depth must be a finite number > min_depth={min_depth!r}, got {max_depth!r}")
-        _require(_finite(uint16_unit) and uint16_unit > 0, f"uint16_unit must be a finite number > 0, got {uint16_unit!r}")
-        _require(isinstance(pixel_step, int) and pixel_step >= 1, f"pixel_step must be an integer >= 1, got {pixel_step!r}")
+        require(finite(uint16_unit) and uint16_unit > 0, f"uint16_unit must be a finite number > 0, got {uint16_unit!r}")
+        require(isinstance(pixel_step, int) and pixel_step >= 1, f"pixel_step must be an integer >= 1, got {pixel_step!r}")
         self.conf_threshold = float(conf_threshold)
         self.min_pixels, self.min_depth, self.max_depth = min_pixels, float(min_depth), float(max_depth)
         self.uint16_unit, self.pixel_step = float(uint16_unit), pixel_step
@@ -465,7 +290,7 @@ class FixedScale:
     """A known scale (metres per model unit): always converged, spread 0."""
 
     def __init__(self, value: float) -> None:
-        _require(_finite(value) and value > 0, f"fixed scale must be a finite number > 0, got {value!r}")
+        require(finite(value) and value > 0, f"fixed scale must be a finite number > 0, got {value!r}")
         self._value = float(value)
 
     @property
@@ -529,12 +354,10 @@ __all__ = [
     "DepthScaleEstimator",
     "FixedScale",
     "OdometryScaleEstimator",
-    "RobustFit",
     "ScaleSource",
     "apply_scale",
     "depth_to_metres",
     "resample_nearest",
-    "robust_fit",
     "scale_depth",
     "scale_points",
 ]

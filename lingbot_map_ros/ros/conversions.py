@@ -31,7 +31,6 @@ Point clouds use one fixed little-endian layout (``CLOUD_FIELDS``): x, y, z, rgb
 from __future__ import annotations
 
 import array
-import io
 
 import numpy as np
 from geometry_msgs.msg import Point, Pose, Quaternion, Transform, TransformStamped, Vector3
@@ -42,39 +41,19 @@ from std_msgs.msg import Header
 from lingbot_map_ros.geometry import (OPTICAL_TO_REP103, matrix_to_quaternion, optical_pose_to_map,
                                       points_to_map, quaternion_to_matrix)
 from lingbot_map_ros.io.demosaic import BAYER_PATTERNS, demosaic_bilinear
+from lingbot_map_ros.io.image_msgs import MAX_PIXELS, ImageDecodeError, decode_compressed
 
-__all__ = [
-    "CLOUD_DTYPE",
-    "CLOUD_FIELDS",
-    "DEFAULT_MAX_PIXELS",
-    "ImageConversionError",
-    "OPTICAL_TO_REP103",
-    "SUPPORTED_ENCODINGS",
-    "camera_info_msg",
-    "compressed_to_rgb",
-    "demosaic_bilinear",
-    "depth_to_image_msg",
-    "image_to_depth",
-    "image_to_rgb",
-    "sensor_depth_array",
-    "make_pointcloud2",
-    "matrix_to_quaternion",
-    "odometry_msg",
-    "optical_pose_to_map",
-    "points_to_map",
-    "pose_to_msg",
-    "quaternion_to_matrix",
-    "read_pointcloud2",
-    "rgb_to_image_msg",
-    "transform_stamped",
-]
+__all__ = ["CLOUD_DTYPE", "CLOUD_FIELDS", "DEFAULT_MAX_PIXELS", "ImageConversionError", "OPTICAL_TO_REP103",
+           "SUPPORTED_ENCODINGS", "camera_info_msg", "compressed_to_rgb", "demosaic_bilinear",
+           "depth_to_image_msg", "image_to_depth", "image_to_rgb", "sensor_depth_array", "make_pointcloud2",
+           "matrix_to_quaternion", "odometry_msg", "optical_pose_to_map", "points_to_map", "pose_to_msg",
+           "quaternion_to_matrix", "read_pointcloud2", "rgb_to_image_msg", "transform_stamped"]
 
-DEFAULT_MAX_PIXELS = 8192 * 8192
+DEFAULT_MAX_PIXELS = MAX_PIXELS
 """Largest accepted image (width x height, 64 Mpx); larger ones are rejected."""
-
-
-class ImageConversionError(ValueError):
-    """An image message cannot be converted (bad encoding, size or data)."""
+ImageConversionError = ImageDecodeError
+"""An image message cannot be converted (bad encoding, size or data): one error type for raw and
+compressed images, live or from a bag (``io.image_msgs``)."""
 
 
 # ----------------------------------------------------------------------------- raw images
@@ -287,54 +266,9 @@ def _byte_array(arr: np.ndarray) -> array.array:
 # ----------------------------------------------------------------------------- compressed images
 
 def compressed_to_rgb(msg: CompressedImage, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
-    """Decode a JPEG or PNG ``sensor_msgs/CompressedImage`` to RGB with Pillow.
-
-    The whole image is decoded here, so truncated or corrupt data fails now
-    rather than later.  The size in the header is checked against
-    ``max_pixels`` before decoding (decompression-bomb guard).  16-bit grey
-    PNGs are scaled like ``mono16``; alpha is dropped.
-
-    Returns:
-        [H, W, 3] uint8 RGB array.
-
-    Raises:
-        ImageConversionError: depth-compressed or non-JPEG/PNG data, corrupt or
-            truncated data, or an image larger than ``max_pixels``.
-    """
-    from PIL import Image as PILImage
-
-    fmt = msg.format
-    if "compresseddepth" in fmt.lower():
-        raise ImageConversionError(f"compressed depth images are not colour images (format {fmt!r})")
-    data = bytes(msg.data)
-    if not data:
-        raise ImageConversionError(f"empty compressed image (format {fmt!r})")
-    try:
-        img = PILImage.open(io.BytesIO(data), formats=["JPEG", "PNG"])
-    except PILImage.DecompressionBombError as exc:
-        raise ImageConversionError(f"compressed image too large: {exc}") from exc
-    except PILImage.UnidentifiedImageError as exc:  # its text names a BytesIO object: no use in a log
-        raise ImageConversionError(f"not a JPEG or PNG image (format {fmt!r}): unrecognised data") from exc
-    except Exception as exc:  # Pillow raises several types for unrecognised data
-        raise ImageConversionError(f"not a JPEG or PNG image (format {fmt!r}): {exc}") from exc
-    with img:
-        width, height = img.size
-        if width == 0 or height == 0:
-            raise ImageConversionError(f"empty compressed image: {width}x{height}")
-        if width * height > max_pixels:
-            raise ImageConversionError(
-                f"compressed image of {width}x{height} = {width * height} pixels exceeds the "
-                f"limit of {max_pixels}")
-        try:
-            img.load()
-        except Exception as exc:  # OSError for truncation; others for corrupt streams
-            raise ImageConversionError(
-                f"corrupt or truncated {img.format} image (format {fmt!r}): {exc}") from exc
-        if img.mode in ("I", "I;16", "I;16B", "I;16L"):
-            mono16 = np.clip(np.asarray(img).astype(np.int64), 0, 65535)
-            mono = ((mono16 * 255 + 32767) // 65535).astype(np.uint8)
-            return np.repeat(mono[:, :, None], 3, axis=2)
-        return np.asarray(img.convert("RGB"), dtype=np.uint8).copy()
+    """[H, W, 3] uint8 RGB from a JPEG or PNG ``sensor_msgs/CompressedImage``: the replay's decoder,
+    ``io.image_msgs.decode_compressed`` (errors, the ``max_pixels`` guard and 16-bit PNGs there)."""
+    return decode_compressed(msg.format, bytes(msg.data), max_pixels)
 
 
 # ----------------------------------------------------------------------------- point clouds

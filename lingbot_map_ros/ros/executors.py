@@ -9,36 +9,31 @@ stamp and its pose (measured in docs/performance.md, "Through the node"). Drive 
 """
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any, Callable
 
 from rclpy.executors import SingleThreadedExecutor
 
-EXECUTOR_ENV = "LINGBOT_EXECUTOR"
 EXECUTORS = ("auto", "events", "single")
 
 
-def make_executor(environ=os.environ, log=None):
+def make_executor(kind: str = "auto", log: Callable[[str], None] | None = None):
     """The executor of the node's own callbacks (images, timers, parameters): (executor, kind).
 
     ``events``: rclpy's events executor (``rclpy.experimental.EventsExecutor``, rclpy 9 and
     later), which dispatches each arriving message from C++ instead of rebuilding a wait set
     in Python every time it wakes up. ``single``: rclpy's ``SingleThreadedExecutor``.
-    ``LINGBOT_EXECUTOR`` picks one; ``auto`` (the default) is ``events`` where this rclpy has it
-    and ``single`` otherwise (ROS 2 Jazzy's rclpy has no events executor). ``log``: where a
-    refused value or an unavailable choice is said (a callable taking one line)."""
-    raw = environ.get(EXECUTOR_ENV, "").strip().lower() or "auto"
-    if raw not in EXECUTORS:
-        if log is not None:
-            log(f"ignoring {EXECUTOR_ENV}={raw!r} (expected one of {', '.join(EXECUTORS)}); using auto")
-        raw = "auto"
-    if raw in ("auto", "events"):
+    ``auto`` (the default; measured faster in docs/performance.md) is ``events`` where this
+    rclpy has it and ``single`` otherwise (ROS 2 Jazzy's rclpy has no events executor).
+    ``log``: where ``events`` asked of an rclpy without it is said (a callable taking one line)."""
+    if kind not in EXECUTORS:
+        raise ValueError(f"executor must be one of {', '.join(EXECUTORS)}, got {kind!r}")
+    if kind in ("auto", "events"):
         try:
             from rclpy.experimental import EventsExecutor
         except ImportError:
-            if raw == "events" and log is not None:
-                log(f"{EXECUTOR_ENV}=events: this rclpy has no events executor; using the single-threaded one")
+            if kind == "events" and log is not None:
+                log("this rclpy has no events executor; using the single-threaded one")
         else:
             return EventsExecutor(), "events"
     return SingleThreadedExecutor(), "single"
@@ -59,4 +54,4 @@ def spin_forever(executor: Any, stop: threading.Event | None = None, period: flo
         pass
 
 
-__all__ = ["make_executor", "spin_forever", "EXECUTOR_ENV", "EXECUTORS"]
+__all__ = ["make_executor", "spin_forever", "EXECUTORS"]

@@ -1,7 +1,7 @@
 """The process entry point of ``lingbot_map_node``: rclpy, the signals, the executors, the exit.
 
     ros2 run lingbot_map_ros lingbot_map_node --ros-args --params-file config/lingbot_map.yaml
-    python -m lingbot_map_ros.ros.node ...   (the same ``main``)
+    python -m lingbot_map_ros.ros.main --ros-args ...   (the same ``main``)
 
 ``main`` builds the node (``node.LingBotMapNode``), spins it on one executor thread and its
 services (the helper node ``<name>_services``) on a multi-threaded executor of their own,
@@ -36,29 +36,19 @@ def _spin_quietly(executor) -> None:
 SERVICE_THREADS = 4  # concurrent service calls (a slow ~/save_map does not block ~/reset)
 THREAD_JOIN_S = 10.0  # s; how long shutdown waits for the service thread to leave rclpy
 SPIN_PERIOD = 0.2  # s; the main loop's longest wait, so SIGINT/SIGTERM are handled promptly
-GIL_SWITCH_ENV = "LINGBOT_GIL_SWITCH_MS"
-GIL_SWITCH_MS = 0.5
+GIL_SWITCH_MS = 0.5  # ms; measured against Python's 5 ms in docs/performance.md ("GIL switch interval")
 
 
-def set_gil_switch_interval(environ=os.environ) -> float:
-    """Shorten CPython's GIL switch interval (5 ms by default) for this latency-bound process.
+def set_gil_switch_interval(ms: float = GIL_SWITCH_MS) -> float:
+    """Shorten CPython's GIL switch interval (5 ms by default) to ``ms`` for this latency-bound process.
 
     A thread that wakes up (the inference thread handed a frame, or back from waiting for
     the GPU) must get the GIL from whichever thread runs Python (the executor after a
     callback, the output thread); it is only forced to let go after the switch interval,
-    so each hand-over can cost up to 5 ms. ``LINGBOT_GIL_SWITCH_MS`` overrides the 0.5 ms
-    used here (0 keeps Python's default). Returns the interval in force (s)."""
-    raw = environ.get(GIL_SWITCH_ENV, "").strip()
-    try:
-        ms = GIL_SWITCH_MS if raw == "" else float(raw)
-    except ValueError:
-        ms = -1.0
-    if not ms >= 0:  # not a number, negative, or NaN
-        sys.stderr.write(f"lingbot_map_node: ignoring {GIL_SWITCH_ENV}={raw!r} (expected milliseconds >= 0); "
-                         f"using {GIL_SWITCH_MS} ms\n")
-        ms = GIL_SWITCH_MS
-    if ms > 0:
-        sys.setswitchinterval(ms / 1e3)
+    so each hand-over can cost up to 5 ms. Returns the interval in force (s)."""
+    if not ms > 0:  # zero, negative or NaN
+        raise ValueError(f"GIL switch interval must be > 0 ms, got {ms!r}")
+    sys.setswitchinterval(ms / 1e3)
     return sys.getswitchinterval()
 
 
@@ -77,14 +67,15 @@ def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt  # while the model loads, SIGTERM ends the node the way SIGINT does
 
 
-def main(args: list[str] | None = None) -> int:
+def main(args: list[str] | None = None, executor: str = "auto", gil_switch_ms: float = GIL_SWITCH_MS) -> int:
     """Console entry point ``lingbot_map_node``: exit status 0 on shutdown (SIGINT, SIGTERM), 1 when
-    it cannot start.
+    it cannot start. ``executor`` (``executors.make_executor``) and ``gil_switch_ms`` are the
+    measured choices by default; a benchmark's A/B run passes others (benchmarks/node/node_probe.py).
 
     rclpy's own signal handlers are off: they would shut the context down while the inference and
     output threads still publish ("publisher's context is invalid"). Here SIGINT/SIGTERM end the
     spin loop, the threads stop, and only then is the context shut down."""
-    set_gil_switch_interval()
+    set_gil_switch_interval(gil_switch_ms)
     rclpy.init(args=args if args is not None else sys.argv, signal_handler_options=SignalHandlerOptions.NO)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -107,17 +98,17 @@ def main(args: list[str] | None = None) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    executor, kind = make_executor(log=lambda line: rclpy.logging.get_logger(NODE_NAME).warning(line))
+    callbacks, kind = make_executor(executor, log=lambda line: rclpy.logging.get_logger(NODE_NAME).warning(line))
     rclpy.logging.get_logger(NODE_NAME).debug(f"callbacks on the {kind} executor")
     services = MultiThreadedExecutor(num_threads=SERVICE_THREADS)
     services.add_node(node.service_node)
     service_thread = threading.Thread(target=_spin_quietly, args=(services,), name="lingbot_map_services",
                                       daemon=True)
     service_thread.start()
-    executor.add_node(node)
+    callbacks.add_node(node)
     try:
         while rclpy.ok() and not stop.is_set():
-            executor.spin_once(timeout_sec=SPIN_PERIOD)  # returns now and then so a signal is seen
+            callbacks.spin_once(timeout_sec=SPIN_PERIOD)  # returns now and then so a signal is seen
     except (KeyboardInterrupt, ExternalShutdownException):
         pass
     finally:
@@ -125,7 +116,7 @@ def main(args: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         node.shutdown()  # inference and output threads stop first: nothing publishes after this
         services.shutdown(timeout_sec=1.0)
-        executor.shutdown(timeout_sec=1.0)
+        callbacks.shutdown(timeout_sec=1.0)
         node.destroy_node()
         rclpy.try_shutdown()
         # A thread of ours may still be returning from rclpy's (or torch's) C++ code: if the
@@ -140,3 +131,7 @@ def main(args: list[str] | None = None) -> int:
             sys.stderr.flush()
             os._exit(0)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,6 +1,6 @@
 """``lingbot_map_node``: the ROS 2 shell around the streaming session.
 
-    python -m lingbot_map_ros.ros.node --ros-args --params-file config/lingbot_map.yaml
+    python -m lingbot_map_ros.ros.main --ros-args --params-file config/lingbot_map.yaml
     ros2 launch lingbot_map_ros lingbot_map.launch.py checkpoint:=/path/lingbot-map.pt
 
 Interface (node-private names resolve to ``/<namespace>/<node name>/...``):
@@ -71,7 +71,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from dataclasses import replace
 from typing import Any
@@ -374,7 +373,8 @@ class LingBotMapNode(Node):
         s = max(cameras, key=lambda c: (c.image_width, c.stream.sliding_window + c.stream.num_scale_frames))
         if not self.settings.gpu_memory_check:
             return
-        est = check_fits(s.model, s.stream, s.image_width, cameras=len(cameras))
+        est = check_fits(s.model, s.stream, s.image_width, cameras=len(cameras),
+                         budget_gib=self.settings.gpu_memory_budget_gib)
         if est is not None:
             self.get_logger().info(f"GPU memory estimate: {est.describe()}" + (
                 f" per camera's K/V, {len(cameras)} cameras" if len(cameras) > 1 else ""))
@@ -491,8 +491,3 @@ def _fastdds_without_profile() -> bool:
     profile = os.environ.get("FASTDDS_DEFAULT_PROFILES_FILE") or os.environ.get("FASTRTPS_DEFAULT_PROFILES_FILE")
     return rmw.startswith("rmw_fastrtps") and not profile
 
-
-if __name__ == "__main__":  # python -m lingbot_map_ros.ros.node: the entry point lives in ros.main
-    from .main import main
-
-    sys.exit(main())

@@ -28,7 +28,6 @@ it fit (the node refuses to start with it instead of running out of memory mid-s
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -139,21 +138,8 @@ def estimate_memory(model: ModelConfig, stream: StreamConfig, height: int, width
                           resolution=(height, width))
 
 
-MEMORY_ENV = "LINGBOT_GPU_MEMORY_GIB"
-
-
 def device_memory(device: str) -> tuple[int, int] | None:
-    """(free, total) bytes of a CUDA ``device`` ("cuda", "cuda:N"); None for other devices.
-    ``$LINGBOT_GPU_MEMORY_GIB`` (a number) overrides it for any device, free = total = that
-    many GiB: to ask whether a configuration fits a smaller card than the one at hand (and
-    to test the check on a machine without a GPU)."""
-    fake = os.environ.get(MEMORY_ENV, "").strip()
-    if fake:
-        try:
-            size = int(float(fake) * GIB)
-        except ValueError:
-            raise ConfigError(f"{MEMORY_ENV} must be a number of GiB, got {fake!r}") from None
-        return size, size
+    """(free, total) bytes of a CUDA ``device`` ("cuda", "cuda:N"); None for other devices."""
     if not str(device).startswith("cuda"):
         return None
     import torch
@@ -205,13 +191,21 @@ def suggestions(model: ModelConfig, stream: StreamConfig, width: int, available:
 
 def check_fits(model: ModelConfig, stream: StreamConfig, width: int, with_depth: bool = True, cameras: int = 1,
                memory: Callable[[str], tuple[int, int] | None] | None = None,
-               reserve: int = RESERVE_BYTES) -> MemoryEstimate | None:
+               reserve: int = RESERVE_BYTES, budget_gib: float = 0.0) -> MemoryEstimate | None:
     """Raise ``MemoryBudgetError`` when ``cameras`` streams of ``stream`` at ``width`` (4:3 assumed)
     need more memory than ``stream.device`` has free (less ``reserve``); the message gives both
     numbers, the parts of the estimate and the settings to lower. Returns the estimate (None
     where ``memory`` knows no size for the device, e.g. the CPU). ``memory(device)`` ->
-    (free, total) bytes (tests pass a fake)."""
-    sizes = (memory or device_memory)(stream.device)
+    (free, total) bytes (default ``device_memory``). ``budget_gib`` > 0 (the node's parameter
+    ``gpu_memory_budget_gib``) stands for the device: a card of that many GiB, all free, whatever
+    the device (would this configuration fit an 8 GiB card?)."""
+    if budget_gib < 0:
+        raise ConfigError(f"gpu_memory_budget_gib must be >= 0 GiB, got {budget_gib}")
+    if budget_gib:
+        size = int(budget_gib * GIB)
+        sizes, device = (size, size), f"{stream.device} (taken as a {budget_gib:g} GiB card: gpu_memory_budget_gib)"
+    else:
+        sizes, device = (memory or device_memory)(stream.device), stream.device
     if sizes is None:
         return None
     free, total = sizes
@@ -226,10 +220,10 @@ def check_fits(model: ModelConfig, stream: StreamConfig, width: int, with_depth:
         "; no single setting makes it fit: lower several, or use a GPU with more memory"
     raise MemoryBudgetError(
         f"not enough GPU memory: {what} needs about {needed / GIB:.1f} GiB (one stream: {est.describe()}), but "
-        f"{stream.device} has {free / GIB:.1f} GiB free of {total / GIB:.1f} GiB ({reserve / GIB:.1f} GiB kept in "
+        f"{device} has {free / GIB:.1f} GiB free of {total / GIB:.1f} GiB ({reserve / GIB:.1f} GiB kept in "
         f"reserve){hint}. The profiles in config/profiles/ are measured settings for 8, 12, 16 and 24 GiB; "
         "gpu_memory_check false skips this check")
 
 
 __all__ = ["MemoryEstimate", "MemoryBudgetError", "estimate_memory", "check_fits", "suggestions", "assumed_height",
-           "device_memory", "MEMORY_ENV", "parameter_counts", "ACTIVATION_FIT", "RESERVE_BYTES", "GIB"]
+           "device_memory", "parameter_counts", "ACTIVATION_FIT", "RESERVE_BYTES", "GIB"]

@@ -93,11 +93,16 @@ def test_several_cameras_need_a_cache_each():
         check_fits(RELEASED, BF16, 518, cameras=3, memory=fake(one.total / GIB + one.kv_cache / GIB + 0.6))
 
 
-def test_environment_fakes_the_device_size(monkeypatch):
-    monkeypatch.setenv(memory.MEMORY_ENV, "6")
-    assert memory.device_memory("cpu") == (6 * GIB, 6 * GIB)
+def test_a_budget_stands_for_the_device_whatever_it_is():
+    """budget_gib (the node's gpu_memory_budget_gib): a card of that size, all free, on any device,
+    the CPU included (which has no size of its own) and in place of the device's own figures."""
+    cpu = replace(BF16, device="cpu")
+    with pytest.raises(MemoryBudgetError, match=r"cpu \(taken as a 6 GiB card: gpu_memory_budget_gib\) has 6.0 "
+                                                r"GiB free of 6.0 GiB"):
+        check_fits(RELEASED, cpu, 518, budget_gib=6)
+    assert check_fits(RELEASED, cpu, 518, budget_gib=40).total < 40 * GIB
     with pytest.raises(MemoryBudgetError, match="has 6.0 GiB free"):
-        check_fits(RELEASED, replace(BF16, device="cpu"), 518)
-    monkeypatch.setenv(memory.MEMORY_ENV, "lots")
-    with pytest.raises(memory.ConfigError, match="must be a number"):
-        memory.device_memory("cuda")
+        check_fits(RELEASED, BF16, 518, memory=fake(40), budget_gib=6)
+    assert check_fits(RELEASED, cpu, 518, budget_gib=0) is None  # 0: the device's own (none on the CPU)
+    with pytest.raises(memory.ConfigError, match="gpu_memory_budget_gib must be >= 0"):
+        check_fits(RELEASED, BF16, 518, budget_gib=-1)

@@ -189,37 +189,35 @@ def test_map_merge_keeps_one_point_per_voxel_across_frames():
 
 
 @pytest.mark.ros
-def test_gil_switch_interval_is_shortened_and_can_be_kept_or_overridden(capsys):
+def test_gil_switch_interval_is_shortened_to_the_measured_default():
     import sys
 
     pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
-    from lingbot_map_ros.ros.main import GIL_SWITCH_ENV, set_gil_switch_interval
+    from lingbot_map_ros.ros.main import set_gil_switch_interval
 
     before = sys.getswitchinterval()
     try:
         sys.setswitchinterval(0.005)
-        assert set_gil_switch_interval({}) == pytest.approx(0.0005)  # the node's default
-        assert set_gil_switch_interval({GIL_SWITCH_ENV: "0.2"}) == pytest.approx(0.0002)
-        sys.setswitchinterval(0.005)
-        assert set_gil_switch_interval({GIL_SWITCH_ENV: "0"}) == pytest.approx(0.005)  # Python's own kept
-        assert set_gil_switch_interval({GIL_SWITCH_ENV: "fast"}) == pytest.approx(0.0005)  # unreadable: default
-        assert "ignoring LINGBOT_GIL_SWITCH_MS='fast'" in capsys.readouterr().err
-        assert set_gil_switch_interval({GIL_SWITCH_ENV: "-3"}) == pytest.approx(0.0005)
-        assert "ignoring" in capsys.readouterr().err
+        assert set_gil_switch_interval() == pytest.approx(0.0005)  # the node's default
+        assert set_gil_switch_interval(0.2) == pytest.approx(0.0002)  # a benchmark's other value
+        for bad in (0.0, -3.0, float("nan")):
+            with pytest.raises(ValueError, match="must be > 0 ms"):
+                set_gil_switch_interval(bad)
+        assert sys.getswitchinterval() == pytest.approx(0.0002)  # a refused value changes nothing
     finally:
         sys.setswitchinterval(before)
 
 
-def test_executor_choice_from_the_environment(monkeypatch):
-    """LINGBOT_EXECUTOR: auto/events take rclpy's events executor where it exists, single the
-    single-threaded one; a bad value is said and treated as auto; an rclpy without the events
-    executor (ROS 2 Jazzy) falls back to single-threaded, said only when events was asked for."""
+def test_executor_choice():
+    """auto/events take rclpy's events executor where it exists, single the single-threaded one; an
+    unknown kind is refused; an rclpy without the events executor (ROS 2 Jazzy) falls back to
+    single-threaded, said only when events was asked for."""
     import sys
 
     rclpy = pytest.importorskip("rclpy", reason="rclpy not importable (run scripts/bootstrap.sh)")
     from rclpy.executors import SingleThreadedExecutor
 
-    from lingbot_map_ros.ros.executors import EXECUTOR_ENV, make_executor
+    from lingbot_map_ros.ros.executors import make_executor
 
     has_events = True
     try:
@@ -229,22 +227,28 @@ def test_executor_choice_from_the_environment(monkeypatch):
     lines: list[str] = []
     rclpy.init()
     try:
-        executor, kind = make_executor({EXECUTOR_ENV: "single"}, lines.append)
+        executor, kind = make_executor("single", lines.append)
         assert kind == "single" and isinstance(executor, SingleThreadedExecutor)
         executor.shutdown()
-        for value in ("", "auto", "Events", "fastest"):
-            executor, kind = make_executor({EXECUTOR_ENV: value}, lines.append)
+        for value in ("auto", "events"):
+            executor, kind = make_executor(value, lines.append)
             assert kind == ("events" if has_events else "single")
             executor.shutdown()
-        assert lines == ["ignoring LINGBOT_EXECUTOR='fastest' (expected one of auto, events, single); using auto"]
+        executor, kind = make_executor()
+        assert kind == ("events" if has_events else "single")
+        executor.shutdown()
+        with pytest.raises(ValueError, match="executor must be one of auto, events, single, got 'fastest'"):
+            make_executor("fastest", lines.append)
+        assert lines == ([] if has_events else ["this rclpy has no events executor; using the single-threaded one"])
         lines.clear()
-        monkeypatch.setitem(sys.modules, "rclpy.experimental", None)  # an rclpy without it
-        executor, kind = make_executor({}, lines.append)
-        assert kind == "single" and isinstance(executor, SingleThreadedExecutor) and lines == []
-        executor.shutdown()
-        executor, kind = make_executor({EXECUTOR_ENV: "events"}, lines.append)
-        assert kind == "single" and "this rclpy has no events executor" in lines[0]
-        executor.shutdown()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(sys.modules, "rclpy.experimental", None)  # an rclpy without it
+            executor, kind = make_executor("auto", lines.append)
+            assert kind == "single" and isinstance(executor, SingleThreadedExecutor) and lines == []
+            executor.shutdown()
+            executor, kind = make_executor("events", lines.append)
+            assert kind == "single" and "this rclpy has no events executor" in lines[0]
+            executor.shutdown()
     finally:
         rclpy.try_shutdown()
 

@@ -42,7 +42,7 @@ from sensor_msgs.msg import Image
 from std_msgs.msg import Header
 
 MAX_DOMAIN_ID = 232  # Fast DDS: the ports of higher domain ids pass 65535
-NODE_MODULE = "lingbot_map_ros.ros.node"
+NODE_MODULE = "lingbot_map_ros.ros.main"
 LOG_TAIL = 2000  # characters of a node's log quoted in a failure message
 REPUBLISH_PERIOD = 1.5  # s between the copies of a first message (GraphClient.publish_until)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lingbot_map_ros.cli import demo
+from lingbot_map_ros.cli import demo, demo_graph
 from lingbot_map_ros.io.preprocess import list_images
 
 pytestmark = pytest.mark.ros
@@ -117,8 +117,8 @@ def test_publisher_count_is_read_from_its_log(tmp_path):
     log = tmp_path / "publisher.log"
     log.write_text("[INFO] [1.0] [image_folder_publisher]: publishing x on /image at 15.0 Hz (300 frames)\n"
                    "[INFO] [2.0] [image_folder_publisher]: published 297 frame(s); done\n")
-    assert demo.published_count(log) == 297
-    assert demo.published_count(tmp_path / "missing.log") is None
+    assert demo_graph.published_count(log) == 297
+    assert demo_graph.published_count(tmp_path / "missing.log") is None
 
 
 def test_library_log_records_of_mixed_severity_reach_the_node_logger():

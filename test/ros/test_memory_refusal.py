@@ -1,5 +1,6 @@
 """The node refuses at start, with the numbers, a configuration larger than the GPU memory it finds
-(faked with $LINGBOT_GPU_MEMORY_GIB, so this runs on a CPU), instead of failing mid-stream."""
+(here the parameter gpu_memory_budget_gib gives the size, so this runs on a CPU), instead of failing
+mid-stream."""
 from __future__ import annotations
 
 import subprocess
@@ -23,26 +24,25 @@ def node_command(tmp_path, fixtures, name: str, **params) -> list[str]:
     values = {"checkpoint": str(fixtures / "weights.safetensors"), "model_config": str(fixtures / "config.json"),
               "image_width": 98, "num_scale_frames": 2, "sliding_window": 3, "device": "cpu", **params}
     path = write_params_file(tmp_path / f"{name}.yaml", values)
-    return [sys.executable, "-m", "lingbot_map_ros.ros.node", "--ros-args", "--params-file", str(path),
+    return [sys.executable, "-m", "lingbot_map_ros.ros.main", "--ros-args", "--params-file", str(path),
             "-r", f"__node:={name}"]
 
 
-def memory_env(gib: str) -> dict[str, str]:
-    return dict(ros_env(DOMAIN_ID), LINGBOT_GPU_MEMORY_GIB=gib)
-
-
-def run_node(tmp_path, fixtures, memory_gib: str, **params):
-    proc = subprocess.run(node_command(tmp_path, fixtures, "lingbot_map_memory", **params), env=memory_env(memory_gib),
-                          capture_output=True, text=True, timeout=START_TIMEOUT, stdin=subprocess.DEVNULL)
+def run_node(tmp_path, fixtures, memory_gib: float, **params):
+    proc = subprocess.run(node_command(tmp_path, fixtures, "lingbot_map_memory", gpu_memory_budget_gib=memory_gib,
+                                       **params),
+                          env=ros_env(DOMAIN_ID), capture_output=True, text=True, timeout=START_TIMEOUT,
+                          stdin=subprocess.DEVNULL)
     return proc.returncode, proc.stdout + proc.stderr
 
 
 def test_too_little_memory_refuses_at_start_with_the_numbers(tmp_path, fixtures):
-    code, log = run_node(tmp_path, fixtures, "0.6")
+    code, log = run_node(tmp_path, fixtures, 0.6)
     errors = [line for line in log.splitlines() if "[ERROR]" in line]
     assert code == 1, log[-3000:]
     assert len(errors) == 1 and "cannot start: " in errors[0], log[-3000:]
     assert "not enough GPU memory" in errors[0] and "has 0.6 GiB free of 0.6 GiB" in errors[0]
+    assert "taken as a 0.6 GiB card: gpu_memory_budget_gib" in errors[0]
     assert "needs about" in errors[0] and "K/V cache" in errors[0] and "config/profiles" in errors[0]
     assert "Traceback" not in log
 
@@ -52,8 +52,9 @@ def test_the_check_can_be_switched_off(tmp_path, fixtures):
     it is stopped: here it must reach "ready" and still be alive)."""
     log_path = tmp_path / "off.log"
     with open(log_path, "w") as out:
-        proc = subprocess.Popen(node_command(tmp_path, fixtures, "lingbot_map_memory_off", gpu_memory_check=False),
-                                env=memory_env("0.6"), stdout=out, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(node_command(tmp_path, fixtures, "lingbot_map_memory_off", gpu_memory_check=False,
+                                             gpu_memory_budget_gib=0.6),
+                                env=ros_env(DOMAIN_ID), stdout=out, stderr=subprocess.STDOUT,
                                 stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         text = ""

@@ -98,7 +98,7 @@ def image_msg(rgb: np.ndarray, stamp, encoding: str = "rgb8") -> Image:
 # ------------------------------------------------------------------ processes
 def start_node(name: str, params: Path, log: Path, *extra: str) -> subprocess.Popen:
     env = dict(os.environ, ROS_AUTOMATIC_DISCOVERY_RANGE="LOCALHOST", ROS_DOMAIN_ID=str(DOMAIN_ID))
-    cmd = [sys.executable, "-m", "lingbot_map_ros.ros.node", "--ros-args", "--params-file", str(params),
+    cmd = [sys.executable, "-m", "lingbot_map_ros.ros.main", "--ros-args", "--params-file", str(params),
            "-r", f"__node:={name}", *extra]
     with open(log, "w") as out:
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

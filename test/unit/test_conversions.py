@@ -582,3 +582,26 @@ def test_messages_serialize():
         assert back == msg, type(msg).__name__
     back = serialization.deserialize_message(serialization.serialize_message(msgs[0]), Image)
     np.testing.assert_array_equal(cv.image_to_rgb(back), rgb)
+
+
+@pytest.mark.parametrize("data, fmt", [
+    (encode(smooth_rgb(64, 64) ^ np.uint8(0x5A), "JPEG")[:400], "jpeg"),  # truncated
+    (b"definitely not an image", "jpeg"), (b"", "png"), (encode(smooth_rgb(), "BMP"), "bmp"),
+    (encode(smooth_rgb(), "PNG"), "16UC1; compressedDepth png"),
+])
+def test_bag_and_live_messages_share_one_decoder(data, fmt):
+    """The replay's bag reader (io.image_msgs, rosbags' dataclasses: data a numpy array) and the
+    node's callback (a sensor_msgs message) decode alike and fail with the same error and text."""
+    from types import SimpleNamespace
+
+    from lingbot_map_ros.io import image_msgs
+
+    bag_msg = SimpleNamespace(format=fmt, data=np.frombuffer(data, np.uint8))
+    with pytest.raises(image_msgs.ImageDecodeError) as from_bag:
+        image_msgs.message_to_rgb(bag_msg, "sensor_msgs/msg/CompressedImage")
+    with pytest.raises(cv.ImageConversionError) as live:
+        cv.compressed_to_rgb(compressed(data, fmt))
+    assert type(live.value) is type(from_bag.value) and str(live.value) == str(from_bag.value)
+    good = encode(smooth_rgb(), "PNG")
+    np.testing.assert_array_equal(image_msgs.message_to_rgb(SimpleNamespace(format="png", data=np.frombuffer(
+        good, np.uint8)), "sensor_msgs/CompressedImage"), cv.compressed_to_rgb(compressed(good, "png")))

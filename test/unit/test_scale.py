@@ -16,10 +16,10 @@ from lingbot_map_ros.robot.scale import (
     apply_scale,
     depth_to_metres,
     resample_nearest,
-    robust_fit,
     scale_depth,
     scale_points,
 )
+from lingbot_map_ros.robot.scale_fit import robust_fit
 
 S_TRUE = 2.5  # metres per model unit
 
