@@ -251,6 +251,8 @@ def test_axis_bounds_grow_in_steps_independent_of_order_then_cap():
     capped = axis_bounds((0, 16), (-200, 10), -150, 8, 40)
     assert capped == (-24, 16), "keeps the stored range, grows toward the camera up to the cap"
     assert axis_bounds(None, (-200, 200), 7, 8, 40) == (-13, 27), "an empty grid centres on the camera"
+    assert axis_bounds(None, (0, 200), 195, 8, 40) == (160, 200), "... within what the frame asks for"
+    assert axis_bounds((0, 16), (0, 200), 100, 8, 40) == (0, 40), "... and without dropping stored cells"
 
 
 # ----------------------------------------------------------------------------- refusal
