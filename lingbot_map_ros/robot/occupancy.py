@@ -251,7 +251,7 @@ class OccupancyGridBuilder:
         log = grid.logodds.reshape(-1)
         band_before = log[band]
         hit_after = np.minimum(log[hit] + self._hit, self._hi)
-        log[free] = np.maximum(log[free] + self._miss, self._lo)  # duplicates: same value, applied once
+        log[free] = np.maximum(log[free] + self._miss, self._lo)
         log[band] = band_before  # obstacle cells of this frame are never cleared by it
         log[hit] = hit_after
         touched = np.concatenate([free, hit])

@@ -35,15 +35,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["FrameCells", "axis_bounds", "classify_frame", "ray_cells"]
+__all__ = ["FrameCells", "axis_bounds", "classify_frame", "distinct_cells", "ray_cells"]
 
 
 @dataclass(frozen=True)
 class FrameCells:
     """One frame's cells on the absolute lattice (int64 arrays of lattice indices).
 
-    ``free_i, free_j``: cells on the frame's rays, duplicates included (an update
-    applies once per cell however often it appears). ``band_i, band_j``: every cell
+    ``free_i, free_j``: the cells on the frame's rays, each once. ``band_i, band_j``: every cell
     holding obstacle points (never cleared by this frame). ``hit_i, hit_j``: the band
     cells with at least ``min_points_per_cell`` points. ``camera``: the camera's cell.
     ``points_used``: obstacle + floor points within range; ``points_ignored``: the rest.
@@ -101,41 +100,59 @@ def classify_frame(points_ground: np.ndarray, camera_ground: np.ndarray, *, reso
     hit_keys = band_keys[counts >= min_points_per_cell]
     end_keys = np.union1d(band_keys, keys[~in_band])
     ends = np.stack([end_keys // side - reach, end_keys % side - reach], axis=1)
-    ray_i, ray_j = ray_cells(ends)
+    free_i, free_j = distinct_cells(*ray_cells(ends))
     ci, cj = int(cam_ij[0]), int(cam_ij[1])
     return FrameCells(
         camera=(ci, cj),
-        free_i=ray_i + ci, free_j=ray_j + cj,
+        free_i=free_i + ci, free_j=free_j + cj,
         band_i=band_keys // side - reach + ci, band_j=band_keys % side - reach + cj,
         hit_i=hit_keys // side - reach + ci, hit_j=hit_keys % side - reach + cj,
         points_used=used, points_ignored=int(pts.shape[0]) - used)
+
+
+def distinct_cells(i: np.ndarray, j: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each cell of ``(i, j)`` once (sorted by i, then j), through a mask over their bounding box.
+
+    O(len + box area) instead of a sort; a frame's box is at most ``(2·max_range_m / r)²`` cells.
+    """
+    if i.size == 0:
+        return i.astype(np.int64), j.astype(np.int64)
+    i_lo, j_lo = int(i.min()), int(j.min())
+    nj = int(j.max()) - j_lo + 1
+    mask = np.zeros((int(i.max()) - i_lo + 1) * nj, dtype=bool)
+    mask[(i - i_lo).astype(np.int64) * nj + (j - j_lo)] = True
+    flat = np.flatnonzero(mask)
+    return flat // nj + i_lo, flat % nj + j_lo
 
 
 def ray_cells(ends: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Cells of the rays from cell (0, 0) to each of ``ends``, both ends included.
 
     Args:
-        ends: [M, 2] int64 end cells, relative to the start cell.
+        ends: [M, 2] integer end cells, relative to the start cell (|Δ| < 2**16).
 
     Returns:
-        (i, j): int64 arrays of length ``sum(max(|Δi|, |Δj|) + 1)``, ray after ray.
-        Step ``k`` of a ray with ``n`` steps is ``round(k·Δ/n)`` per axis (halves
-        rounded up), so consecutive cells are 8-neighbours and the last is the end.
+        (i, j): int32 arrays of length ``sum(max(|Δi|, |Δj|) + 1)``, ray after ray, duplicates
+        across rays kept. Step ``k`` of a ray with ``n`` steps is ``round(k·Δ/n)`` per axis
+        (in float32: exact to ~1e-4 cell; a tie may round either way), so consecutive cells are
+        8-neighbours, the major axis advances one cell per step and the last cell is the end.
     """
-    ends = np.asarray(ends, dtype=np.int64).reshape(-1, 2)
+    ends = np.asarray(ends).reshape(-1, 2).astype(np.int32)
     if ends.shape[0] == 0:
-        empty = np.zeros(0, np.int64)
+        empty = np.zeros(0, np.int32)
         return empty, empty.copy()
     steps = np.abs(ends).max(axis=1)
     lengths = steps + 1
-    starts = np.cumsum(lengths) - lengths
-    ray = np.repeat(np.arange(ends.shape[0]), lengths)
-    k = np.arange(int(lengths.sum()), dtype=np.int64) - starts[ray]
-    two_n = 2 * np.maximum(steps, 1)[ray]
-    # round(k·d/n) = floor((2·k·d + n) / 2n), exact in integers.
-    i = (2 * k * ends[ray, 0] + two_n // 2) // two_n
-    j = (2 * k * ends[ray, 1] + two_n // 2) // two_n
-    return i, j
+    k = np.arange(int(lengths.sum()), dtype=np.float32)
+    k -= np.repeat((np.cumsum(lengths) - lengths).astype(np.float32), lengths)  # step within its ray
+    slope = (ends / np.maximum(steps, 1)[:, None]).astype(np.float32)  # [M, 2] cells per step
+    out = []
+    for axis in (0, 1):
+        cell = np.repeat(slope[:, axis], lengths)
+        cell *= k
+        cell += 0.5
+        out.append(np.floor(cell, out=cell).astype(np.int32))
+    return out[0], out[1]
 
 
 def axis_bounds(current: tuple[int, int] | None, want: tuple[int, int], camera: int,

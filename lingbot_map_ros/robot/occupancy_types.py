@@ -166,8 +166,8 @@ class GridResult:
         version: the grid's version after the call.
         points_used: obstacle and floor points that updated the grid.
         points_ignored: non-finite, too high, too low or out-of-range points.
-        cells_outside: hit and ray cells that fell outside the grid at ``max_extent_m`` (ray
-            cells counted per ray); 0 while the grid has room.
+        cells_outside: the frame's hit and seen-free cells that fell outside the grid at
+            ``max_extent_m`` (not stored); 0 while the grid has room.
         frames_skipped: ``rebuild`` only: frames with a non-finite camera centre.
     """
 

@@ -17,7 +17,7 @@ import pytest
 
 from lingbot_map_ros.robot.occupancy import (FREE, OCCUPIED, UNKNOWN, GridConfig, GridFrame, GroundReference,
                                              OccupancyGridBuilder)
-from lingbot_map_ros.robot.occupancy_cells import axis_bounds, ray_cells
+from lingbot_map_ros.robot.occupancy_cells import axis_bounds, distinct_cells, ray_cells
 
 REPO = Path(__file__).resolve().parents[2]
 ROOM_X, ROOM_Y = 3.0, 2.0  # half sizes of the 6 m x 4 m room, centred on the ground origin
@@ -420,6 +420,15 @@ def test_rays_are_8_connected_lines_from_the_start_to_each_end():
         if n:  # every cell within half a cell of the ideal line along the minor axis
             k = np.arange(n + 1)
             assert np.all(np.abs(ri - k * ei / n) <= 0.5) and np.all(np.abs(rj - k * ej / n) <= 0.5)
+
+
+def test_distinct_cells_equals_a_sorted_unique():
+    rng = np.random.default_rng(8)
+    i, j = rng.integers(-40, 30, 5000).astype(np.int32), rng.integers(-5, 90, 5000).astype(np.int32)
+    di, dj = distinct_cells(i, j)
+    pairs = np.unique(np.stack([i, j], 1), axis=0)
+    assert np.array_equal(np.stack([di, dj], 1), pairs)
+    assert [a.size for a in distinct_cells(i[:0], j[:0])] == [0, 0]
 
 
 # ----------------------------------------------------------------------------- config and reference
