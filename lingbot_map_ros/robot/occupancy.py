@@ -7,7 +7,10 @@ that Nav2's map_server loads.
 Frames and units
     Inputs are in the REP 103 ``map`` frame, in **metres**. The grid lies in a *ground
     frame* given by the caller (``GroundReference``: the transform map → ground, z up,
-    z = 0 on the floor; e.g. the robot's footprint at the first frame with TF). Cell
+    z = 0 on the floor). For Nav2 build it with ``GroundReference.aligned_with_map`` from
+    the base's pose at one instant (TF ``map -> base_link``, metric): the floor under the
+    base with the map's heading, so that the grid's axes are the map's (Nav2's static
+    layer ignores the origin's orientation). Cell
     ``(i, j)`` of the grid covers ``[x0 + i·r, x0 + (i+1)·r) × [y0 + j·r, y0 + (j+1)·r)``
     of the ground plane, ``(x0, y0)`` the lower-left corner of cell (0, 0) and ``r`` the
     resolution. ``data[i + j·width]``: row-major, row 0 at the origin, x right and y up in

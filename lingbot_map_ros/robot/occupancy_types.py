@@ -146,6 +146,33 @@ class GroundReference:
         out[:3, 3] = -rot.T @ trans
         return cls(out)
 
+    @classmethod
+    def aligned_with_map(cls, map_from_base: np.ndarray, base_height: float = 0.0) -> "GroundReference":
+        """The floor under a base frame, with the map frame's heading: what Nav2 needs.
+
+        z is the base's z axis (the floor normal), the origin is the map origin dropped onto
+        the floor along it, x is the map's x axis projected onto the floor (the map's y when
+        the map's x is nearly vertical). For a level map frame this is the map frame moved
+        down to the floor: the grid's axes are the map's and its origin lies on the map's
+        cell lattice. Nav2's static layer reads only ``origin.position`` (no yaw), so a grid
+        meant for Nav2 should use this reference rather than ``from_base``.
+
+        Args:
+            map_from_base: [4, 4] pose of the base in the map frame, metres (REP 103, z up).
+            base_height: height of the base frame's origin above the floor, m.
+        """
+        base = np.asarray(map_from_base, dtype=np.float64)
+        up = base[:3, 2] / np.linalg.norm(base[:3, 2])
+        floor_height = float(up @ base[:3, 3]) - float(base_height)  # the plane: up · p = floor_height
+        x_axis = np.array([1.0, 0.0, 0.0]) - up[0] * up
+        if np.linalg.norm(x_axis) < 0.1:
+            x_axis = np.array([0.0, 1.0, 0.0]) - up[1] * up
+        x_axis /= np.linalg.norm(x_axis)
+        map_from_ground = np.eye(4)
+        map_from_ground[:3, :3] = np.stack([x_axis, np.cross(up, x_axis), up], axis=1)
+        map_from_ground[:3, 3] = floor_height * up
+        return cls(np.linalg.inv(map_from_ground))
+
     @property
     def map_from_ground(self) -> np.ndarray:
         """[4, 4] read-only inverse: ``p_map = map_from_ground @ p_ground``."""
@@ -226,7 +253,8 @@ class GridSnapshot:
         """``(x, y, yaw)`` of the origin in the map frame, as map.yaml's ``origin`` wants.
 
         map.yaml (and Nav2's static layer) know no roll or pitch, so the ground plane must
-        be level in the map frame: its z axis within ``max_tilt_deg`` of the map's.
+        be level in the map frame: its z axis within ``max_tilt_deg`` of the map's. The
+        static layer ignores the yaw too: with ``GroundReference.aligned_with_map`` it is 0.
 
         Raises:
             ValueError: the ground frame is tilted against the map frame (the message says by how much).

@@ -469,6 +469,29 @@ def test_ground_reference_checks_and_from_base():
         ground.ground_from_map[0, 0] = 5.0
 
 
+def test_ground_aligned_with_a_level_map_keeps_its_axes_and_lattice():
+    map_from_base = transform(rotation(yaw=1.1), [2.0, -1.0, -0.7])  # base 0.3 m above a floor at z = -1
+    ground = GroundReference.aligned_with_map(map_from_base, base_height=0.3)
+    assert np.allclose(ground.ground_from_map, transform(np.eye(3), [0, 0, 1.0]))
+    grid = OccupancyGridBuilder(GridConfig(resolution=0.1))
+    grid.set_reference(ground, metric=True)
+    grid.add_frame(np.array([0.03, 0.02, 0.0]), np.array([[1.23, -0.57, -0.5]], np.float32))
+    x, y, yaw = grid.snapshot().planar_origin()
+    assert yaw == 0.0 and abs(x / 0.1 - round(x / 0.1)) < 1e-9 and abs(y / 0.1 - round(y / 0.1)) < 1e-9
+    assert value_at(grid.snapshot(), 1.23, -0.57) == OCCUPIED
+
+
+def test_ground_aligned_with_a_tilted_map_uses_the_base_up_and_the_map_heading():
+    map_from_base = transform(rotation(pitch=-0.3), [0.0, 0.0, -1.0])  # map pitched like a camera looking down
+    ground = GroundReference.aligned_with_map(map_from_base)
+    map_from_ground = ground.map_from_ground
+    assert np.allclose(map_from_ground[:3, 2], map_from_base[:3, 2])  # z = the base's up
+    assert abs(map_from_ground[1, 0]) < 1e-12 and map_from_ground[0, 0] > 0  # x in the map's xz plane
+    assert abs((ground.ground_from_map @ map_from_base @ [0, 0, 0, 1])[2]) < 1e-12  # the base is on the floor
+    # the map origin (the first camera) lies straight above the ground origin
+    assert np.allclose(ground.ground_from_map @ [0, 0, 0, 1], [0, 0, math.cos(0.3), 1])
+
+
 def test_the_grid_modules_import_neither_ros_nor_torch():
     for name in ("occupancy.py", "occupancy_cells.py", "occupancy_types.py"):
         tree = ast.parse((REPO / "lingbot_map_ros" / "robot" / name).read_text())
