@@ -306,7 +306,8 @@ def load_map_files(yaml_path: str | Path) -> MapFile:
     """
     yaml_path = Path(yaml_path)
     try:
-        fields = parse_map_yaml(yaml_path.read_text("utf-8"))
+        text = yaml_path.read_text("utf-8")
+        fields = parse_map_yaml(text)
     except (OSError, UnicodeDecodeError) as exc:
         raise MapFilesError(f"cannot read {yaml_path}: {getattr(exc, 'strerror', None) or exc}") from None
     except MapFilesError as exc:
@@ -317,7 +318,7 @@ def load_map_files(yaml_path: str | Path) -> MapFile:
     shade, opaque = _image_shade(image, with_alpha=meta["mode"] == "trinary")
     data = image_to_grid(shade, mode=meta["mode"], negate=meta["negate"], occupied_thresh=meta["occupied_thresh"],
                          free_thresh=meta["free_thresh"], opaque=opaque)
-    tag = re.search(rf"^#\s*{re.escape(TAG)} (\S+)", yaml_path.read_text("utf-8"), re.M)
+    tag = re.search(rf"^#\s*{re.escape(TAG)} (\S+)", text, re.M)
     return MapFile(resolution=meta["resolution"], origin=meta["origin"], width=shade.shape[1], height=shade.shape[0],
                    data=data, mode=meta["mode"], negate=meta["negate"], occupied_thresh=meta["occupied_thresh"],
                    free_thresh=meta["free_thresh"], image=image, save_id=tag.group(1) if tag else None)
