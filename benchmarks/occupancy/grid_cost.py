@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import time
@@ -69,6 +70,7 @@ def main() -> int:
     parser.add_argument("--rebuild-points", type=int, default=10000)
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
+    load_before = os.getloadavg()[0]
     rows = [per_frame(n, 120) for n in (5000, 10000, 20000, 40000)]
     for row in rows:
         print(row, file=sys.stderr)
@@ -79,6 +81,7 @@ def main() -> int:
     rebuild_ms = timed(lambda: grid.rebuild(frames))
     snap = grid.snapshot()
     result = {"run": run_record(), "config": "GridConfig() defaults (0.05 m cells, 8 m range)",
+              "load_average_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],  # shared CPU: before, after
               "per_frame": rows,
               "rebuild": {"keyframes": args.frames, "points_per_frame": args.rebuild_points,
                           "seconds": round(rebuild_ms / 1e3, 2), "grid": f"{snap.width}x{snap.height}"}}
