@@ -181,12 +181,16 @@ def save_map_files(directory: str | Path, grid, *, stem: str = "map", occupied_t
     _check_thresholds(occupied_thresh, free_thresh)
     width, height, resolution = int(grid.width), int(grid.height), float(grid.resolution)
     data = np.asarray(grid.data)
+    if data.shape != (width * height,):
+        raise MapFilesError(f"grid data of shape {data.shape} does not match {width} x {height} cells")
     if width * height == 0:
         raise MapFilesError("the occupancy grid is empty (no frame mapped yet): nothing saved, "
                             "existing map files left as they were")
     if not np.any((data >= 0) & (data <= 100)):
         raise MapFilesError("the occupancy grid has no known cell: nothing saved, existing map files left as they were")
     origin = _origin_of(grid, max_tilt_deg)
+    if not (np.isfinite(origin).all() and np.isfinite(resolution) and resolution > 0):
+        raise MapFilesError(f"bad map geometry: resolution {resolution}, origin {origin}")
     folder = _prepare_folder(directory)
     save_id = new_save_id()
     yaml_path, image_path = folder / f"{stem}.yaml", folder / f"{stem}-{save_id}.pgm"

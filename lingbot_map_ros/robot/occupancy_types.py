@@ -75,6 +75,9 @@ class GridConfig:
         if not self.min_floor_height < self.min_height < self.max_height:
             raise ValueError("GridConfig needs min_floor_height < min_height < max_height, got "
                              f"{self.min_floor_height!r}, {self.min_height!r}, {self.max_height!r}")
+        if self.max_range_m / self.resolution > 50_000:
+            raise ValueError(f"GridConfig.max_range_m {self.max_range_m!r} is over 50000 cells at resolution "
+                             f"{self.resolution!r}: rays that long are not supported")
         self._check_probabilities()
         side = math.floor(self.max_extent_m / self.resolution + 1e-9)
         if side < 1:

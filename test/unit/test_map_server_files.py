@@ -147,6 +147,16 @@ def test_an_empty_or_unknown_grid_is_refused_and_touches_nothing(tmp_path):
     assert folder_bytes(tmp_path) == before and not (tmp_path / "new").exists()
 
 
+def test_inconsistent_grids_are_refused(tmp_path):
+    with pytest.raises(MapFilesError, match="does not match 3 x 3 cells"):
+        save_map_files(tmp_path, MapFile(0.1, (0, 0, 0), 3, 3, np.zeros(6, np.int8)))
+    with pytest.raises(MapFilesError, match="bad map geometry"):
+        save_map_files(tmp_path, MapFile(0.1, (float("nan"), 0, 0), 3, 2, np.zeros(6, np.int8)))
+    with pytest.raises(MapFilesError, match="bad map geometry"):
+        save_map_files(tmp_path, MapFile(0.0, (0, 0, 0), 3, 2, np.zeros(6, np.int8)))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_bad_folders_are_refused_clearly(tmp_path):
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(MapFilesError, match="is not a folder"):

@@ -437,7 +437,7 @@ def test_distinct_cells_equals_a_sorted_unique():
     ({"resolution": 0.0}, "resolution"), ({"resolution": float("nan")}, "resolution"),
     ({"min_height": 2.0, "max_height": 1.0}, "min_height < max_height"),
     ({"min_floor_height": 0.2}, "min_floor_height"),
-    ({"max_range_m": -1.0}, "max_range_m"), ({"max_extent_m": 0.0}, "max_extent_m"),
+    ({"max_range_m": -1.0}, "max_range_m"), ({"max_range_m": 3000.0}, "max_range_m 3000.0 is over 50000 cells"), ({"max_extent_m": 0.0}, "max_extent_m"),
     ({"max_extent_m": 1000.0}, "max_cells"), ({"grow_step": 0}, "grow_step"),
     ({"min_points_per_cell": 1.5}, "min_points_per_cell"),
     ({"hit_probability": 0.4}, "hit_probability"), ({"miss_probability": 0.6}, "miss_probability"),
