@@ -22,7 +22,7 @@ class Sink:
         assert match, "clouds of a frame whose pose was not published"
         self.frames[match[-1]] = out
 
-    def publish_path(self, entries):
+    def publish_path(self, entries, transform=None):
         self.paths.append([e.frame_index for e in entries])
 
     def publish_status(self, status, stamp):
@@ -52,3 +52,13 @@ class Log:
 
     def error(self, m):
         self.lines.append(("error", m))
+
+
+def drain(scheduler, max_items: int = 10_000) -> int:
+    """Run the scheduler's turns on this thread until a pass finds no work (the step in flight is
+    finished too); returns the number of items run."""
+    count = 0
+    while count < max_items and scheduler.run_turn() is not None:
+        count += 1
+    scheduler.finish_in_flight()
+    return count

@@ -38,6 +38,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -61,6 +62,8 @@ def _size(image: np.ndarray) -> tuple[int, int]:
 
 
 class _SimModelConfig:
+    max_frame_num = 1 << 30  # the simulated step has no horizon
+
     def to_dict(self) -> dict:
         return {"simulated": True}
 
@@ -75,9 +78,7 @@ class _SimModel(torch.nn.Module):
 
 
 class _Done:
-    """The pending results of a simulated submit (the step ran inside it)."""
-
-    done = True
+    """The pending results of a simulated step (the step ran inside it)."""
 
     def __init__(self, results: list[FrameResult]) -> None:
         self._results = results
@@ -86,10 +87,27 @@ class _Done:
         return self._results
 
 
+class SimulatedSessions:
+    """What the node takes of ``stream.multi.CameraSessions``: a session per camera (each a real
+    ``LongStreamSession`` around a ``SimulatedSession``), no shared storage."""
+
+    storage = None
+
+    def __init__(self, sessions: dict) -> None:
+        self.sessions = sessions
+        self.inner = {name: s.inner for name, s in sessions.items()}
+
+    def pool_status(self):
+        return None
+
+    def submit_many(self, frames, keyframes=None):
+        return {c: self.sessions[c].submit(f) for c, f in frames.items()}
+
+
 class SimulatedSession:
-    """The engine-facing surface of StreamingSession with a timed stand-in for the model. It
-    never restarts its window; with the node's ``state_directory`` the keyframe journal records
-    its frames as it does the real session's (the scale frames, then every frame stored)."""
+    """The surface of StreamingSession a ``LongStreamSession`` uses (one window: it never restarts)
+    with a timed stand-in for the model; with the node's ``state_directory`` the keyframe journal
+    records its frames as it does the real session's (the scale frames, then every frame stored)."""
 
     def __init__(self, cfg: StreamConfig, step_ms: float, host_ms: float) -> None:
         self.cfg = cfg
@@ -97,13 +115,9 @@ class SimulatedSession:
         self.device = None
         self.backend = _Backend()
         self.model = _SimModel()
-        self.with_depth = True
+        self.step_options = SimpleNamespace(with_depth=True)  # what the journal identity reads
         self.resolution = None
         self.deferred_eviction = False
-        self.window_index = 0
-        self.restart_pending = False
-        self.overlap_indices: list[int] = []
-        self._pending: list = []
         self.reset()
 
     def check_frame(self, image, resolution=None):
@@ -135,10 +149,17 @@ class SimulatedSession:
         self.frames_pushed -= 1
         return self.frames_pushed
 
-    def submit(self, image: np.ndarray, keyframe: bool | None = None) -> _Done:
+    @property
+    def scale_frames_waiting(self) -> int:
+        return len(self._waiting)
+
+    def is_keyframe_index(self, frame_index: int) -> bool:
+        return True  # every frame is stored
+
+    def step(self, image: np.ndarray, keyframe: bool | None = None) -> _Done:
         return _Done(self.push(image))
 
-    def push(self, image: np.ndarray) -> list[FrameResult]:
+    def push(self, image: np.ndarray, keyframe: bool | None = None) -> list[FrameResult]:
         self.resolution = _size(image)
         self._waiting.append(image)
         if self.frames_pushed == 0 and len(self._waiting) < self.cfg.num_scale_frames:
@@ -287,7 +308,7 @@ def _rss_summary(samples: list[tuple[float, float]]) -> dict:
 
 def instrument(probe: Probe, session) -> None:
     """Time the node's per-frame work: conversion, preprocessing, the session's parts, the outputs."""
-    from lingbot_map_ros.ros import camera_channel
+    from lingbot_map_ros.ros import camera_channel, common, outputs
     from lingbot_map_ros.runtime import engine as engine_module
 
     probe.time_calls(node_module, "image_to_rgb")
@@ -296,44 +317,43 @@ def instrument(probe: Probe, session) -> None:
 
     def aged_accept(self, msg, convert, now=None):
         now = now if now is not None else self.node.get_clock().now().nanoseconds * 1e-9
-        ages.append((now - camera_channel.stamp_seconds(msg.header.stamp)) * 1e3)
+        ages.append((now - common.stamp_seconds(msg.header.stamp)) * 1e3)
         return accept(self, msg, convert, now)
 
     camera_channel.CameraChannel.accept = aged_accept
     # hand-over: the executor's submit_frame until the inference thread starts on the frame
     handover = probe.calls["hand-over (submit -> inference thread)"]
     submitted: dict[int, float] = {}
-    submit, process = engine_module.InferenceEngine.submit_frame, engine_module.InferenceEngine._process
+    submit, admit = engine_module.InferenceEngine.submit_frame, engine_module.InferenceEngine.admit
 
     def timed_submit(self, frame):
         submitted[id(frame)] = time.perf_counter()
         return submit(self, frame)
 
-    def timed_process(self, frame):
+    def timed_admit(self, frame):
         t = submitted.pop(id(frame), None)
         if t is not None:
             handover.append((time.perf_counter() - t) * 1e3)
-        return process(self, frame)
+        return admit(self, frame)
 
     engine_module.InferenceEngine.submit_frame = timed_submit
-    engine_module.InferenceEngine._process = timed_process
+    engine_module.InferenceEngine.admit = timed_admit
     from lingbot_map_ros.runtime import model_input as model_input_module
 
     probe.time_calls(model_input_module, "model_input")
-    probe.time_calls(session, "push")
+    probe.time_calls(session, "submit")
+    probe.time_calls(session, "results")
     from lingbot_map_ros.runtime import clouds as clouds_module
 
     probe.time_calls(clouds_module.CloudOutput, "publish", "_publish_clouds")
     from lingbot_map_ros.runtime import status as status_module
 
     probe.time_calls(status_module.StatusReporter, "publish", "StatusReporter.publish")
-    probe.time_calls(camera_channel.RosOutputs, "publish_frame")
-    inner = getattr(session, "session", None)  # LongStreamSession -> StreamingSession
-    if inner is not None:
+    probe.time_calls(outputs.RosOutputs, "publish_frame")
+    runner = getattr(session.inner, "_runner", None)  # the StreamingSession's StepRunner (none when simulated)
+    if runner is not None:
         from lingbot_map_ros.stream import graphs, steps as steps_module
 
-        # the StreamingSession's steps (stream.steps.StepRunner); None: nothing of them is timed
-        runner = getattr(getattr(inner, "inner", inner), "_runner", None)
         probe.time_calls(steps_module, "make_device_plan")
         probe.time_calls(runner, "_speculate")
         probe.time_calls(runner, "_results")
@@ -348,22 +368,23 @@ def main() -> int:
     host_ms = float(os.environ.get("LINGBOT_SIM_HOST_MS", "2"))
     out = os.environ.get("LINGBOT_PROBE_OUT")
     probe = Probe(out) if out else None
-    real_load = node_module.LingBotMapNode._load_sessions
+    real_load = node_module.load_sessions
 
-    def load_sessions(self):
+    def load_sessions(settings, camera_settings, log):
         if step is not None:
-            self.get_logger().warning(f"SIMULATED model: {step} ms per frame ({host_ms} ms holding the GIL); "
-                                      "outputs are synthetic")
-            sessions = {name: SimulatedSession(cs.stream, float(step), host_ms)
-                        for name, cs in self.camera_settings.items()}
+            from lingbot_map_ros.stream.long_stream import LongStreamSession
+
+            log.warning(f"SIMULATED model: {step} ms per frame ({host_ms} ms holding the GIL); outputs are synthetic")
+            sessions = SimulatedSessions({name: LongStreamSession(SimulatedSession(cs.stream, float(step), host_ms))
+                                          for name, cs in camera_settings.items()})
         else:
-            sessions = real_load(self)
+            sessions = real_load(settings, camera_settings, log)
         if probe is not None:
-            instrument(probe, next(iter(sessions.values())))  # the first camera's (the benchmark runs one)
+            instrument(probe, next(iter(sessions.sessions.values())))  # the first camera's (the benchmark runs one)
             probe.start()
         return sessions
 
-    node_module.LingBotMapNode._load_sessions = load_sessions
+    node_module.load_sessions = load_sessions
     gil_ms = os.environ.get("LINGBOT_BENCH_GIL_SWITCH_MS")
     try:
         return main_module.main(executor=os.environ.get("LINGBOT_BENCH_EXECUTOR") or "auto",

@@ -338,7 +338,7 @@ def main(argv=None):
     stats = session.stats()
     graphed = session._runner.graphed
     graph_replays = 0 if graphed is None else graphed.replays
-    session_fused = session.fused
+    session_fused = session.step_options.fused
     del session
     torch.cuda.empty_cache()
 

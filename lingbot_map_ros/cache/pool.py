@@ -255,6 +255,8 @@ class SharedKVStorage:
     one must be rebuilt). Not thread-safe: one thread drives all owners.
     """
 
+    shared = True  # several owners (``cache.storage.PrivateStorage`` is the one-owner kind)
+
     def __init__(self, num_layers: int, num_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,
                  capacity_tokens: int = 0, reserve: int = 1, growable: bool = True) -> None:
         if capacity_tokens < 0 or reserve < 1:

@@ -82,7 +82,7 @@ class Replay:
     """Feeds the source's frames to the session and the results to the outputs."""
 
     def __init__(self, args: argparse.Namespace, settings: Settings, session, outputs: Outputs,
-                 observer: Callable[[int], None] | None = None) -> None:
+                 observer: Callable[[int], None] | None = None, resume_after: int = -1) -> None:
         self.args, self.settings, self.session, self.outputs = args, settings, session, outputs
         self.observer = observer
         self.pending: deque[FrameMeta] = deque()  # pushed frames whose results have not come yet
@@ -91,9 +91,8 @@ class Replay:
         self._waiting = None  # the pending results of the frame submitted last
         self.bar = None
         self._postfix: tuple[int, int] | None = None
-        # journaled runs: the input's frames are numbered (tags); --resume skips those up to this one
-        self.journaled = hasattr(session, "writer")
-        self.skip_until = getattr(session, "resume_after", -1)
+        # the input's frames are numbered (tags, journaled); --resume skips those up to this one
+        self.skip_until = resume_after
         self.ordinal = -1
 
     def run(self, source) -> None:
@@ -127,23 +126,22 @@ class Replay:
         from ..stream.errors import InvalidFrameError
 
         try:
-            submitted = self.session.submit(image, stamp=meta.stamp_ns, tag={"n": self.ordinal}) if self.journaled \
-                else self.session.submit(image)
+            submitted = self.session.submit(image, stamp=meta.stamp_ns, tag={"n": self.ordinal})
         except InvalidFrameError as exc:  # size differs from the sequence's, too small: nothing changed
             self._bad(f"{meta.name}: {exc}")
             return
         self.pushed += 1
         # a restart happens inside submit, so the window is the frame's own
-        self.pending.append(replace(meta, window=int(getattr(self.session, "window_index", 0))))
+        self.pending.append(replace(meta, window=self.session.window_index))
         previous, self._waiting = self._waiting, submitted
         if previous is not None:
-            self._take(previous.result())
+            self._take(self.session.results(previous))
 
     def _drain(self) -> None:
         """Write the results of the frame submitted last, if any."""
         waiting, self._waiting = self._waiting, None
         if waiting is not None:
-            self._take(waiting.result())
+            self._take(self.session.results(waiting))
 
     def _drain_after_failure(self) -> None:
         try:
@@ -171,7 +169,7 @@ class Replay:
         if self.dropped <= MAX_SHOWN_BAD_FRAMES:
             log.warning("skipped a frame: %s%s", reason, "; later bad frames are counted, not shown"
                         if self.dropped == MAX_SHOWN_BAD_FRAMES else "")
-        self._show(int(getattr(self.session, "window_index", 0)))
+        self._show(self.session.window_index)
 
     def _show(self, window: int) -> None:
         if self._postfix != (window, self.dropped):
@@ -180,6 +178,8 @@ class Replay:
 
 
 def make_session(args: argparse.Namespace, settings: Settings):
+    """(the session: a LongStreamSession, one window with --no-long-stream; its journal recorder
+    or None; the tag number of the last frame a --resume found journaled, -1 for none)."""
     from ..io.checkpoint import CheckpointError, load_model
     from ..stream import BackendUnavailable
     from ..stream.long_stream import LongStreamSession
@@ -193,23 +193,23 @@ def make_session(args: argparse.Namespace, settings: Settings):
         t0 = time.perf_counter()
         model = load_model(settings.model, args.checkpoint, settings.stream.device, settings.stream.dtype,
                            seed=args.seed)
-        session = StreamingSession(model, settings.stream, with_depth=not args.no_depth)
+        inner = StreamingSession(model, settings.stream, with_depth=not args.no_depth)
     except (CheckpointError, BackendUnavailable) as exc:
         raise UserError(str(exc)) from None
-    mode = "plain session"
-    if settings.long_stream is not None:
-        session = LongStreamSession(session, settings.long_stream)
-        mode = f"long stream, window {settings.long_stream.window_frames}"
-    say(args, f"model ready in {time.perf_counter() - t0:.1f} s ({session.backend.name}, {settings.stream.dtype}, "
+    session = LongStreamSession(inner, settings.long_stream)
+    mode = "plain session" if settings.long_stream is None else \
+        f"long stream, window {settings.long_stream.window_frames}"
+    say(args, f"model ready in {time.perf_counter() - t0:.1f} s ({inner.backend.name}, {settings.stream.dtype}, "
               f"{settings.stream.device}, {mode})")
     if args.save_session or args.resume:
-        session = _journaled(args, session)
-    return session
+        return (session, *_journaled(args, session))
+    return session, None, -1
 
 
 def _journaled(args: argparse.Namespace, session):
-    """The session with a journal (--save-session, --resume); a resumed one rebuilt from it."""
-    from ..journal import JOURNAL_NAME, JournaledSession, JournalError, JournalWriter, journal_identity, rebuild
+    """The journal recorder observing ``session`` (--save-session, --resume; a resumed session is
+    rebuilt from it first) and the tag number of the last frame it holds (-1: none)."""
+    from ..journal import JOURNAL_NAME, JournalError, JournalRecorder, JournalWriter, journal_identity, rebuild
     from ..journal.writer import usable_compression
 
     label = args.checkpoint or f"random seed {args.seed}"
@@ -231,11 +231,13 @@ def _journaled(args: argparse.Namespace, session):
     except OSError as exc:
         raise UserError(f"cannot create the session folder {folder}: {exc.strerror or exc}") from None
     writer = JournalWriter(folder / JOURNAL_NAME, compression=usable_compression("lz4"))
-    wrapped = JournaledSession(session, writer, identity, begin=rebuilt is None)
+    recorder = JournalRecorder(writer, identity, session.deferred_eviction, begin=rebuilt is None)
+    resume_after = -1
     if rebuilt is not None:
-        wrapped.adopt(rebuilt.records, rebuilt.scale_count, rebuilt.state_records)
-        wrapped.resume_after = -1 if rebuilt.last_tag is None else int(rebuilt.last_tag["n"])
-    return wrapped
+        recorder.adopt(rebuilt.records, rebuilt.scale_count, rebuilt.state_records, session.inner.resolution)
+        resume_after = -1 if rebuilt.last_tag is None else int(rebuilt.last_tag["n"])
+    session.observe(recorder)
+    return recorder, resume_after
 
 
 def run(args: argparse.Namespace, observer: Callable[[int], None] | None = None) -> int:
@@ -253,9 +255,9 @@ def run(args: argparse.Namespace, observer: Callable[[int], None] | None = None)
             return run_comparison(args, settings, source, say)
         except ValueError as exc:
             raise UserError(str(exc)) from None
-    session = make_session(args, settings)
+    session, journal, resume_after = make_session(args, settings)
     outputs = Outputs(args, settings)
-    replay = Replay(args, settings, session, outputs, observer)
+    replay = Replay(args, settings, session, outputs, observer, resume_after)
     start = time.perf_counter()
     try:
         replay.run(source)
@@ -276,13 +278,13 @@ def run(args: argparse.Namespace, observer: Callable[[int], None] | None = None)
             print(f"{PROG}: {with_partial('unexpected error', kept, unfinished)}", file=sys.stderr)
         raise
     finally:
-        if getattr(session, "writer", None) is not None:
-            session.writer.close()  # what was journaled is on disk: --resume continues from it
+        if journal is not None:
+            journal.writer.close()  # what was journaled is on disk: --resume continues from it
     elapsed = time.perf_counter() - start
     closed = outputs.close()
     if closed.failed:
         raise UserError(close_failure(replay.done, closed))
-    windows = int(getattr(session, "window_index", 0)) + 1
+    windows = session.window_index + 1
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
     print(f"{PROG}: {replay.done} frames in {elapsed:.1f} s ({replay.done / max(elapsed, 1e-9):.2f} FPS), "
           f"{replay.dropped} dropped, {windows} window(s), peak RSS {peak:.0f} MiB; wrote "

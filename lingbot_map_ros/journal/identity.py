@@ -37,18 +37,18 @@ def weights_fingerprint(model: torch.nn.Module, sample: int = 64) -> str:
 
 
 def journal_identity(session, checkpoint: str = "") -> dict[str, Any]:
-    """The identity of ``session`` (a StreamingSession or LongStreamSession) for the journal
-    header. ``checkpoint``: a label of the weights (path or "random seed N"), shown in reasons."""
-    core = getattr(session, "inner", session)
+    """The identity of ``session`` (a LongStreamSession) for the journal header. ``checkpoint``: a
+    label of the weights (path or "random seed N"), shown in reasons."""
+    core = session.inner
     model_cfg = json.dumps(core.model.cfg.to_dict(), sort_keys=True)
     out: dict[str, Any] = {
         "model_config": hashlib.sha256(model_cfg.encode()).hexdigest()[:32],
         "weights": weights_fingerprint(core.model),
         "checkpoint": checkpoint,
         "stream": {k: _plain(getattr(core.cfg, k)) for k in STREAM_FIELDS if hasattr(core.cfg, k)},
-        "with_depth": bool(core.with_depth),
+        "with_depth": bool(core.step_options.with_depth),
     }
-    long_cfg = getattr(session, "long_cfg", None)
+    long_cfg = session.long_cfg
     out["long_stream"] = None if long_cfg is None else {k: _plain(v) for k, v in
                                                          dataclasses.asdict(long_cfg).items()}
     return out

@@ -35,7 +35,7 @@ class Rebuilt:
     """What ``rebuild`` did."""
 
     path: Path
-    records: list[Record]  # the good records (the segment to continue: ``JournaledSession.adopt``)
+    records: list[Record]  # the good records (the segment to continue: ``JournalRecorder.adopt``)
     frames_replayed: int  # model steps' frames: re-fed overlap, scale frames, keyframes
     next_frame: int  # the next frame's index (= frames_pushed)
     window_index: int
@@ -46,7 +46,7 @@ class Rebuilt:
     corrupt: bool = False  # a damaged record (not merely a torn last write) ended it
     seconds: float = 0.0
     max_pose_error: float = 0.0  # largest |c2w| difference between a keyframe as journaled and as replayed
-    last_tag: Any = None  # the tag of the last frame journaled (``JournaledSession.submit``)
+    last_tag: Any = None  # the tag of the last frame journaled (``LongStreamSession.submit``'s ``tag``)
     last_stamp: int | None = None  # its stamp
 
 
@@ -110,8 +110,8 @@ def read_journal(path: str | Path, identity: dict[str, Any] | None = None, width
 
 def rebuild(session, path: str | Path, identity: dict[str, Any] | None = None, width: int | None = None,
             progress: Callable[[int, int], None] | None = None) -> Rebuilt:
-    """Replay the journal at ``path`` into ``session`` (a fresh ``StreamingSession`` or
-    ``LongStreamSession``, not a JournaledSession: journal the result with ``adopt``).
+    """Replay the journal at ``path`` into ``session`` (a ``LongStreamSession`` without an observer:
+    journal the result with ``JournalRecorder.adopt``).
     ``progress(k, n)`` is called after each replayed frame. Raises JournalError /
     JournalMismatch before touching the session; an exception of the model leaves the
     session to be reset by the caller."""
@@ -122,7 +122,7 @@ def rebuild(session, path: str | Path, identity: dict[str, Any] | None = None, w
                                                len(records))
     total = frames_in(records)
     out = Rebuilt(Path(path), records, 0, 0, 0, 0, stop=stop, corrupt=corrupt)
-    long = hasattr(session, "inner")
+    long = session.long_cfg is not None
     next_frame, latest = 0, None
 
     def step(n: int = 1) -> None:

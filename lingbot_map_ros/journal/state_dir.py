@@ -2,7 +2,7 @@
 does with the journal, without ROS.
 
 - ``open_state_directory``: at start, resume the journal found in the folder (or start a
-  new one) and return the session wrapped in a ``JournaledSession``. A journal of another
+  new one) and attach a ``JournalRecorder`` to the session. A journal of another
   model, configuration or resolution is never overwritten nor deleted: it is renamed to
   ``journal.refused-<UTC time>.lbj`` (its content untouched) and the reason returned; a
   damaged one is resumed up to its last good record and a copy of it kept as
@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .format import JournalError
-from .recorder import JournaledSession
+from .recorder import JournalRecorder
 from .resume import JournalMismatch, Rebuilt, read_journal, rebuild
 from .writer import JournalWriter
 
@@ -35,7 +35,7 @@ JOURNAL_NAME = "journal.lbj"
 class Opened:
     """What ``open_state_directory`` did."""
 
-    session: JournaledSession
+    recorder: JournalRecorder  # attached to the session (``LongStreamSession.observe``)
     rebuilt: Rebuilt | None  # None: nothing resumed (a new journal)
     refused: str  # why a journal found there was set aside ("" when none was)
     set_aside: Path | None  # where it went
@@ -58,9 +58,9 @@ def set_aside(path: str | Path, why: str) -> Path | None:
 
 def open_state_directory(folder: str | Path, session, identity: dict[str, Any], width: int | None = None,
                          progress: Callable[[int, int], None] | None = None, **writer_kw) -> Opened:
-    """Resume or start the journal in ``folder`` for ``session`` (a fresh StreamingSession or
-    LongStreamSession). Raises OSError when the folder cannot be created; an exception of
-    the model during the replay propagates (the journal is left as it was)."""
+    """Resume or start the journal in ``folder`` for ``session`` (a fresh LongStreamSession, no
+    observer yet). Raises OSError when the folder cannot be created; an exception of the model
+    during the replay propagates (the journal is left as it was)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / JOURNAL_NAME
@@ -81,39 +81,43 @@ def open_state_directory(folder: str | Path, session, identity: dict[str, Any], 
                 log.warning("journal %s: %s; resumed up to the record before it, the damaged file kept as %s",
                             path, rebuilt.stop, aside.name)
     writer = JournalWriter(path, **writer_kw)
-    wrapped = JournaledSession(session, writer, identity, begin=rebuilt is None)
+    recorder = JournalRecorder(writer, identity, session.deferred_eviction, begin=rebuilt is None)
     if rebuilt is not None:
-        wrapped.adopt(rebuilt.records, rebuilt.scale_count, rebuilt.state_records)
-    return Opened(wrapped, rebuilt, refused, aside)
+        recorder.adopt(rebuilt.records, rebuilt.scale_count, rebuilt.state_records, session.inner.resolution)
+    session.observe(recorder)
+    return Opened(recorder, rebuilt, refused, aside)
 
 
-def save_session(session: JournaledSession, folder: str | Path) -> tuple[Path, int]:
+def save_session(recorder: JournalRecorder, folder: str | Path) -> tuple[Path, int]:
     """Write the current journal into ``folder`` (created) as a saved session; returns (file,
     bytes). ValueError when nothing was journaled since the start or the last reset; OSError
     when it cannot be written. The caller confines ``folder`` (e.g. under output_directory)."""
-    if session.writer is None:
+    if recorder.writer is None:
         raise ValueError("journaling is off (no state directory)")
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     dest = folder / JOURNAL_NAME
-    return dest, session.writer.save_copy(dest)
+    return dest, recorder.writer.save_copy(dest)
 
 
-def load_session(session: JournaledSession, folder: str | Path, width: int | None = None,
+def load_session(session, recorder: JournalRecorder, folder: str | Path, width: int | None = None,
                  progress: Callable[[int, int], None] | None = None) -> Rebuilt:
-    """Replace ``session``'s state by the saved session in ``folder``: frames after it are
-    posed in that session's map. JournalError/JournalMismatch (state unchanged) when it
-    cannot be read or does not fit; an exception of the model during the replay leaves the
-    session reset."""
+    """Replace the state of ``session`` (a LongStreamSession journaled by ``recorder``) by the
+    saved session in ``folder``: frames after it are posed in that session's map.
+    JournalError/JournalMismatch (state unchanged) when it cannot be read or does not fit; an
+    exception of the model during the replay leaves the session reset (journaled so)."""
     path = Path(folder) / JOURNAL_NAME
-    read_journal(path, session.identity, width)  # refuse before anything changes
-    session._settle()  # frames in flight belong to the state being replaced
+    read_journal(path, recorder.identity, width)  # refuse before anything changes
+    session.settle()  # frames in flight belong to the state being replaced
+    session.observe(None)  # the replay is the saved journal's, not new records
     try:
-        rebuilt = rebuild(session.session, path, session.identity, width, progress)
+        rebuilt = rebuild(session, path, recorder.identity, width, progress)
     except BaseException:
+        session.observe(recorder)
         session.reset()
         raise
-    session.adopt(rebuilt.records, rebuilt.scale_count, rebuilt.state_records)
+    recorder.adopt(rebuilt.records, rebuilt.scale_count, rebuilt.state_records, session.inner.resolution)
+    session.observe(recorder)
     return rebuilt
 
 

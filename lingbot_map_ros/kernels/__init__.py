@@ -6,7 +6,7 @@ twin (same arguments, same maths) runs where Triton or CUDA is absent and is the
 reference the GPU tests compare the kernel with. ``available()`` says whether the
 Triton versions can run on a device, ``self_check()`` whether they compile and agree
 with their twins there. Whether to use them is the caller's value, decided once (the
-session: ``StreamingSession.fused``) and passed to whatever launches them; nothing
+session: ``StreamingSession.step_options.fused``) and passed to whatever launches them; nothing
 here keeps a process-wide switch.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ import rclpy
 from rclpy.executors import ExternalShutdownException, MultiThreadedExecutor
 from rclpy.signals import SignalHandlerOptions
 
-from .camera_channel import NODE_NAME
+from .common import NODE_NAME
 from .executors import make_executor
 from .node import LingBotMapNode, StartupError
 

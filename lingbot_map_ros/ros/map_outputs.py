@@ -26,7 +26,8 @@ from ..runtime.multi_map import transform_points, transform_poses
 from ..runtime.multi_save import CameraMap, SavedMaps, save_camera_maps
 from ..runtime.params import NodeSettings
 from ..runtime.saving import SaveError, write_map_files
-from .camera_channel import CameraChannel, qos_profile, stamp_seconds
+from .camera_channel import CameraChannel
+from .common import qos_profile, stamp_seconds
 from .conversions import make_pointcloud2
 
 
@@ -54,21 +55,20 @@ class MapTopics:
         parts, key = [], []
         for name, channel in self._channels.items():
             own = channel.outputs.map_points
-            if own is None or channel.engine.map is None:
+            seq = channel.engine.seq
+            if own is None or seq.map is None:
                 continue
             wanted = own.get_subscription_count() > 0
             if not (wanted or combined):
                 continue
-            engine = channel.engine
-            output = engine.output
+            output = seq.anchor.output  # how the camera publishes now (replaced as a whole)
             placed = channel.outputs.placement(output)
-            where = (None, None) if placed is None else (placed.version, placed.frame)
-            state = (engine.map.version, output, where)
+            state = (seq.map.version, output, (placed.version, placed.frame))
             if wanted and self._version.get(name) != state:
-                points, colors, _ = engine.map.snapshot()
+                points, colors, _ = seq.map.snapshot()
                 channel.outputs.publish_map(points, colors, output)  # the map is kept in model units
                 self._version[name] = state
-            if combined and placed is not None and placed.frame == self._map_frame:
+            if combined and placed.frame == self._map_frame:
                 parts.append(channel)
                 key.append((name, state))
         if combined and parts and self._version.get("") != key:
@@ -78,8 +78,9 @@ class MapTopics:
     def _publish_combined(self, channels: list[CameraChannel]) -> None:
         points, colors, stamp = [], [], None
         for channel in channels:
-            output = channel.engine.output
-            p, c, _ = channel.engine.map.snapshot()
+            seq = channel.engine.seq
+            output = seq.anchor.output
+            p, c, _ = seq.map.snapshot()
             placed = channel.outputs.placement(output)
             points.append(transform_points(placed.transform, output.points(p)).astype(np.float32))
             colors.append(c)
@@ -105,7 +106,7 @@ class MapSaving:
         """Every camera's snapshot (on the inference thread), then the files (this thread)."""
         snapshots, error = {}, ""
         for name, channel in self._channels.items():
-            ok, snapshot, error = channel.run("save_map", channel.engine.save_snapshot)
+            ok, snapshot, error = channel.run("save_map", channel.engine.commands.save_snapshot)
             if not ok:
                 error = f"camera {name}: {error}" if name else error
                 break
@@ -140,7 +141,7 @@ class MapSaving:
 
     def _write(self, snapshots: dict, directory: str, s: NodeSettings) -> SavedMaps:
         """The cameras' snapshots -> files (service thread): scaled, placed in their map frames."""
-        if "" in snapshots:  # the unnamed camera: one crash-safe PLY + TUM pair
+        if "" in snapshots:  # the node's one camera: one crash-safe PLY + TUM pair
             ply, tum = write_map_files(snapshots[""], directory, s.output_directory, s.service_timeout)
             return SavedMaps("", {MAP_FILE: ply}, {"": tum}, {})
         maps = []

@@ -47,42 +47,34 @@ waits for it with ``service_timeout`` without holding up image intake. Skipped w
 nobody listens: per-frame clouds, depth; the map is still accumulated when
 ``accumulate_map`` (``~/save_map`` needs it).
 
-Start-up. Parameters map onto ModelConfig/StreamConfig in ``runtime.params.resolve_settings``
-(each value logged); the model is loaded in ``_load_sessions``. A bad parameter,
-checkpoint or backend ends the process with exit status 1 and one error line.
+Start-up. Parameters map onto ModelConfig/StreamConfig (``node_parameters``, each value
+logged); the model is loaded once (``startup.load_sessions``). A bad parameter, checkpoint or
+backend ends the process with exit status 1 and one error line.
 
-One path for one camera and several. Every camera is a ``camera_channel.CameraChannel``
-(subscriptions, outputs, services, its engine: sequence, trajectory, map, latest-frame
-slot) and every camera's engine is driven by the one ``CameraScheduler``. Without the
-parameter ``cameras`` the node has ONE unnamed camera with the names above. With
-``cameras`` (e.g. ``[front, rear]``) one model and one K/V storage serve every camera
-(``stream.multi.CameraSessions``); camera ``c`` has the names above under ``c/``
-(subscriptions ``c/image`` or ``c/image/compressed``, ``c/camera_info``, ``c/depth``) and
-``~/c/`` (outputs and the services reset, set_deferred_eviction, commit_eviction,
-rollback_last_frame) and ``camera.<c>.*`` parameters (``runtime.params.CAMERA_PARAMETERS``);
-the scheduler runs the cameras' frames and commands round-robin. ``~/save_map`` and
-``~/map_points`` cover every camera (``map_outputs``): the first camera defines ``map_frame``
-and the others join it through the TF extrinsics (``named_cameras``, ``runtime.multi_map``); a
-camera that cannot (no ``base_frame``, an extrinsic missing) publishes in ``<map_frame>_<c>``.
-/diagnostics gets the shared pool and every camera's entries. One TF broadcaster, buffer and listener
-(``tf_tools.SharedTf``) serve every camera's TF output and the alignment.
+One camera is the case of many. The node's cameras are one ``camera_set.CameraSet``: without
+the parameter ``cameras`` a set of one camera (named "", the names above); with ``cameras``
+(e.g. ``[front, rear]``) camera ``c`` has the names above under ``c/`` and ``~/c/`` and
+``camera.<c>.*`` parameters (``runtime.params.CAMERA_PARAMETERS``). Every camera is a
+``camera_channel.CameraChannel`` (subscriptions, outputs, services, its engine) on one
+``stream.multi.CameraSessions`` (one model; one K/V storage shared by several cameras), every
+engine is driven by the one ``CameraScheduler`` (round-robin), and every camera's outputs are
+placed by the set's ``MapAligner``: the first camera defines ``map_frame``, the others join it
+through the TF extrinsics; a camera that cannot (no ``base_frame``, an extrinsic missing)
+publishes in ``<map_frame>_<c>``. ``~/save_map`` and ``~/map_points`` cover every camera
+(``map_outputs``). One TF broadcaster, buffer and listener (``tf_tools.SharedTf``) serve every
+camera's TF output and the alignment.
 """
 from __future__ import annotations
 
 import logging
-import os
-import time
-from dataclasses import replace
 from typing import Any
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
-from rcl_interfaces.msg import FloatingPointRange, IntegerRange, ParameterDescriptor, ParameterType
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.clock import Clock, ClockType
 from rclpy.exceptions import ParameterException
 from rclpy.node import Node
-from rclpy.parameter import Parameter
 from std_msgs.msg import Header
 
 from lingbot_map_ros.srv import SaveMap
@@ -91,60 +83,19 @@ from ..config import ConfigError
 from ..journal import JournalError
 from ..runtime.frames import StatusFields
 from ..runtime.journaling import SessionError
-from ..runtime.params import (CAMERA_PARAMETERS, CAMERA_PREFIX, PARAMETERS, NodeSettings, Param, apply_camera_dynamic,
-                              apply_dynamic, camera_param_name, camera_values, resolve_camera_settings,
-                              resolve_settings)
 from ..runtime.scheduler import CameraScheduler
-from .camera_channel import NODE_NAME, SERVICE_QOS, CameraChannel, diag, qos_profile
+from .camera_channel import CameraChannel
+from .camera_set import CameraSet
+from .common import NODE_NAME, SERVICE_QOS, diag, qos_profile
 from .conversions import compressed_to_rgb, image_to_rgb
+from .diagnostics import input_diag, state_diags
 from .map_outputs import MapSaving, MapTopics
-from .named_cameras import NamedCameras
+from .node_parameters import declare_parameters, settings_after
 from .sessions import SessionServices, journal_diag, open_journals
+from .startup import FASTDDS_WARNING, ForwardToRos, StartupError, fastdds_without_profile, load_sessions
 from .tf_tools import SharedTf
 
-_PARAMETER_TABLE = {p.name: p for p in PARAMETERS}
 JOURNAL_CLOSE_S = 10.0  # s; how long shutdown waits for the journal writer to write what is queued
-
-
-class StartupError(RuntimeError):
-    """The node cannot start; the message says why (logged as one line, exit status 1)."""
-
-
-def descriptor(p: Param) -> ParameterDescriptor:
-    """ParameterDescriptor with the description, range or choices of ``p`` (read-only unless dynamic)."""
-    d = ParameterDescriptor(description=p.description, read_only=not p.dynamic)
-    if p.choices is not None:
-        d.additional_constraints = "one of: " + ", ".join(p.choices)
-    if p.limits is not None:
-        lo, hi, step = p.limits
-        if isinstance(p.default, bool):
-            pass
-        elif isinstance(p.default, int):
-            d.integer_range = [IntegerRange(from_value=int(lo), to_value=int(hi), step=int(step))]
-        else:
-            d.floating_point_range = [FloatingPointRange(from_value=float(lo), to_value=float(hi), step=float(step))]
-    return d
-
-
-class _ForwardToRos(logging.Handler):
-    """Sends the library's Python log records (model loading, cache sizes) to the node's logger."""
-
-    def __init__(self, logger) -> None:
-        super().__init__()
-        self._logger = logger
-
-    def emit(self, record: logging.LogRecord) -> None:
-        text = f"[{record.name.rsplit('.', 1)[-1]}] {record.getMessage()}"
-        level = record.levelno
-        # One call site per severity: rclpy refuses a call site whose severity changes between calls.
-        if level >= logging.ERROR:
-            self._logger.error(text)
-        elif level >= logging.WARNING:
-            self._logger.warning(text)
-        elif level >= logging.INFO:
-            self._logger.info(text)
-        else:
-            self._logger.debug(text)
 
 
 class LingBotMapNode(Node):
@@ -156,18 +107,19 @@ class LingBotMapNode(Node):
     def __init__(self, node_name: str = NODE_NAME, **kwargs) -> None:
         super().__init__(node_name, **kwargs)
         log = self.get_logger()
-        self._log_handler = _ForwardToRos(log)
+        self._log_handler = ForwardToRos(log)
         logging.getLogger("lingbot_map_ros").addHandler(self._log_handler)
         logging.getLogger("lingbot_map_ros").setLevel(logging.INFO)
-        self.settings = self._read_parameters()
+        try:
+            self.settings, self.camera_settings = declare_parameters(self)
+        except (ParameterException, ConfigError) as exc:
+            raise StartupError(f"invalid parameters: {exc}") from None
         s = self.settings
         # one TF broadcaster, buffer and listener for every camera and the alignment (started by its
         # first user: the alignment at once when base_frame is set, a camera that publishes TF)
         self.tf_shared = SharedTf(self)
-        self.sessions = None  # CameraSessions of the named cameras (one K/V storage); None for the unnamed one
+        self.cameras = CameraSet(s, list(self.camera_settings), self.tf_shared, log)
         self.channels: dict[str, CameraChannel] = {}
-        # named cameras: one map (the alignment, started at once when base_frame is set) and one pool
-        self.named = NamedCameras(s, self.tf_shared, self.channels, log) if s.cameras else None
         self._start_cameras()
 
         self._input_group = MutuallyExclusiveCallbackGroup()
@@ -175,29 +127,8 @@ class LingBotMapNode(Node):
         for channel in self.channels.values():  # converters named here so that a profiler may wrap them
             channel.subscribe(self._input_group, None, image_to_rgb, compressed_to_rgb)
         self.diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", qos_profile())
-        self.maps = MapTopics(self, self.channels, s)  # ~/[<c>/]map_points (and named cameras' ~/map_points)
-        # The services live on a helper node that ros.main spins on its own executor thread: a
-        # call waits for the inference thread (one step, or up to service_timeout while the
-        # first frame compiles), and image intake, timers and diagnostics must not wait with it.
-        # Their names are this node's (~/reset is <this node>/reset whatever the helper is called).
-        self.service_node = Node(f"{self.get_name()}_services", namespace=self.get_namespace(),
-                                 context=self.context, use_global_arguments=False,
-                                 start_parameter_services=False)
-        # reentrant: a call that writes files (a slow disk) never holds up another service
-        self._service_group = ReentrantCallbackGroup()
-        self.map_saving = MapSaving(self.channels, lambda: self.settings, log)
-        prefix = self.get_fully_qualified_name().rstrip("/")
-        # Not `self._services` or `self._timers`: those are rclpy Node's own lists (the parameter
-        # services live there; replacing them dropped them and made this executor serve the helper's).
-        self._service_handles = []
-        for channel in self.channels.values():
-            self._service_handles += channel.create_services(self.service_node, prefix, self._service_group)
-        self._service_handles.append(self.service_node.create_service(
-            SaveMap, f"{prefix}/save_map", self.map_saving.save, qos_profile=SERVICE_QOS,
-            callback_group=self._service_group))
-        self.session_services = SessionServices(self.channels, lambda: self.settings, log, self.service_node, prefix,
-                                                self._service_group)
-        self._service_handles += self.session_services.handles
+        self.maps = MapTopics(self, self.channels, s)  # ~/[<c>/]map_points (and listed cameras' ~/map_points)
+        self._create_services(log)
         # Timers run on the steady clock: with use_sim_time and no /clock, /diagnostics and the
         # status heartbeat go on (and say so) instead of stopping without a word.
         self._steady = Clock(clock_type=ClockType.STEADY_TIME)
@@ -210,114 +141,73 @@ class LingBotMapNode(Node):
         self.add_on_set_parameters_callback(self._check_parameters)
         self.add_post_set_parameters_callback(self._apply_parameters)
         self.scheduler.start()
-        transports = {c.settings.input_transport for c in self.channels.values()}
-        if "raw" in transports and _fastdds_without_profile():
-            log.warning("FASTDDS_DEFAULT_PROFILES_FILE is not set: with Fast DDS a raw image over 512 KB (518x378 "
-                        "RGB and larger) travels as UDP fragments and is often lost on a best-effort subscription. "
-                        "Start the camera driver (and this node) with FASTDDS_DEFAULT_PROFILES_FILE=<share>/"
-                        "lingbot_map_ros/config/fastdds_large_messages.xml (the launch file sets it for the node), "
-                        "or use compressed input")
+        if "raw" in {c.settings.input_transport for c in self.channels.values()} and fastdds_without_profile():
+            log.warning(FASTDDS_WARNING)
         for channel in self.channels.values():
             cs = channel.settings
             log.info(f"ready: listening on {channel.image_sub.topic_name} ({cs.input_transport}, {cs.input_qos} QoS), "
-                     f"device {cs.stream.device}, backend {channel.engine.session.backend.name}, "
+                     f"device {cs.stream.device}, backend {channel.engine.session.inner.backend.name}, "
                      f"dtype {cs.stream.dtype}")
 
     # ------------------------------------------------------------------ start-up
     def _start_cameras(self) -> None:
-        """A channel per camera (the unnamed one when ``cameras`` is empty: today's names), the
-        model and a session each, one ``CameraScheduler`` driving them all."""
-        s = self.settings
-        names = list(self.camera_settings)
-        reference = names[0]
-        for name in names:
-            cs = self.camera_settings[name]
-            placer = tf_settings = pool = None
-            if self.named is not None:  # placed in one map, TF of the others to the first
-                placer, pool = self.named.placer(name), self.named.pool.status
-                tf_settings = self.named.tf_settings(name, cs)
-            channel = CameraChannel(self, name, cs, placer, tf_settings=tf_settings, tf_shared=self.tf_shared,
-                                    pool=pool)
+        """A channel per camera of the set, the model and a session each, one ``CameraScheduler``
+        driving them all."""
+        s, cameras = self.settings, self.cameras
+        for name, cs in self.camera_settings.items():
+            channel = CameraChannel(self, name, cs, cameras.aligner, cameras.tf_settings(name, cs), self.tf_shared,
+                                    cameras.pool.status)
             self.channels[name] = channel
             channel.outputs.publish_status(StatusFields(state=0, state_text="loading the model"), None)
-        sessions = self._load_sessions()
-        if self.named is not None:
-            self.named.pool.attach(self.sessions)  # read from here on (a resume's statuses show it)
-        resumed = self._open_journals(sessions)
+        self.sessions = load_sessions(s, self.camera_settings, self.get_logger())
+        cameras.pool.attach(self.sessions)  # read from here on (a resume's statuses show it)
+        journals, resumed = self._open_journals(self.sessions.sessions)
         for name, channel in self.channels.items():
-            channel.attach(sessions[name], self._now)
-            channel.engine.resumed_from(resumed[name])
-        self.engine = self.channels[reference].engine  # the first camera's (in-process use, tests)
-        self.outputs = self.channels[reference].outputs
-        batch = self.sessions.submit_many if s.camera_batching and self.sessions is not None else None
-        pipeline = s.camera_pipelining and len(names) > 1  # one camera: nothing to overlap with
+            channel.attach(self.sessions.sessions[name], journals[name], self._now)
+            channel.engine.commands.resumed_from(resumed[name])
+        batch = self.sessions.submit_many if s.camera_batching and len(self.channels) > 1 else None
+        pipeline = s.camera_pipelining and len(self.channels) > 1  # one camera: nothing to overlap with
         self.scheduler = CameraScheduler({name: ch.engine for name, ch in self.channels.items()}, batch=batch,
                                          pipeline=pipeline)
-        if self.named is not None:
-            self.named.announce()
-        elif s.camera_batching:
-            self.get_logger().warning("camera_batching is true but cameras is empty: with one camera there "
-                                      "is nothing to batch (the parameter has no effect)")
+        cameras.announce()
 
-    def _read_parameters(self) -> NodeSettings:
-        """The node's settings; ``camera_settings`` = each camera's ({"": the node's} without ``cameras``)."""
+    def _open_journals(self, sessions: dict) -> tuple[dict, dict]:
+        """state_directory / load_session: each camera's session journaled (and rebuilt from its
+        journal or the saved session) before anything is subscribed (``ros.sessions``)."""
         try:
-            for p in PARAMETERS:
-                if p.name == "cameras":
-                    self._declare_string_array(p)
-                else:
-                    self.declare_parameter(p.name, p.default, descriptor(p))
-            values = {p.name: self.get_parameter(p.name).value for p in PARAMETERS}
-            settings = resolve_settings(values, log=self.get_logger().info)
-            self.camera_settings = self._read_camera_parameters(values, settings.cameras) or {"": settings}
-            return settings
-        except (ParameterException, ConfigError) as exc:
-            raise StartupError(f"invalid parameters: {exc}") from None
+            return open_journals(self.channels, sessions, self.camera_settings)
+        except (SessionError, JournalError, OSError) as exc:
+            what = f"{exc.strerror or exc}: {exc.filename}" if isinstance(exc, OSError) and exc.filename else str(exc)
+            raise StartupError(f"state_directory / load_session: {what}") from None
 
-    def _declare_string_array(self, p: Param) -> None:
-        """Declare ``p`` as a string array holding [] when not given: a default [] would type it as a
-        byte array (a YAML list of names would then be refused), and a params file's ``[]`` has no
-        type at all (the parameter would stay uninitialized, and ``ros2 param get`` fail)."""
-        final = descriptor(p)
-        final.type = ParameterType.PARAMETER_STRING_ARRAY
-        writable = descriptor(p)
-        writable.read_only = False  # until it has a value (below); set_descriptor then makes it read-only
-        self.declare_parameter(p.name, Parameter.Type.STRING_ARRAY, writable)
-        if self.get_parameter_or(p.name).type_ == Parameter.Type.NOT_SET:  # not given, or given as []
-            self.set_parameters([Parameter(p.name, Parameter.Type.STRING_ARRAY, list(p.default))])
-        self.set_descriptor(p.name, final)
+    def _create_services(self, log) -> None:
+        """The services live on a helper node that ros.main spins on its own executor thread: a call
+        waits for the inference thread (one step, or up to service_timeout while the first frame
+        compiles), and image intake, timers and diagnostics must not wait with it. Their names are
+        this node's (~/reset is <this node>/reset whatever the helper is called)."""
+        self.service_node = Node(f"{self.get_name()}_services", namespace=self.get_namespace(),
+                                 context=self.context, use_global_arguments=False,
+                                 start_parameter_services=False)
+        group = ReentrantCallbackGroup()  # a call that writes files (a slow disk) never holds up another
+        self.map_saving = MapSaving(self.channels, lambda: self.settings, log)
+        prefix = self.get_fully_qualified_name().rstrip("/")
+        # Not `self._services`: that is rclpy Node's own list (the parameter services live there;
+        # replacing it dropped them and made this executor serve the helper's).
+        self._service_handles = []
+        for channel in self.channels.values():
+            self._service_handles += channel.create_services(self.service_node, prefix, group)
+        self._service_handles.append(self.service_node.create_service(
+            SaveMap, f"{prefix}/save_map", self.map_saving.save, qos_profile=SERVICE_QOS, callback_group=group))
+        self.session_services = SessionServices(self.channels, lambda: self.settings, log, self.service_node, prefix,
+                                                group)
+        self._service_handles += self.session_services.handles
 
-    def _read_camera_parameters(self, values: dict, cameras: tuple[str, ...]) -> dict[str, NodeSettings]:
-        """Declare camera.<c>.<p> for each listed camera and per-camera parameter (default: the global
-        value) and resolve each camera's settings; ConfigError for a camera.* override naming an
-        unknown camera or parameter, or a bad value."""
-        overrides = {name: p.value for name, p in self._parameter_overrides.items() if name.startswith(CAMERA_PREFIX)}
-        camera_values(cameras, overrides)  # refuses unknown cameras/parameters and bad values, naming them
-        if not cameras:
-            return {}
-        per_camera = {}
-        for camera in cameras:
-            per_camera[camera] = {}
-            for name in CAMERA_PARAMETERS:
-                p = _PARAMETER_TABLE[name]
-                full = camera_param_name(camera, name)
-                own = replace(p, name=full, description=f"camera {camera}: {p.description}")
-                self.declare_parameter(full, values[name], descriptor(own))
-                per_camera[camera][name] = self.get_parameter(full).value
-        return resolve_camera_settings(values, per_camera, log=self.get_logger().info)
+    def _now(self) -> float:
+        return self.get_clock().now().nanoseconds * 1e-9
 
-    def _settings_after(self, params) -> tuple[NodeSettings, dict[str, NodeSettings]]:
-        """(the node's settings, each camera's) after ``params``; ConfigError for a value the node
-        cannot take at run time. Parameters that are not ours (use_sim_time, QoS overrides) pass."""
-        settings = self.settings
-        per_camera = {name: channel.settings for name, channel in self.channels.items()}
-        named = bool(settings.cameras)
-        for p in params:
-            if named and (p.name in _PARAMETER_TABLE or p.name.startswith(CAMERA_PREFIX)):
-                per_camera = apply_camera_dynamic(per_camera, p.name, p.value)
-            if p.name in _PARAMETER_TABLE:
-                settings = apply_dynamic(settings, p.name, p.value)
-        return settings, per_camera if named else {"": settings}
+    # ------------------------------------------------------------------ parameters at run time
+    def _settings_after(self, params):
+        return settings_after(self.settings, {name: ch.settings for name, ch in self.channels.items()}, params)
 
     def _check_parameters(self, params) -> SetParametersResult:
         """on_set_parameters: refuse (with the reason) a value the node cannot take at run time."""
@@ -355,70 +245,6 @@ class LingBotMapNode(Node):
             self._rate_timers[which] = self.create_timer(1.0 / rate, callback, callback_group=self._timer_group,
                                                          clock=self._steady)
 
-    def _load_model(self):
-        from ..io.checkpoint import load_model
-
-        s = self.settings
-        if s.checkpoint is None:
-            self.get_logger().warning("checkpoint is empty: the model has RANDOM weights (seed "
-                                      f"{s.seed}); poses, depth and points are MEANINGLESS. Set the checkpoint "
-                                      "parameter to a .pt/.safetensors file or a Hugging Face id.")
-        return load_model(s.model, s.checkpoint, s.stream.device, s.stream.dtype, seed=s.seed)
-
-    def _check_memory(self, cameras: list) -> None:
-        """Refuse (MemoryBudgetError, a ConfigError) a configuration whose estimated GPU memory exceeds
-        the device's free memory (``stream.memory``); the largest camera's settings stand for all."""
-        from ..stream.memory import check_fits
-
-        s = max(cameras, key=lambda c: (c.image_width, c.stream.sliding_window + c.stream.num_scale_frames))
-        if not self.settings.gpu_memory_check:
-            return
-        est = check_fits(s.model, s.stream, s.image_width, cameras=len(cameras),
-                         budget_gib=self.settings.gpu_memory_budget_gib)
-        if est is not None:
-            self.get_logger().info(f"GPU memory estimate: {est.describe()}" + (
-                f" per camera's K/V, {len(cameras)} cameras" if len(cameras) > 1 else ""))
-
-    def _load_sessions(self) -> dict:
-        """The one place the model is built: configs -> weights -> device -> a session per camera.
-        The unnamed camera gets a session with its own cache; named cameras one ``CameraSessions``
-        (``self.sessions``: a session each on one K/V storage)."""
-        from ..io.checkpoint import CheckpointError
-        from ..stream import BackendUnavailable
-        from ..stream.long_stream import LongStreamSession
-        from ..stream.multi import CameraSessions
-        from ..stream.session import StreamingSession
-
-        s = self.settings
-        t0 = time.perf_counter()
-        try:
-            self._check_memory(list(self.camera_settings.values()) if s.cameras else [s])
-            model = self._load_model()
-            if s.cameras:
-                self.sessions = CameraSessions(model, {name: (cs.stream, cs.long_stream)
-                                                       for name, cs in self.camera_settings.items()})
-                sessions = dict(self.sessions.sessions)
-            else:
-                sessions = {"": LongStreamSession(StreamingSession(model, s.stream), s.long_stream)}
-        except (CheckpointError, BackendUnavailable, ConfigError, ValueError) as exc:
-            raise StartupError(str(exc)) from None
-        cameras = f" for {len(s.cameras)} cameras: {', '.join(s.cameras)}" if s.cameras else ""
-        self.get_logger().info(f"model loaded in {time.perf_counter() - t0:.1f} s "
-                               f"({sum(p.numel() for p in model.parameters()) / 1e6:.1f} M parameters){cameras}")
-        return sessions
-
-    def _open_journals(self, sessions: dict) -> dict:
-        """state_directory / load_session: each camera's session journaled (and rebuilt from its
-        journal or the saved session) before anything is subscribed (``ros.sessions``)."""
-        try:
-            return open_journals(self.channels, sessions, self.camera_settings)
-        except (SessionError, JournalError, OSError) as exc:
-            what = f"{exc.strerror or exc}: {exc.filename}" if isinstance(exc, OSError) and exc.filename else str(exc)
-            raise StartupError(f"state_directory / load_session: {what}") from None
-
-    def _now(self) -> float:
-        return self.get_clock().now().nanoseconds * 1e-9
-
     # ------------------------------------------------------------------ timers
     def _on_second(self) -> None:
         clock = self._clock_problem()
@@ -445,37 +271,36 @@ class LingBotMapNode(Node):
             channel.outputs.flush_path()
 
     def _diagnostics(self, clock: str) -> DiagnosticArray:
-        """/diagnostics: the clock, the shared pool (named cameras) and every camera's entries (the
-        unnamed camera's under the node's name, a named camera's under "<node>: <camera>")."""
+        """/diagnostics: the clock, the shared pool (several cameras) and every camera's entries (the
+        node's one camera under the node's name, a listed camera's under "<node>: <camera>")."""
         name = self.get_fully_qualified_name()
         statuses = [diag(f"{name}: clock", DiagnosticStatus.WARN if clock else DiagnosticStatus.OK,
                          clock or "ok", {"use_sim_time": self.get_parameter("use_sim_time").value})]
-        if self.named is not None:
-            statuses.append(self.named.pool_diag(name, self.scheduler))
+        if self.sessions.storage is not None:  # a K/V storage several cameras share
+            statuses.append(self.cameras.pool_diag(name, self.scheduler))
         for camera, channel in self.channels.items():
             label = f"{name}: {camera}" if camera else name
-            statuses.append(channel.input_diag(label))
-            statuses += channel.state_diags(label)
+            statuses.append(input_diag(channel, label))
+            statuses += state_diags(channel, label)
             journal = journal_diag(label, channel.engine)
             if journal is not None:
                 statuses.append(journal)
-            if self.named is not None:
-                statuses.append(self.named.map_frame_diag(label, camera, channel.outputs.placement().frame,
-                                                          self.scheduler.served.get(camera, 0)))
+            statuses.append(self.cameras.map_frame_diag(label, camera, channel.outputs.placement().frame,
+                                                        self.scheduler.served.get(camera, 0)))
         return DiagnosticArray(header=Header(stamp=self.get_clock().now().to_msg()), status=statuses)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
         self.scheduler.stop()
         for camera, channel in self.channels.items():  # what was journaled reaches the disk
-            journal = channel.engine.journal
+            engine = channel.engine
             written = []
-            if journal is not None and journal.writer is not None:
-                journal.writer.close(timeout=JOURNAL_CLOSE_S)
-                written.append(("journal", journal.writer.status()))
-            if channel.engine.map_journal is not None:
-                channel.engine.map_journal.close(timeout=JOURNAL_CLOSE_S)
-                written.append(("map journal", channel.engine.map_journal.status()))
+            if engine.journal is not None and engine.journal.writer is not None:
+                engine.journal.writer.close(timeout=JOURNAL_CLOSE_S)
+                written.append(("journal", engine.journal.writer.status()))
+            if engine.seq.map_journal is not None:
+                engine.seq.map_journal.close(timeout=JOURNAL_CLOSE_S)
+                written.append(("map journal", engine.seq.map_journal.status()))
             if written:  # what journaling cost the disk (docs/sessions.md)
                 self.get_logger().info(f"{camera or 'camera'}: " + "; ".join(
                     f"{what} {st.bytes_written / 1e6:.1f} MB written in {st.seconds:.1f} s"
@@ -485,9 +310,4 @@ class LingBotMapNode(Node):
         logging.getLogger("lingbot_map_ros").removeHandler(self._log_handler)
 
 
-def _fastdds_without_profile() -> bool:
-    """True when the RMW is Fast DDS (the default) and no XML profile is configured."""
-    rmw = os.environ.get("RMW_IMPLEMENTATION", "") or "rmw_fastrtps_cpp"
-    profile = os.environ.get("FASTDDS_DEFAULT_PROFILES_FILE") or os.environ.get("FASTRTPS_DEFAULT_PROFILES_FILE")
-    return rmw.startswith("rmw_fastrtps") and not profile
-
+__all__ = ["LingBotMapNode", "StartupError"]

@@ -1,9 +1,9 @@
 """The node's keyframe journal over ROS: start-up resume, ~/save_session, ~/load_session and
 the "journal" entry of /diagnostics (the logic lives in ``runtime.journaling``).
 
-- Start-up (``open_journals``): every camera's session is wrapped and, when its state
-  directory holds a journal (or ``load_session`` names a saved session), rebuilt before
-  the node subscribes; ~/status says "resuming k of n" meanwhile.
+- Start-up (``open_journals``): every camera's session gets its journal recorder and, when its
+  state directory holds a journal (or ``load_session`` names a saved session), is rebuilt
+  before the node subscribes; ~/status says "resuming k of n" meanwhile.
 - ``~/save_session``: every camera's journal into one saved session folder, written on the
   service thread (a slow disk holds up neither frames nor other services).
 - ``~/load_session``: every camera's state replaced by the saved session's, on the
@@ -23,23 +23,24 @@ from ..journal import JournalError
 from ..runtime.frames import StatusFields
 from ..runtime.journaling import (Resumed, SessionError, camera_folder, check_saved, open_camera_journal,
                                   save_sessions, session_folder)
-from .camera_channel import SERVICE_QOS, diag
+from .common import SERVICE_QOS, diag
 
 
-def open_journals(channels: dict, sessions: dict, camera_settings: dict) -> dict[str, Resumed | None]:
-    """Wrap (and rebuild) each camera's session in place in ``sessions``; what was rebuilt per
-    camera. SessionError / OSError / JournalError when a requested session cannot be loaded."""
-    resumed = {}
+def open_journals(channels: dict, sessions: dict, camera_settings: dict) -> tuple[dict, dict[str, Resumed | None]]:
+    """Each camera's journal recorder (None: journaling and saved sessions off) observing its
+    session, rebuilt from its journal or saved session; and what was rebuilt per camera.
+    SessionError / OSError / JournalError when a requested session cannot be loaded."""
+    journals, resumed = {}, {}
     for name, channel in channels.items():
         def progress(k: int, n: int, outputs=channel.outputs) -> None:
             outputs.publish_status(StatusFields(state=0, state_text=f"resuming {k} of {n}"), None)
-        sessions[name], resumed[name] = open_camera_journal(sessions[name], camera_settings[name], name, progress)
+        journals[name], resumed[name] = open_camera_journal(sessions[name], camera_settings[name], name, progress)
         if resumed[name] is not None:
             r = resumed[name]
             _log(channel.log, not (r.refused or r.stop),
                  f"journal set aside as {r.set_aside}: {r.refused}; a new journal starts" if r.refused
                  else r.describe())
-    return resumed
+    return journals, resumed
 
 
 class SessionServices:
@@ -80,7 +81,7 @@ class SessionServices:
         def body(response) -> str:
             journals = {name: ch.engine.journal for name, ch in self.channels.items()}
             folder = session_folder(request.directory, self.settings().output_directory)
-            maps = {name: ch.engine.map_journal for name, ch in self.channels.items()}
+            maps = {name: ch.engine.seq.map_journal for name, ch in self.channels.items()}
             response.bytes = save_sessions(journals, folder, maps)
             response.path = str(folder)
             cameras = f" ({len(journals)} cameras)" if len(journals) > 1 else ""
@@ -101,7 +102,7 @@ class SessionServices:
             done: list[Resumed] = []
             for name, channel in channels.items():
                 ok, resumed, error = channel.run("load_session", lambda c=channel, n=name:
-                                                 c.engine.load_session(camera_folder(folder, n)))
+                                                 c.engine.commands.load_session(camera_folder(folder, n)))
                 if not ok:
                     loaded = f" ({len(done)} camera(s) before it already loaded)" if done else ""
                     raise SessionError(f"camera {name}: {error}{loaded}" if name else error)
@@ -116,7 +117,7 @@ class SessionServices:
 def journal_diag(label: str, engine) -> DiagnosticStatus | None:
     """The "journal" entry of a camera: WARN while journaling is paused (disk full, not writable,
     too slow) or when a journal found at start was set aside; None without sessions."""
-    journal, resumed = engine.journal, engine.resumed
+    journal, resumed = engine.journal, engine.commands.resumed
     if journal is None:
         return None
     values: dict[str, Any] = {}
@@ -130,7 +131,7 @@ def journal_diag(label: str, engine) -> DiagnosticStatus | None:
             level, message = DiagnosticStatus.WARN, f"paused: {st.reason}; inference goes on"
         else:
             message = f"{st.state}: {st.records} records, {st.file_bytes / 2**20:.1f} MiB"
-        map_journal = getattr(engine, "map_journal", None)
+        map_journal = engine.seq.map_journal
         if map_journal is not None:
             ms = map_journal.status()
             values.update({"map journal": ms.path, "map journal state": ms.state,
@@ -138,7 +139,7 @@ def journal_diag(label: str, engine) -> DiagnosticStatus | None:
                            "map journal written (MiB)": f"{ms.bytes_written / 2**20:.1f}"})
             if ms.state == "paused" and level == DiagnosticStatus.OK:
                 level, message = DiagnosticStatus.WARN, f"map journal paused: {ms.reason}; inference goes on"
-    restored = getattr(engine, "restored_map", None)
+    restored = engine.seq.restored
     if restored is not None:
         values["map and path at the last resume"] = (f"not restored: {restored.note}" if restored.note and not
                                                      restored.records else f"{restored.points} points, "

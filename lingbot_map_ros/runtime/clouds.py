@@ -18,7 +18,6 @@ from ..robot.map_offset import OutputTransform
 from ..robot.scale import scale_depth
 from ..stream import FrameResult
 from .frames import FrameOutput, Logger, Sink
-from .mapping import MapAccumulator
 from .output_worker import OutputWorker
 from .worker import Throttle
 
@@ -51,17 +50,19 @@ def frame_clouds(r: FrameResult, pose: FrameOutput, need_points: bool, need_dept
 
 
 class CloudOutput:
-    """A camera's output thread (``worker``): each frame's clouds go into the map (model units)
-    and out to the sink (``Sink.publish_clouds``) there, never holding up the inference thread;
-    at most two frames wait, older ones are skipped (counted in ``skipped``, warned)."""
+    """A camera's output thread (``worker``): each frame's clouds go into the map (model units,
+    ``seq.add_points``: the sequence's ``runtime.sequence.Sequence``) and out to the sink
+    (``Sink.publish_clouds``) there, never holding up the inference thread; at most two frames
+    wait, older ones are skipped (counted in ``skipped``, warned)."""
 
-    def __init__(self, sink: Sink, map_: MapAccumulator | None, log: Logger, throttle: Throttle,
+    def __init__(self, sink: Sink, seq, worker: OutputWorker, log: Logger, throttle: Throttle,
                  map_max_points: int = 0) -> None:
-        self.sink, self.map, self.log, self.throttle = sink, map_, log, throttle
+        self.sink, self.seq, self.log, self.throttle = sink, seq, log, throttle
         self.map_max_points = map_max_points
         self.skipped = 0  # frames whose clouds the output thread dropped (it fell behind)
         self._warned_thinning = False
-        self.worker = OutputWorker(max_pending=2, on_skip=self._skipped, on_error=self._failed)
+        self.worker = worker
+        worker.on_skip, worker.on_error = self._skipped, self._failed
 
     def submit(self, r: FrameResult, pose: FrameOutput, need_points: bool, need_depth: bool, conf_threshold: float,
                point_stride: int, transform: OutputTransform | None = None) -> None:
@@ -74,9 +75,10 @@ class CloudOutput:
         """Output thread: the frame's point cloud (~/points, map) and depth image; ``transform`` = the
         frame's scale and map offset (the map keeps the sequence's own frame and units)."""
         out, for_map = frame_clouds(r, pose, need_points, need_depth, conf_threshold, point_stride, transform)
-        if for_map is not None and self.map is not None:
-            self.map.add(r.frame_index, *for_map)  # model units (transformed at publication and save)
-            if self.map.thinned and not self._warned_thinning:
+        acc = self.seq.map
+        if for_map is not None and acc is not None:
+            self.seq.add_points(r.frame_index, *for_map)  # model units (transformed at publication and save)
+            if acc.thinned and not self._warned_thinning:
                 self._warned_thinning = True
                 self.log.warning(f"the map reached map_max_points={self.map_max_points}: its older part is thinned "
                                  "uniformly; raise map_voxel_size or map_max_points for a denser map")

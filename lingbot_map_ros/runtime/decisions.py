@@ -4,15 +4,17 @@
   (~/commit_eviction) or drop (~/rollback_last_frame) decision about it until its
   deadline; meanwhile the engine takes only commands. A decision names the held frame
   (1-based, 0 = whichever it is); another index, or a frame already decided, is refused
-  (``SessionError``, counted in ``decisions_refused``) and nothing changes.
+  (``DecisionRefused``, which says whether it counts in ``decisions_refused``) and nothing
+  changes.
 - **Motion reference** of ~/frame: the poses of the last stored frames (the newest is
   the reference of the next frames' translation and rotation since the keyframe).
 - **Deferral deadline** (``deferred_eviction_timeout``): the time the oldest deferred
   eviction has waited; past the timeout the engine commits it, and later ones at once
   until a client decides again (a keyframe client that died must not blind the robot).
 
-Bookkeeping only: the engine applies the decisions to the session. Inference thread
-only; no ROS, no torch.
+Bookkeeping only: ``keyframe_control`` applies the decisions to the session and the
+``Sequence`` counts them (``decide`` returns the counter). Inference thread only; no ROS,
+no torch. Owned by the camera's ``runtime.sequence.Sequence``.
 """
 from __future__ import annotations
 
@@ -21,9 +23,20 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..stream import SessionError
-from .worker import Counters
 
 KEYFRAME_POSES = 8  # stored frames' poses kept as motion references
+
+
+class DecisionRefused(SessionError):
+    """A keep/drop decision that cannot apply (nothing changed); ``counted``: it counts in
+    ``decisions_refused`` (a decision about a held or decided frame, or any in hold mode)."""
+
+    def __init__(self, message: str, counted: bool) -> None:
+        super().__init__(message)
+        self.counted = counted
+
+
+DECISION_COUNTERS = {"kept": "decisions_kept", "dropped": "decisions_dropped"}  # else decisions_timed_out
 
 
 @dataclass(frozen=True)
@@ -36,10 +49,9 @@ class Hold:
 
 
 class KeyframeDecisions:
-    """See the module docstring; ``counters`` gets the decision counts."""
+    """See the module docstring."""
 
-    def __init__(self, counters: Counters) -> None:
-        self.counters = counters
+    def __init__(self) -> None:
         self.hold: Hold | None = None
         self.decided: tuple[int, str] | None = None  # the last decided frame (hold mode): (index, how)
         self.last_stored = 0  # 1-based index of the newest stored frame still in the cache; 0 = none
@@ -67,32 +79,30 @@ class KeyframeDecisions:
         return hold if now >= hold.deadline else None
 
     def check(self, expected: int, commit: bool, hold_mode: bool) -> int | None:
-        """The held frame a decision is about (None without a hold); SessionError (counted) when
+        """The held frame a decision is about (None without a hold); ``DecisionRefused`` when
         ``expected`` (1-based, 0 = the latest) names another frame or one already decided. ``commit``:
         a keep, whose index must be the latest stored frame (a rollback's is checked by the session);
         ``hold_mode``: keyframe_decision_timeout > 0 (a refused commit counts as a refused decision)."""
         hold = self.hold
         if hold is not None:
             if expected not in (0, hold.index):
-                self.counters.add("decisions_refused")
-                raise SessionError(f"frame {expected} is not the frame waiting for a decision ({hold.index}); "
-                                   "nothing changed")
+                raise DecisionRefused(f"frame {expected} is not the frame waiting for a decision ({hold.index}); "
+                                      "nothing changed", counted=True)
             return hold.index
         if self.decided is not None and expected == self.decided[0]:
-            self.counters.add("decisions_refused")
-            raise SessionError(f"frame {expected} was already decided ({self.decided[1]}); nothing changed")
+            raise DecisionRefused(f"frame {expected} was already decided ({self.decided[1]}); nothing changed",
+                                  counted=True)
         if commit and expected not in (0, self.last_stored):
-            if hold_mode:
-                self.counters.add("decisions_refused")
             latest = self.last_stored or "none (nothing stored since the last reset or rollback)"
-            raise SessionError(f"the last stored frame is {latest}, not {expected}; nothing changed")
+            raise DecisionRefused(f"the last stored frame is {latest}, not {expected}; nothing changed",
+                                  counted=hold_mode)
         return None
 
-    def decide(self, index: int, how: str) -> None:
-        """``how``: "kept", "dropped" or "<default> by timeout" (counted in decisions_timed_out)."""
+    def decide(self, index: int, how: str) -> str:
+        """``how``: "kept", "dropped" or "<default> by timeout"; returns the counter it counts in."""
         self.hold = None
         self.decided = (index, how)
-        self.counters.add({"kept": "decisions_kept", "dropped": "decisions_dropped"}.get(how, "decisions_timed_out"))
+        return DECISION_COUNTERS.get(how, "decisions_timed_out")
 
     # ------------------------------------------------------------------ motion reference
     def stored(self, index: int, T_map_cam: np.ndarray) -> None:
@@ -137,4 +147,4 @@ class KeyframeDecisions:
         self.poses = []
 
 
-__all__ = ["KeyframeDecisions", "Hold", "KEYFRAME_POSES"]
+__all__ = ["KeyframeDecisions", "DecisionRefused", "Hold", "KEYFRAME_POSES", "DECISION_COUNTERS"]

@@ -9,11 +9,12 @@ otherwise (metres per model unit).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
+from ..robot.map_offset import OutputTransform
 from ..robot.undistort import CameraModel
 from .mapping import PoseEntry
 
@@ -66,6 +67,7 @@ class FrameOutput:
     covariance: np.ndarray | None = None  # [36] float64 row-major 6x6 pose covariance (x y z roll pitch yaw)
     scale: float = 1.0  # metres per model unit applied to T_map_cam, points and depth (1 = model units)
     scale_ready: bool = True  # False while an estimated scale has not converged (TF may wait, see node)
+    transform: OutputTransform = field(default_factory=OutputTransform)  # scale + map offset it went through
 
 
 @dataclass
@@ -138,7 +140,7 @@ class Sink(Protocol):
 
     def publish_frame(self, out: FrameOutput) -> None: ...
     def publish_clouds(self, out: FrameOutput) -> None: ...  # points and depth of an already published frame
-    def publish_path(self, entries: list[PoseEntry]) -> None: ...
+    def publish_path(self, entries: list[PoseEntry], transform: OutputTransform | None = None) -> None: ...
     def publish_status(self, status: StatusFields, stamp: Any) -> None: ...
     def publish_frame_info(self, info: FrameSummary, out: FrameOutput) -> None: ...
     def configure(self, settings: Any) -> None: ...  # new settings (a parameter set), on the inference thread

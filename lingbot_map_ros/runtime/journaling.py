@@ -1,13 +1,13 @@
 """The keyframe journal in the node: ``state_directory``, ``load_session``, ``~/save_session``.
 
 No ROS here. The node calls ``open_camera_journal`` once per camera at start (after the
-model is loaded, before the camera's engine exists): with ``state_directory`` the camera's
-session is wrapped in a ``journal.JournaledSession`` whose journal lives in
+model is loaded, before the camera's engine exists): with ``state_directory`` a
+``journal.JournalRecorder`` observes the camera's session, its journal in
 ``<state_directory>[/<camera>]/journal.lbj``; a journal found there is resumed (rebuilt by
 replaying its stored frames) or, when it belongs to another model, configuration or
 resolution, set aside with the reason (``journal.state_dir``). With ``load_session`` the
 journal found there is set aside instead (``journal.replaced-<UTC time>.lbj``) and the
-saved session is loaded. Without either the session is not wrapped: nothing changes.
+saved session is loaded. Without either there is no recorder: nothing changes.
 
 ``save_sessions`` writes every camera's journal as one saved session folder
 (``<folder>[/<camera>]/journal.lbj``) on the calling (service) thread: into a temporary
@@ -29,7 +29,7 @@ import numpy as np
 
 from ..io.atomic import fsync_directory
 from ..io.map_save import MapSaveError, new_save_id, resolve_save_directory
-from ..journal import (JOURNAL_NAME, JournaledSession, JournalError, Rebuilt, journal_identity, load_session,
+from ..journal import (JOURNAL_NAME, JournalError, JournalRecorder, Rebuilt, journal_identity, load_session,
                        open_state_directory, set_aside)
 from ..journal.resume import read_journal
 from ..journal.writer import usable_compression
@@ -117,13 +117,14 @@ def journal_label(settings: NodeSettings) -> str:
 
 def open_camera_journal(session, settings: NodeSettings, camera: str,
                         progress: Callable[[int, int], None] | None = None
-                        ) -> tuple[Any, Resumed | None]:
-    """The camera's session as the node should drive it, and what was rebuilt (None: nothing).
+                        ) -> tuple[JournalRecorder | None, Resumed | None]:
+    """The camera's journal recorder (observing ``session``; None without state_directory and
+    load_session) and what was rebuilt (None: nothing).
 
     Raises SessionError when ``load_session`` cannot be loaded (the node refuses to start: the
     operator asked for that map) and OSError when the state directory cannot be made."""
     if not settings.state_directory and not settings.load_session:
-        return session, None
+        return None, None
     identity = journal_identity(session, journal_label(settings))
     resumed = None
     if settings.state_directory:
@@ -134,41 +135,43 @@ def open_camera_journal(session, settings: NodeSettings, camera: str,
                 log.warning("the journal in %s is set aside as %s (load_session replaces it)", folder, aside.name)
         opened = open_state_directory(folder, session, identity, settings.image_width, progress,
                                       compression=usable_compression(settings.journal_compression))
-        wrapped = opened.session
+        recorder = opened.recorder
         if opened.rebuilt is not None:
             resumed = Resumed.of("journal", opened.rebuilt)
         elif opened.refused:
             resumed = Resumed("journal", str(folder / JOURNAL_NAME), 0, 0, 0.0, refused=opened.refused,
                               set_aside=str(opened.set_aside or ""))
     else:
-        wrapped = JournaledSession(session, None, identity, begin=False)
+        recorder = JournalRecorder(None, identity, begin=False)
+        session.observe(recorder)
     if settings.load_session:
         folder = camera_folder(session_folder(settings.load_session, settings.output_directory, False), camera)
-        resumed = Resumed.of("session", load_saved(wrapped, folder, settings.image_width, progress))
-    return wrapped, resumed
+        resumed = Resumed.of("session", load_saved(session, recorder, folder, settings.image_width, progress))
+    return recorder, resumed
 
 
-def check_saved(session: JournaledSession | None, folder: Path, width: int) -> None:
-    """SessionError unless ``session`` may load the saved session in ``folder``: sessions on, the
-    journal there, readable, of this model, configuration and width (nothing changes here)."""
-    if session is None:
+def check_saved(journal: JournalRecorder | None, folder: Path, width: int) -> None:
+    """SessionError unless the session of ``journal`` may load the saved session in ``folder``:
+    sessions on, the journal there, readable, of this model, configuration and width (nothing
+    changes here)."""
+    if journal is None:
         raise SessionError(SESSIONS_OFF)
     path = Path(folder) / JOURNAL_NAME
     if not path.is_file():
         raise SessionError(f"{folder} holds no saved session (no {JOURNAL_NAME})")
     try:
-        read_journal(path, session.identity, width)
+        read_journal(path, journal.identity, width)
     except JournalError as exc:
         raise SessionError(f"cannot load {folder}: {exc}") from None
 
 
-def load_saved(session: JournaledSession, folder: Path, width: int,
+def load_saved(session, journal: JournalRecorder, folder: Path, width: int,
                progress: Callable[[int, int], None] | None = None) -> Rebuilt:
     """``journal.load_session`` with its refusals as SessionError (state unchanged); an exception
     of the model during the replay propagates (the session is then reset)."""
-    check_saved(session, folder, width)
+    check_saved(journal, folder, width)
     try:
-        return load_session(session, folder, width, progress)
+        return load_session(session, journal, folder, width, progress)
     except JournalError as exc:
         raise SessionError(f"cannot load {folder}: {exc}") from None
 
@@ -180,7 +183,7 @@ class JournalNotes:
     lost reset's offset or a converged scale). ``restore`` takes both back from a rebuilt
     session. Inference thread only; nothing happens without a journal writer."""
 
-    def __init__(self, journal: JournaledSession | None) -> None:
+    def __init__(self, journal: JournalRecorder | None) -> None:
         self.journal = journal
         self._counters: dict[str, int] | None = None
         self._output = None  # the anchor's output last journaled
@@ -196,27 +199,29 @@ class JournalNotes:
         self.journal.note_state(ANCHOR_STATE, anchor.snapshot())
 
     def counters(self, counters: Any) -> None:
+        """``counters``: the ``CounterValues`` ~/status reports now."""
         if not self.writing:
             return
-        values = dict(vars(counters.snapshot()))
+        values = dict(vars(counters))
         if values != self._counters:
             self._counters = values
             self.journal.note_state(COUNTERS_STATE, values)
 
-    def restore(self, resumed: Resumed, counters: Any, anchor: Any) -> None:
-        """Take the journaled counters and the anchor back into ``counters`` and ``anchor``."""
+    def restore(self, resumed: Resumed, seq: Any) -> None:
+        """Take the journaled counters and the anchor back into the sequence ``seq``."""
         counts = resumed.states.get(COUNTERS_STATE)
         if counts:
-            counters.restore(counts)
+            seq.restore_counters(counts)
         state = resumed.states.get(ANCHOR_STATE)
         if state:
-            anchor.restore(state)
-        self.anchor(anchor)
+            seq.anchor.restore(state)
+        self.anchor(seq.anchor)
         self._counters = counts
 
 
-def save_sessions(sessions: dict[str, JournaledSession], folder: Path, maps: dict[str, Any] | None = None) -> int:
-    """Write every camera's journal (``{camera: session}``, "" = the single camera) as one saved
+def save_sessions(sessions: dict[str, JournalRecorder | None], folder: Path, maps: dict[str, Any] | None = None
+                  ) -> int:
+    """Write every camera's journal (``{camera: recorder}``, "" = the single camera) as one saved
     session in ``folder`` (replacing one there), with the camera's map journal (``maps``:
     ``{camera: MapJournal}``, taken after the keyframe journal so that it holds every frame
     that one does); returns the bytes written. SessionError when journaling is off or nothing

@@ -11,51 +11,48 @@
   are committed (a keyframe client that died must not blind the robot: the cache would fill
   and refuse every frame).
 
-The bookkeeping (hold, deadlines, refusals, counts) is ``decisions.KeyframeDecisions``; this
-part applies it to the session, the path and the map, and reports it (status, throttled
-warnings). Inference thread only; no ROS. ``settings()`` is the engine's settings in force.
+The bookkeeping (hold, deadlines, refusals) is ``decisions.KeyframeDecisions``; this part
+applies it to the session and, through the camera's ``runtime.sequence.Sequence``, to the
+path, the map and the counters, and reports it (status, throttled warnings). Inference thread
+only; no ROS. ``settings()`` is the engine's settings in force.
 """
 from __future__ import annotations
 
 from typing import Any, Callable
 
 from ..stream import FrameMismatchError, SessionError
-from .decisions import KeyframeDecisions
-from .frames import Logger, Sink
-from .mapping import MapAccumulator, Trajectory
-from .output_worker import OutputWorker
+from .decisions import DecisionRefused
+from .frames import Logger
 from .params import NodeSettings
+from .sequence import Sequence
 from .stamps import StampGate
 from .status import StatusReporter
-from .worker import Counters, Throttle
+from .worker import Throttle
 
 
 class KeyframeControl:
     """See the module docstring."""
 
-    def __init__(self, session: Any, decisions: KeyframeDecisions, settings: Callable[[], NodeSettings],
-                 reporter: StatusReporter, stamps: StampGate, counters: Counters, trajectory: Trajectory,
-                 map_: MapAccumulator | None, outputs: OutputWorker, sink: Sink, log: Logger, throttle: Throttle,
-                 monotonic: Callable[[], float]) -> None:
-        self.session, self.decisions, self.settings, self.reporter = session, decisions, settings, reporter
+    def __init__(self, session: Any, seq: Sequence, settings: Callable[[], NodeSettings], reporter: StatusReporter,
+                 stamps: StampGate, log: Logger, throttle: Throttle, monotonic: Callable[[], float]) -> None:
+        self.session, self.seq, self.settings, self.reporter = session, seq, settings, reporter
+        self.decisions = seq.decisions
         self.stamps = stamps  # the last stamp taken: the status's
-        self.counters, self.trajectory, self.map, self.outputs = counters, trajectory, map_, outputs
-        self.sink, self.log, self.throttle, self.monotonic = sink, log, throttle, monotonic
+        self.log, self.throttle, self.monotonic = log, throttle, monotonic
 
     def commit_eviction(self, expected_frame_index: int = 0) -> int:
         """Run the deferred evictions: the client keeps the latest stored frame (1-based
         ``expected_frame_index``; 0 = whichever it is). With a decision hold this is the "keep"
         decision about the held frame. Returns the pages freed; raises SessionError (nothing
         changed) when the index names another frame or one already decided."""
-        held = self.decisions.check(expected_frame_index, commit=True,
-                                    hold_mode=self.settings().keyframe_decision_timeout > 0)
+        held = self._check(expected_frame_index, commit=True)
         freed = self.session.commit_eviction()
         self.decisions.client_back()
         if held is not None:
-            self.decisions.decide(held, "kept")
+            self.seq.count(self.decisions.decide(held, "kept"))
         self.reporter.refresh_stats()
         self.note_pending()
-        self.reporter.publish(self.reporter.text, self.stamps.last_stamp)
+        self.reporter.publish(self.seq.text, self.stamps.last_stamp)
         return freed
 
     def rollback(self, expected_frame_index: int) -> int:
@@ -65,14 +62,23 @@ class KeyframeControl:
         the session forgot. With a decision hold this is the "drop" decision about the held
         frame. Returns its 1-based index; raises SessionError (nothing changed).
         """
-        held = self.decisions.check(expected_frame_index, commit=False,
-                                    hold_mode=self.settings().keyframe_decision_timeout > 0)
+        held = self._check(expected_frame_index, commit=False)
         index = self._rollback_stored(held if held is not None else expected_frame_index)
         self.decisions.client_back()
         if held is not None:
-            self.decisions.decide(held, "dropped")
+            self.seq.count(self.decisions.decide(held, "dropped"))
         self.reporter.publish(f"rolled back frame {index}", self.stamps.last_stamp)
         return index
+
+    def _check(self, expected_frame_index: int, commit: bool) -> int | None:
+        """``KeyframeDecisions.check``, a refusal counted in decisions_refused where it counts."""
+        try:
+            return self.decisions.check(expected_frame_index, commit=commit,
+                                        hold_mode=self.settings().keyframe_decision_timeout > 0)
+        except DecisionRefused as exc:
+            if exc.counted:
+                self.seq.count("decisions_refused")
+            raise
 
     def deferral_changed(self) -> None:
         """Deferred eviction was switched (the session's, by the engine): a client is back."""
@@ -101,7 +107,7 @@ class KeyframeControl:
             note = ""
         except SessionError as exc:
             note = f" (could not be applied: {exc})"
-        self.decisions.decide(hold.index, f"{default} by timeout")
+        self.seq.count(self.decisions.decide(hold.index, f"{default} by timeout"))
         self.throttle.emit(self.log.warning, f"no decision about frame {hold.index} within keyframe_decision_timeout="
                            f"{s.keyframe_decision_timeout} s: applied keyframe_decision_default={default}"
                            f"{note}", kind="decision timeout")
@@ -115,7 +121,7 @@ class KeyframeControl:
             return
         freed = self.session.commit_eviction()
         self.decisions.auto_committed()
-        self.counters.add("evictions_auto_committed")
+        self.seq.count("evictions_auto_committed")
         self.reporter.refresh_stats()
         self.throttle.emit(self.log.warning, f"a deferred eviction waited more than deferred_eviction_timeout="
                            f"{timeout} s for ~/commit_eviction: committed automatically ({freed} page(s) freed); "
@@ -127,22 +133,9 @@ class KeyframeControl:
             index = self.session.rollback_last_frame(expected)
         except FrameMismatchError as exc:  # the session counts from 0, the node's interface from 1
             raise SessionError(f"the last stored frame is {exc.last_stored + 1}, not {exc.expected + 1}") from None
-        forgotten_from = self.session.frames_pushed
-        removed = self.trajectory.remove_from(forgotten_from)
-        if self.map is not None:
-            acc = self.map
-
-            def forget() -> None:
-                acc.remove_from(forgotten_from)
-                acc.protect_from(forgotten_from)
-
-            self.outputs.op(forget)
-        self.decisions.forget_from(index + 1)
-        self.reporter.last_index = min(self.reporter.last_index, forgotten_from)
+        self.seq.forget_from(self.session.frames_pushed)  # the frames the session forgot
         self.reporter.refresh_stats()
         self.note_pending()
-        if self.settings().publish_path and removed:
-            self.sink.publish_path(self.trajectory.entries())
         return index + 1
 
 

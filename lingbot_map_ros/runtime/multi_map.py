@@ -29,7 +29,9 @@ camera starts a new ``map`` and re-aligns every camera.
 Until a camera is aligned (the reference has no pose yet, an extrinsic is not in TF)
 its outputs are published in its own frame ``<map_frame>_<c>`` and a throttled warning
 says why; with ``base_frame`` empty every camera, the reference included, keeps its own
-``<map_frame>_<c>`` (one warning at start). Pure numpy + threading, no ROS.
+``<map_frame>_<c>`` (one warning at start). One camera is the set of one: the node's single
+camera (named "") is the reference, and its map is ``map_frame`` whatever ``base_frame`` says.
+Pure numpy + threading, no ROS.
 """
 from __future__ import annotations
 
@@ -94,8 +96,9 @@ def unpublished(T_published: np.ndarray, output: Any) -> np.ndarray:
 
 
 def own_map_frame(map_frame: str, camera: str) -> str:
-    """The frame of a camera that is not aligned: ``<map_frame>_<camera>``."""
-    return f"{map_frame}_{camera}"
+    """The frame of a camera that is not aligned: ``<map_frame>_<camera>`` (the single camera's,
+    named "", is ``map_frame``)."""
+    return f"{map_frame}_{camera}" if camera else map_frame
 
 
 def transform_points(T: np.ndarray | None, points: np.ndarray) -> np.ndarray:
@@ -148,8 +151,9 @@ class _Sequence:
 class MapAligner:
     """Decides each camera's map frame and ``T_map_mapc`` (see the module docstring).
 
-    ``observe`` runs on the inference thread for every published pose; ``placement`` and
-    ``describe`` may be called from any thread.
+    ``observe`` runs on the inference thread for every published pose (it also notes how the
+    camera publishes then: its ``OutputTransform``); ``placement`` and ``describe`` may be called
+    from any thread.
 
     Args:
         cameras: names in order; the first is the reference.
@@ -182,6 +186,7 @@ class MapAligner:
         self._pair: dict[str, _Pair] = {}
         self._why: dict[str, str] = {c: "no pose yet" for c in self.cameras}
         self._frames: dict[str, str] = {}  # optical frame each camera reported last
+        self._outputs: dict[str, Any] = {}  # how each camera published its last pose (scale, map offset)
         self._version = 0
 
     @property
@@ -190,10 +195,13 @@ class MapAligner:
         return bool(self.base_frame)
 
     # -------------------------------------------------------------- inference thread
-    def observe(self, camera: str, index: int, stamp_s: float, camera_frame: str, T_model: np.ndarray) -> None:
+    def observe(self, camera: str, index: int, stamp_s: float, camera_frame: str, T_model: np.ndarray,
+                output: Any = 1.0) -> None:
         """Note a published pose of ``camera`` (1-based frame ``index``, ``T_model`` [4, 4] optical frame ->
-        its own map, model units) and align whatever can be aligned now."""
+        its own map, model units; ``output``: how the camera published it, see ``placement``) and align
+        whatever can be aligned now."""
         with self._lock:
+            self._outputs[camera] = output
             self._check_frame(camera, camera_frame)
             seq = self._seq.get(camera)
             if seq is None or index <= min(seq.last_index, self.scale_frames):
@@ -258,12 +266,17 @@ class MapAligner:
         self._info(f"camera {camera}: {self._why[camera]}")
 
     # -------------------------------------------------------------- any thread
-    def placement(self, camera: str, ref_output: Any = 1.0, cam_output: Any = 1.0) -> Placement:
+    def placement(self, camera: str, ref_output: Any = None, cam_output: Any = None) -> Placement:
         """The frame and transform of ``camera``'s outputs now. ``ref_output`` / ``cam_output``: how the
-        reference camera's and ``camera``'s engines publish their model-unit poses now, a scale
-        (metres per model unit) or an ``OutputTransform`` (scale and map offset, ``robot.map_offset``)."""
+        reference camera's and ``camera``'s engines publish their model-unit poses, a scale (metres
+        per model unit) or an ``OutputTransform`` (scale and map offset, ``robot.map_offset``); None:
+        as each published its last pose (``observe``)."""
         with self._lock:
             version = self._version
+            ref_output = self._outputs.get(self.reference, 1.0) if ref_output is None else ref_output
+            cam_output = self._outputs.get(camera, 1.0) if cam_output is None else cam_output
+            if camera == "":  # the single camera: its map is map_frame
+                return Placement(self.map_frame, None, version)
             if not self.enabled:
                 return Placement(own_map_frame(self.map_frame, camera), None, version)
             if camera == self.reference:
@@ -278,6 +291,8 @@ class MapAligner:
     def describe(self, camera: str) -> str:
         """One line: where ``camera``'s outputs go and why."""
         with self._lock:
+            if camera == "":
+                return f"{self.map_frame} (the node's one camera)"
             if not self.enabled:
                 return f"own map frame {own_map_frame(self.map_frame, camera)}: base_frame is empty (no extrinsics)"
             if camera == self.reference:
@@ -288,7 +303,7 @@ class MapAligner:
 
     def aligned(self, camera: str) -> bool:
         with self._lock:
-            return self.enabled and (camera == self.reference or camera in self._pair)
+            return camera == "" or (self.enabled and (camera == self.reference or camera in self._pair))
 
 
 def _nearest(history: deque, t: float) -> tuple[float, np.ndarray, str]:

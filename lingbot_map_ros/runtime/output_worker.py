@@ -6,12 +6,12 @@ of Python and NumPy time. Done on the inference thread it delays the next frame 
 with it every pose; here it runs beside inference, so poses go out as soon as the
 model has them.
 
-Jobs run in submission order. Frame jobs (a frame's clouds) may be skipped when the
-worker falls behind: at most ``max_pending`` wait, and a new one pushes out the oldest
-(``on_skip`` counts it). Operations (map clear, rollback removal, protection) are
-never skipped, so the map sees adds and removals in the order the inference thread
-issued them. Until ``start`` every job runs inline on the caller's thread (the
-engine's synchronous tests rely on that).
+Jobs run in submission order, on the worker's thread (started by ``start`` or by the first
+job). Frame jobs (a frame's clouds) may be skipped when the worker falls behind: at most
+``max_pending`` wait, and a new one pushes out the oldest (``on_skip`` counts it).
+Operations (map clear, rollback removal, protection) are never skipped, so the map sees
+adds and removals in the order the inference thread issued them. ``flush`` waits until
+everything queued ran.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ class OutputWorker:
         if max_pending < 1:
             raise ValueError(f"max_pending must be >= 1, got {max_pending}")
         self.max_pending = max_pending
-        self._on_skip = on_skip
-        self._on_error = on_error
+        self.on_skip = on_skip  # called when a waiting frame job is dropped (the worker fell behind)
+        self.on_error = on_error  # called with a job's exception (None: it propagates, ending the thread)
         self._cv = threading.Condition()
         self._jobs: deque[tuple[bool, Job]] = deque()  # (is a frame job, job)
         self._busy = False
@@ -39,8 +39,7 @@ class OutputWorker:
     # ------------------------------------------------------------------ producer side
     def frame_job(self, job: Job) -> None:
         """Queue a frame's outputs; the oldest waiting frame job is dropped when ``max_pending`` wait."""
-        if self._thread is None:
-            return self._run(job)
+        self.start()
         skipped = False
         with self._cv:
             waiting = [i for i, (is_frame, _) in enumerate(self._jobs) if is_frame]
@@ -49,21 +48,18 @@ class OutputWorker:
                 skipped = True
             self._jobs.append((True, job))
             self._cv.notify_all()
-        if skipped and self._on_skip is not None:
-            self._on_skip()
+        if skipped and self.on_skip is not None:
+            self.on_skip()
 
     def op(self, job: Job) -> None:
         """Queue an operation that must not be skipped (runs after every job queued before it)."""
-        if self._thread is None:
-            return self._run(job)
+        self.start()
         with self._cv:
             self._jobs.append((False, job))
             self._cv.notify_all()
 
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until every queued job ran; False on timeout."""
-        if self._thread is None:
-            return True
         with self._cv:
             return self._cv.wait_for(lambda: not self._jobs and not self._busy, timeout)
 
@@ -73,14 +69,16 @@ class OutputWorker:
 
     # ------------------------------------------------------------------ thread
     def start(self) -> None:
-        if self._thread is not None:
-            return
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, name="lingbot_map_outputs", daemon=True)
-        self._thread.start()
+        """Start the worker's thread (nothing when it runs)."""
+        with self._cv:
+            if self._thread is not None:
+                return
+            self._stop = False
+            self._thread = threading.Thread(target=self._loop, name="lingbot_map_outputs", daemon=True)
+            self._thread.start()
 
     def stop(self, timeout: float = 5.0) -> None:
-        """Run what is queued, then stop; later jobs run inline again."""
+        """Run what is queued, then stop (a later job starts the thread again)."""
         thread = self._thread
         if thread is None:
             return
@@ -109,9 +107,9 @@ class OutputWorker:
         try:
             job()
         except Exception as exc:  # never let a bad frame stop the outputs
-            if self._on_error is None:
+            if self.on_error is None:
                 raise
-            self._on_error(exc)
+            self.on_error(exc)
 
 
 __all__ = ["OutputWorker"]

@@ -21,16 +21,17 @@ scheduler is that thread:
 
 - Batched steps (``batch``, the node's ``camera_batching``): at the start of a turn, when
   two or more cameras have a frame waiting as their next item (no command queued, no
-  decision held), their frames are taken together, each checked and preprocessed by its
-  engine (``admit``), submitted in one call (``stream.multi.CameraSessions.submit_many``:
-  one batched trunk where their steps can go together, else one after another) and each
-  outcome handed back to its engine (``complete``). Every camera with a frame then gets
-  its step in that turn; commands and held cameras go through the round-robin as before.
+  decision held), their frames are taken together (``take_frame``), each admitted by its
+  engine (``admit``: stamp and preprocessing), submitted in one call
+  (``stream.multi.CameraSessions.submit_many``: one batched trunk where their steps can go
+  together, else one after another) and each outcome handed back to its engine
+  (``finish_step``). Every camera with a frame then gets its step in that turn; commands and
+  held cameras go through the round-robin as before.
 
 - Pipelined steps (``pipeline``, the node's ``camera_pipelining``): a camera's frame is
-  launched (``admit``, then ``launch``: its step is submitted, its results not yet taken)
-  and the step launched before it, another camera's, is completed only then
-  (``complete``: results taken and published), so the GPU runs one camera's step while the
+  started (``admit``, then ``start_step``: its step is submitted, its results not yet taken)
+  and the step started before it, another camera's, is finished only then
+  (``finish_step``: results taken and published), so the GPU runs one camera's step while the
   host finishes the previous one and prepares the next. At most one step is in flight, and
   a camera's own step is always completed before anything else of that camera runs (its
   next frame, a command such as a reset or a rollback, a keep/drop decision), so each
@@ -64,11 +65,11 @@ class Engine(Protocol):
     def run_once(self, timeout: float = 0.0) -> bool: ...
     def stop(self, timeout: float = 5.0) -> None: ...
     # batched and pipelined steps only
-    def take_batch_frame(self) -> Any | None: ...
-    def admit(self, frame: Any) -> Any | None: ...
-    def complete(self, frame: Any, outcome: Any) -> None: ...
+    def take_frame(self) -> Any | None: ...
+    def admit(self, frame: Any) -> Any | None: ...  # an admitted frame (``.image``: what the session takes)
+    def finish_step(self, admitted: Any, outcome: Any) -> None: ...
     # pipelined steps only
-    def launch(self, image: Any) -> Any: ...
+    def start_step(self, admitted: Any) -> Any: ...
 
 
 # images by camera -> per camera the pending results or the exception of its submit
@@ -118,7 +119,7 @@ class CameraScheduler:
             name = self.order[i]
             # pipelined: a camera's own step in flight is completed first, before its frame,
             # its command or its held decision
-            if self.pipeline and self._launch_pipelined(name):
+            if self.pipeline and self._start_pipelined(name):
                 self._next = (i + 1) % n
                 return name
             if self.engines[name].run_once(0.0):
@@ -128,31 +129,31 @@ class CameraScheduler:
         self.finish_in_flight()  # nobody else has work: its results should not wait
         return None
 
-    def _launch_pipelined(self, name: str) -> bool:
-        """Launch camera ``name``'s waiting frame (when its next item is a frame it may run now),
-        then complete the step launched before it. False when it has no such frame."""
+    def _start_pipelined(self, name: str) -> bool:
+        """Start camera ``name``'s waiting frame (when its next item is a frame it may run now),
+        then finish the step started before it. False when it has no such frame."""
         engine = self.engines[name]
         if self._in_flight is not None and self._in_flight[0] == name:
             self.finish_in_flight()  # a camera's own steps never overlap
-        frame = engine.take_batch_frame()
+        frame = engine.take_frame()
         if frame is None:
             return False
         self.served[name] += 1
-        image = engine.admit(frame)
-        if image is None:  # dropped (too old, a stamp out of order, invalid): counted by its engine
+        admitted = engine.admit(frame)
+        if admitted is None:  # dropped (too old, a stamp out of order, not preprocessable): counted by its engine
             return True
-        outcome = engine.launch(image)
-        previous, self._in_flight = self._in_flight, (name, frame, outcome)
+        outcome = engine.start_step(admitted)
+        previous, self._in_flight = self._in_flight, (name, admitted, outcome)
         if previous is not None:
             self.overlapped += 1
-            self.engines[previous[0]].complete(*previous[1:])
+            self.engines[previous[0]].finish_step(*previous[1:])
         return True
 
     def finish_in_flight(self) -> None:
-        """Complete the step in flight, if any (its results taken and handled by its engine)."""
+        """Finish the step in flight, if any (its results taken and handled by its engine)."""
         previous, self._in_flight = self._in_flight, None
         if previous is not None:
-            self.engines[previous[0]].complete(*previous[1:])
+            self.engines[previous[0]].finish_step(*previous[1:])
 
     def _run_batch(self) -> list[str]:
         """Take the waiting frames of every camera that has one as its next item; with two or
@@ -165,36 +166,27 @@ class CameraScheduler:
         self.finish_in_flight()  # a batch runs alone (a camera in it may have its step in flight)
         frames = {}
         for c in ready:
-            frame = self.engines[c].take_batch_frame()
+            frame = self.engines[c].take_frame()
             if frame is not None:
                 frames[c] = frame
-        images = {}
+        admitted = {}
         for c, frame in frames.items():
             self.served[c] += 1
-            image = self.engines[c].admit(frame)
-            if image is not None:
-                images[c] = image
+            a = self.engines[c].admit(frame)
+            if a is not None:
+                admitted[c] = a
         outcomes: dict[str, Any] = {}
-        if images:  # one left: its step alone, through the same call (nothing to batch with)
-            self.batches += len(images) >= 2
+        if admitted:  # one left: its step alone, through the same call (nothing to batch with)
+            self.batches += len(admitted) >= 2
             try:
-                outcomes = dict(self.batch(images))
+                outcomes = dict(self.batch({c: a.image for c, a in admitted.items()}))
             except Exception as exc:  # the whole call failed: every camera reports it
-                outcomes = {c: exc for c in images}
+                outcomes = {c: exc for c in admitted}
         for c, outcome in outcomes.items():
-            self.engines[c].complete(frames[c], outcome)
+            self.engines[c].finish_step(admitted[c], outcome)
         if frames:
             self._next = (self.order.index(list(frames)[-1]) + 1) % n
         return list(frames)
-
-    def run_until_idle(self, max_items: int = 1_000_000) -> int:
-        """Run turns on the caller's thread until a pass finds no work (tests, in-process use);
-        returns the number of items run."""
-        count = 0
-        while count < max_items and self.run_turn() is not None:
-            count += 1
-        self.finish_in_flight()
-        return count
 
     # ------------------------------------------------------------------ thread
     def start(self) -> None:

@@ -1,14 +1,14 @@
-"""A camera's state and its ~/status messages: ``StatusReporter`` (the state, the last frame,
-``publish``), ``status_fields`` (the message's fields from the session, the counters and the
-engine's parts), and the device memory it reports. No ROS; torch only when the session runs
+"""A camera's ~/status messages: ``StatusReporter`` (``publish``: the sequence's state, counters,
+health and scale, the cache's statistics), ``status_fields`` (the message's fields), and the
+device memory it reports. No ROS; torch only when the session runs
 on a GPU (imported there, lazily)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .frames import Sink, State, StatusFields
-from .worker import CounterValues, Counters
+from .frames import Sink, StatusFields
+from .worker import CounterValues
 
 HEARTBEAT_PERIOD = 1.0  # longest silence of ~/status
 
@@ -69,28 +69,17 @@ def status_fields(state: int, text: str, frame_index: int, session, counters: Co
 
 
 class StatusReporter:
-    """The camera's ``state`` and its ``text``, the 1-based index of the last processed frame
-    (``last_index``), the cache statistics last taken (``last_stats``) and ``publish``, which
-    sends one ~/status of them. Driven by the inference thread; ``state``, ``text`` and
-    ``last_stats`` are replaced as a whole, never mutated (the node's diagnostics read them).
+    """Sends ~/status: the sequence's state and text (``runtime.sequence.Sequence``), its counters,
+    the cache statistics last taken (``last_stats``, replaced as a whole: the node's diagnostics
+    read it), the health and the scale. ``now``: ROS time in seconds (a frame's total latency),
+    ``monotonic``: the heartbeat's clock. Inference thread."""
 
-    ``decision_pending()``: whether a keyframe decision is held; ``tracking()``: what the
-    health and the scale add (``Tracking``); ``now``: ROS time in seconds (a frame's total
-    latency), ``monotonic``: the heartbeat's clock."""
-
-    def __init__(self, sink: Sink, session: Any, counters: Counters, decision_pending: Callable[[], bool],
-                 tracking: Callable[[], Tracking], now: Callable[[], float], monotonic: Callable[[], float]) -> None:
-        self.sink, self.session, self.counters = sink, session, counters
-        self.decision_pending, self.tracking = decision_pending, tracking
+    def __init__(self, sink: Sink, session: Any, seq: Any, now: Callable[[], float],
+                 monotonic: Callable[[], float]) -> None:
+        self.sink, self.session, self.seq = sink, session, seq
         self.now, self.monotonic = now, monotonic
-        self.state = State.WAITING_FOR_IMAGES
-        self.text = "ready, waiting for images"
-        self.last_index = 0
         self.last_stats = session.stats()
         self.last_time = -float("inf")  # monotonic time of the last status
-
-    def set(self, state: State, text: str) -> None:
-        self.state, self.text = state, text
 
     def refresh_stats(self) -> Any:
         """Take the session's cache statistics now (``last_stats``) and return them."""
@@ -105,12 +94,17 @@ class StatusReporter:
                 latency: Latency | None = None, stamp_s: float | None = None) -> None:
         """One ~/status with ``text`` (``frame_index`` None: the last processed frame's);
         ``latency`` and ``stamp_s`` for a processed frame's."""
+        seq = self.seq
         total = None if latency is None or stamp_s is None else max(0.0, (self.now() - stamp_s) * 1e3)
-        st = status_fields(int(self.state), text, self.last_index if frame_index is None else frame_index,
-                           self.session, self.counters.snapshot(), self.decision_pending(), self.tracking(),
-                           is_keyframe, latency, total)
+        st = status_fields(int(seq.state), text, seq.last_index if frame_index is None else frame_index,
+                           self.session, seq.counter_values(), seq.decisions.hold is not None,
+                           seq.tracking.summary(seq.anchor, seq.anchor.source_name), is_keyframe, latency, total)
         self.sink.publish_status(st, stamp)
         self.last_time = self.monotonic()
+
+    def say(self, stamp: Any = None) -> None:
+        """One ~/status with the sequence's own text."""
+        self.publish(self.seq.text, stamp)
 
 
 def device_memory_mb(session) -> tuple[float, float]:

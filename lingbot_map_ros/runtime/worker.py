@@ -1,17 +1,20 @@
 """Thread plumbing of the node, free of rclpy and torch (unit-tested without a graph).
 
 - ``WorkQueue``: what the inference thread consumes: a depth-1 latest-frame slot
-  (a new frame replaces a waiting one, which is returned so the caller counts it as
-  stale) plus a FIFO of commands. Items leave in arrival order, so a command sent
-  after a frame runs after that frame and before the next. Several queues may wake
-  one consumer: ``add_listener`` registers a ``threading.Event`` that every put and
-  close sets (the multi-camera scheduler waits on one event for all cameras).
+  (a new frame replaces a waiting one, counted as stale) plus a FIFO of commands. Items
+  leave in arrival order, so a command sent after a frame runs after that frame and
+  before the next. Several queues may wake one consumer: ``add_listener`` registers a
+  ``threading.Event`` that every put and close sets (the multi-camera scheduler waits on
+  one event for all cameras). The queue counts what arrives (``Intake``: images received,
+  replaced while waiting, refused before they could be queued); it is the one writer of
+  those counts, the producer's thread.
 - ``Command``: a function to run on the inference thread; the caller waits on it with
   a timeout and may cancel it while it has not started.
 - ``Throttle``: at most one message per kind per period, with a count of the
   suppressed ones.
 - ``RateMeter``: events per second over a sliding window.
-- ``Counters``: the cumulative frame counters of ``Status``, safe to bump from any thread.
+- ``Counters``: the cumulative frame counters of ``Status`` that the inference thread
+  writes (``runtime.sequence.Sequence.count`` is their one writer); readable from any thread.
 """
 from __future__ import annotations
 
@@ -72,11 +75,21 @@ class Command(Generic[T]):
             return self.state == self.CANCELLED
 
 
+@dataclass(frozen=True)
+class Intake:
+    """What a ``WorkQueue`` counted of the images offered to it since its last ``clear_intake``."""
+
+    received: int = 0  # images offered (queued, or refused before: ``reject``)
+    replaced: int = 0  # queued frames replaced by a newer one before the consumer took them (stale)
+    rejected: int = 0  # images that could not be converted (``reject``)
+
+
 class WorkQueue:
     """Latest-frame slot + command FIFO, consumed by one thread in arrival order."""
 
     def __init__(self) -> None:
         self._cond = threading.Condition()
+        self._intake = Intake()
         self._frame: Any = None
         self._frame_seq = 0
         self._commands: deque[Command] = deque()
@@ -97,13 +110,31 @@ class WorkQueue:
             event.set()
 
     def put_frame(self, frame: Any) -> Any:
-        """Offer a frame; returns the frame it replaced (now stale) or None."""
+        """Offer a frame; returns the frame it replaced (now stale, counted) or None."""
         with self._cond:
             old = self._frame
             self._seq += 1
             self._frame, self._frame_seq = frame, self._seq
+            i = self._intake
+            self._intake = Intake(i.received + 1, i.replaced + (old is not None), i.rejected)
             self._wake()
             return old
+
+    def reject(self) -> None:
+        """Count an image that arrived but could not become a frame (it is received and rejected)."""
+        with self._cond:
+            i = self._intake
+            self._intake = Intake(i.received + 1, i.replaced, i.rejected + 1)
+
+    def intake(self) -> Intake:
+        with self._cond:
+            return self._intake
+
+    def clear_intake(self) -> Intake:
+        """Start counting again; returns the counts until now (the consumer folds them into its own)."""
+        with self._cond:
+            counted, self._intake = self._intake, Intake()
+            return counted
 
     def put_command(self, command: Command) -> Command:
         with self._cond:
@@ -258,7 +289,7 @@ class CounterValues:
 
 
 class Counters:
-    """Cumulative frame counters (names as in Status.msg), thread-safe."""
+    """Cumulative frame counters (names as in Status.msg): one writer, any reader (a lock)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -283,4 +314,4 @@ class Counters:
             self._values = CounterValues(**{k: int(v) for k, v in values.items() if k in known})
 
 
-__all__ = ["Command", "WorkQueue", "Throttle", "RateMeter", "Counters", "CounterValues", "message_kind"]
+__all__ = ["Command", "WorkQueue", "Intake", "Throttle", "RateMeter", "Counters", "CounterValues", "message_kind"]

@@ -8,11 +8,10 @@ predicted pose has moved at least ``motion_min_translation`` or turned at least
 (``push(image, keyframe=...)``) wins over either. A full window without ``auto_restart``
 stores nothing; the policy warns about it once per window.
 
-``KeyframeLedger``: the results of submitted frames are taken in submission order
-(``settle``), and each stored frame's published result is kept here: the last
-``overlap_frames`` keyframes (what a restart re-feeds and aligns to), the motion policy's
-two poses (last keyframe's, latest frame's) and a one-step undo of them for
-``rollback_last_frame``.
+``KeyframeLedger``: what the session keeps of the results it took (``record``, in
+submission order): the last ``overlap_frames`` keyframes (what a restart re-feeds and
+aligns to), the motion policy's two poses (last keyframe's, latest frame's) and a one-step
+undo of them for ``rollback_last_frame``.
 """
 from __future__ import annotations
 
@@ -20,7 +19,6 @@ import logging
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
 
 import numpy as np
 
@@ -78,16 +76,6 @@ class StorePolicy:
                     and rotation_angle_deg(last[:3, :3], latest[:3, :3]) >= c.motion_min_rotation_deg)
 
 
-class Unsettled(Protocol):
-    """A submitted frame's pending global results (``long_stream.LongPendingResults``)."""
-
-    def take(self) -> list[FrameResult]:
-        """The results (waiting for them); the pending is no longer the ledger's."""
-
-    def detach(self) -> None:
-        """The ledger forgets it (a reset): its results stay available, unrecorded."""
-
-
 @dataclass(frozen=True)
 class _Undo:
     """What one stored push changed in the ledger (the inner session keeps its own undo)."""
@@ -102,14 +90,10 @@ class KeyframeLedger:
 
     def __init__(self, overlap_frames: int) -> None:
         self._keyframes: deque[KeptKeyframe] = deque(maxlen=overlap_frames)
-        self._unsettled: deque[Unsettled] = deque()  # submitted, not recorded yet
         self.clear()
 
     def clear(self) -> None:
-        """Forget everything (a reset); frames still unsettled keep their results, unrecorded."""
-        for pending in self._unsettled:
-            pending.detach()
-        self._unsettled = deque()
+        """Forget everything (a reset)."""
         self._keyframes.clear()
         self.last_stored: int | None = None  # global index of the caller's last stored frame (None: no undo)
         self._undo: _Undo | None = None
@@ -119,19 +103,6 @@ class KeyframeLedger:
     def kept(self) -> tuple[KeptKeyframe, ...]:
         """The keyframes kept for a restart, oldest first."""
         return tuple(self._keyframes)
-
-    def enqueue(self, pending: Unsettled) -> None:
-        """A frame was submitted: its results are recorded when taken, after the earlier ones."""
-        self._unsettled.append(pending)
-
-    def settle(self, until: Unsettled | None = None) -> None:
-        """Take the results of submitted frames, oldest first, up to ``until`` (all when None),
-        and record them."""
-        while self._unsettled:
-            pending = self._unsettled.popleft()
-            self._record(pending.take())
-            if pending is until:
-                return
 
     def undo(self) -> None:
         """Restore what the last stored frame changed (``rollback_last_frame``); the caller
@@ -154,8 +125,8 @@ class KeyframeLedger:
         """The motion policy's poses as published (journal replay)."""
         self.last_keyframe_c2w, self.latest_c2w = last_keyframe_c2w, latest_c2w
 
-    def _record(self, out: list[FrameResult]) -> None:
-        """The bookkeeping of one frame's global results."""
+    def record(self, out: list[FrameResult]) -> None:
+        """The bookkeeping of one submitted frame's global results (taken in submission order)."""
         before = _Undo(tuple(self._keyframes), self.last_keyframe_c2w, self.latest_c2w)
         if out:
             self.latest_c2w = out[-1].c2w.astype(np.float64)

@@ -57,20 +57,31 @@ owns the session, as with ``StreamingSession``.
 
 The parts: ``stream.window`` (the current ``Window``, re-feeding and aligning a new one),
 ``stream.keyframes`` (``StorePolicy``: which frames are stored; ``KeyframeLedger``:
-the kept keyframes, the motion policy's poses and the undo record, in submission order);
-this module orders them and maps the inner session's results to the global frame.
+the kept keyframes, the motion policy's poses and the undo record); this module orders
+them and maps the inner session's results to the global frame.
 
-``submit`` is ``push`` without waiting (the pipelined path of ``StreamingSession.submit``):
-the returned ``LongPendingResults`` gives the global results later, and what this object
-keeps of them (keyframes, poses, the undo record) is recorded then, in submission order.
-What needs them takes the earlier results first: a restart, a rollback, and each
-decision of the motion policy (which therefore pipelines no further than one frame).
+This is the session the node and the command line hold (the ``stream.Session`` protocol).
+Without a ``LongStreamConfig`` it is one window (no restarts: the model's horizon ends the
+sequence), as ``StreamingSession`` alone.
+
+``submit`` is ``push`` without waiting: it checks the frame (the one check of a frame,
+``decide``), steps it (``StreamingSession.step``) and returns a ``Pending``;
+``results(pending)`` takes the results of every frame submitted up to it, oldest first, and
+records them (the ledger; the observer, ``observe``). What needs earlier results takes them
+first: a restart, a rollback, the eviction services and each decision of the motion policy
+(which therefore pipelines no further than one frame). ``decide`` and ``track`` are the two
+halves of ``submit`` around the inner step, for a caller that batches several cameras' steps
+(``stream.multi``).
+
+Every change of the model's state is told to the observer (``stream.events.SessionEvents``,
+the keyframe journal) after it is made, in order.
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
-from operator import attrgetter
+from collections import deque
+from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 from torch import Tensor
@@ -81,6 +92,7 @@ from ..geometry import matrix_to_quaternion
 from ..io.preprocess import input_size
 from .alignment import Sim3
 from .errors import FrameMismatchError, SessionError
+from .events import Restarted, SessionEvents, Taken
 from .keyframes import KeyframeLedger, StorePolicy
 from .results import FrameResult
 from .session import PendingResults, StreamingSession
@@ -89,71 +101,116 @@ from .window import KeptKeyframe, Window, fit_window, refeed
 log = logging.getLogger(__name__)
 
 
-def _forwarded(path: str, doc: str) -> property:
-    """A read-only attribute of one of the session's parts (``inner``, ``_window``)."""
-    return property(attrgetter(path), doc=doc)
+@dataclass(frozen=True)
+class Decision:
+    """A checked frame and whether it is stored (``LongStreamSession.decide``)."""
+
+    frame: Tensor  # as ``check_frame`` returned it
+    store: bool | None  # None: a scale frame (the inner session collects it)
+
+    @property
+    def scale(self) -> bool:
+        return self.store is None
+
+
+class Pending:
+    """One submitted frame until its results are taken (``LongStreamSession.results``)."""
+
+    __slots__ = ("step", "sim", "offset", "stamp", "tag", "scale", "results")
+
+    def __init__(self, step: PendingResults, sim: Sim3, offset: int, stamp: int | None, tag: Any,
+                 scale: bool) -> None:
+        # step: the inner session's pending results; sim, offset: the window's world -> global
+        # frame and global - inner frame index, as when the frame was submitted
+        self.step, self.sim, self.offset = step, sim, offset
+        self.stamp, self.tag, self.scale = stamp, tag, scale
+        self.results: list[FrameResult] | None = None
+
+    def take(self) -> list[FrameResult]:
+        """The global results (waiting for the device the first time)."""
+        if self.results is None:
+            self.results = [_globalised(r, self.sim, self.offset) for r in self.step.result()]
+        return self.results
 
 
 class LongStreamSession:
     """A ``StreamingSession`` for unbounded input: windowed restarts with Sim(3)-aligned
-    outputs, interval or motion keyframes. A ``stream.Session``, like the inner session."""
+    outputs, interval or motion keyframes. ``cfg`` None: one window, no restarts."""
 
-    # ------------------------------------------------------------------ state
-    cfg = _forwarded("inner.cfg", "The inner session's StreamConfig.")
-    device = _forwarded("inner.device", "Where the model runs.")
-    backend = _forwarded("inner.backend", "The inner session's attention backend.")
-    deferred_eviction = _forwarded("inner.deferred_eviction", "Window evictions wait for ``commit_eviction``.")
-    window_index = _forwarded("_window.index", "Restarts since reset (0 = the first window).")
-    window_start = _forwarded("_window.start",
-                              "Global index of the first frame the current window processed after its overlap.")
-    overlap_indices = _forwarded("_window.overlap_indices",
-                                 "Global indices of the keyframes re-fed at the start of the current window.")
-    alignment = _forwarded("_window.alignment", "The current window's world → global frame (a Sim3).")
-    last_fit = _forwarded("_window.last_fit",
-                          "Diagnostics of the most recent restart's alignment (None before the first).")
-
-    def __init__(self, session: StreamingSession, cfg: LongStreamConfig | None = None) -> None:
-        cfg = cfg or LongStreamConfig()
-        cfg.check(session.cfg, session.model.cfg.max_frame_num)
+    def __init__(self, session: StreamingSession, cfg: LongStreamConfig | None = None,
+                 events: SessionEvents | None = None) -> None:
+        if cfg is not None:
+            cfg.check(session.cfg, session.model.cfg.max_frame_num)
         self.inner = session
         self.long_cfg = cfg
-        self.overlap_frames = cfg.overlap_for(session.cfg)
-        self._policy = StorePolicy(cfg, session.is_keyframe_index)
-        self._ledger = KeyframeLedger(self.overlap_frames)
-        self._clear()
-
-    def _clear(self) -> None:
-        self._ledger.clear()
-        self._policy.new_window()
-        self._window = Window()
+        self.overlap_frames = cfg.overlap_for(session.cfg) if cfg is not None else 0
+        self._policy = StorePolicy(cfg or LongStreamConfig(), session.is_keyframe_index)
+        self.ledger = KeyframeLedger(self.overlap_frames)  # what is kept of the published results
+        self.events = events  # the one observer of state changes (the keyframe journal), or None
+        self._queue: deque[Pending] = deque()  # submitted, results not taken yet
+        self.window = Window()  # where the current window sits in the global sequence
+        self.restart_pending = False  # a restart failed midway; the next frame redoes it
         self._frames_pushed = 0
-        self._restart_pending = False
+
+    # ------------------------------------------------------------------ state
+    @property
+    def cfg(self):
+        """The inner session's StreamConfig."""
+        return self.inner.cfg
+
+    @property
+    def device(self):
+        return self.inner.device
+
+    @property
+    def deferred_eviction(self) -> bool:
+        """Window evictions wait for ``commit_eviction``."""
+        return self.inner.deferred_eviction
+
+    @property
+    def window_index(self) -> int:
+        """Restarts since reset (0 = the first window)."""
+        return self.window.index
 
     @property
     def frames_pushed(self) -> int:
         """Frames processed since reset (the next frame's global index)."""
         return self._frames_pushed
 
-    @property
-    def restart_pending(self) -> bool:
-        """A restart failed midway; the next push redoes it."""
-        return self._restart_pending
-
     def stats(self) -> CacheStats | None:
         return self.inner.stats()
+
+    def observe(self, events: SessionEvents | None) -> None:
+        """Tell ``events`` (None: nobody) every state change from now on (a journal rebuild
+        replays without its observer, then attaches it)."""
+        self.events = events
 
     # ------------------------------------------------------------------ service transitions
     def reset(self) -> None:
         """Start a new sequence: empty cache, window 0, global frame = the next frame's camera.
         Results of frames submitted before stay available (in the old sequence's frame)."""
         self.inner.reset()
-        self._clear()
+        self.ledger.clear()
+        self._policy.new_window()
+        self._queue = deque()
+        self.window = Window()
+        self._frames_pushed = 0
+        self.restart_pending = False
+        if self.events is not None:
+            self.events.sequence_reset(self.deferred_eviction)
 
     def set_deferred_eviction(self, deferred: bool) -> None:
+        self.settle()
         self.inner.set_deferred_eviction(deferred)
+        if self.events is not None:
+            self.events.deferral_set(bool(deferred))
 
     def commit_eviction(self) -> int:
-        return self.inner.commit_eviction()
+        self.settle()
+        freed = self.inner.commit_eviction()
+        if self.events is not None:
+            self.events.committed(int(freed))
+        return freed
 
     def rollback_last_frame(self, expected_frame_index: int | None = None) -> int:
         """Remove the caller's most recently stored frame (global index) from the cache.
@@ -162,181 +219,182 @@ class LongStreamSession:
         Raises SessionError (state unchanged) when there is nothing to roll back, the index
         does not match, or the last stored frames are a restart's re-fed overlap.
         """
-        self._ledger.settle()
-        frame = self._ledger.last_stored
+        self.settle()
+        frame = self.ledger.last_stored
         if frame is None:
-            raise SessionError("nothing to roll back" + (" since the window restart" if self._window.index else ""))
+            raise SessionError("nothing to roll back" + (" since the window restart" if self.window.index else ""))
         if expected_frame_index is not None and expected_frame_index != frame:
             raise FrameMismatchError(frame, expected_frame_index)
-        self.inner.rollback_last_frame(self._window.to_inner(frame))
-        self._ledger.undo()
-        self._frames_pushed = self._window.to_global(self.inner.frames_pushed)
+        self.inner.rollback_last_frame(self.window.to_inner(frame))
+        self.ledger.undo()
+        self._frames_pushed = self.window.to_global(self.inner.frames_pushed)
+        if self.events is not None:
+            self.events.rolled_back(frame, self._frames_pushed, self._in_scale_phase())
         return frame
 
     def restart(self) -> None:
         """Start a new window now from the kept keyframes (see the module docstring).
 
-        Raises SessionError when no sequence is running. On an exception from the model
-        the inner cache is left empty and the restart pending (redone by the next push).
-        """
-        self._ledger.settle()  # the keyframes of frames submitted before are kept too
-        kept = self._ledger.kept()
+        Raises SessionError when no sequence is running or the session has no windows. On an
+        exception from the model the inner cache is left empty and the restart pending (redone
+        by the next frame)."""
+        if self.long_cfg is None:
+            raise SessionError("this session has no windows (no LongStreamConfig): nothing to restart")
+        self.settle()  # the keyframes of frames submitted before are kept too
+        kept = self.ledger.kept()
         if not kept:
             raise SessionError("nothing to restart: no frame stored since reset")
         self.inner.reset()
-        self._restart_pending = True
-        self._ledger.forget_undo()
+        self.restart_pending = True
+        self.ledger.forget_undo()
         try:
             fed = refeed(self.inner, kept)
         except BaseException:
             self.inner.reset()
             raise
         fit = fit_window(kept, fed)
-        self._window = Window(self._window.index + 1, self._frames_pushed, tuple(k.index for k in kept),
-                              fit.sim3, fit)
-        self._restart_pending = False
+        self.window = Window(self.window.index + 1, self._frames_pushed, tuple(k.index for k in kept), fit.sim3, fit)
+        self.restart_pending = False
         self._policy.new_window()
         log.info("window %d starts at frame %d: %d keyframes re-fed, scale %.4g (from %s, %d px), rotation "
-                 "residual %.3g deg, centre RMSE %.3g", self._window.index, self._window.start, len(kept),
+                 "residual %.3g deg, centre RMSE %.3g", self.window.index, self.window.start, len(kept),
                  fit.sim3.scale, fit.scale_source, fit.depth_pixels, fit.rotation_residual_deg, fit.centre_rmse)
+        if self.events is not None:
+            self.events.window_restarted(Restarted(
+                kept, self.window.index, self.window.start, self.window.alignment, self.ledger.last_keyframe_c2w,
+                self.ledger.latest_c2w, self.deferred_eviction, self.inner.resolution))
 
-    # ------------------------------------------------------------------ journal (``journal.recorder``, ``journal.resume``)
-    def kept_keyframes(self) -> tuple[KeptKeyframe, ...]:
-        """The keyframes kept for a restart (index, image, global c2w, depth, confidence) as of the
-        results taken so far; right after a restart, the ones it re-fed."""
-        return self._ledger.kept()
-
-    def motion_poses(self) -> tuple[np.ndarray | None, np.ndarray | None]:
-        """(last keyframe's, latest frame's) global camera-to-world as of the results taken so far."""
-        return self._ledger.last_keyframe_c2w, self._ledger.latest_c2w
-
+    # ------------------------------------------------------------------ journal replay (``journal.resume``)
     def resume_window(self, kept: list[KeptKeyframe], window_index: int, window_start: int, alignment: Sim3,
                       last_keyframe_c2w: np.ndarray | None, latest_c2w: np.ndarray | None) -> None:
         """Redo a journaled restart on a fresh sequence: re-feed ``kept`` (as ``restart`` did) and
         take the window's numbers as they were (the alignment is not estimated again)."""
         self.reset()
-        self._ledger.adopt(kept)
+        self.ledger.adopt(kept)
         try:
             refeed(self.inner, list(kept))
         except BaseException:
             self.reset()
             raise
-        self._window = Window(int(window_index), int(window_start), tuple(k.index for k in kept), alignment)
+        self.window = Window(int(window_index), int(window_start), tuple(k.index for k in kept), alignment)
         self._frames_pushed = int(window_start)
-        self._ledger.set_poses(last_keyframe_c2w, latest_c2w)
+        self.ledger.set_poses(last_keyframe_c2w, latest_c2w)
 
     def seek(self, frame_index: int) -> None:
         """``StreamingSession.seek`` in global indices (journal replay)."""
-        self._ledger.settle()
-        self.inner.seek(self._window.to_inner(frame_index))
+        self.settle()
+        self.inner.seek(self.window.to_inner(frame_index))
         self._frames_pushed = int(frame_index)
 
     def set_latest_pose(self, c2w: np.ndarray | None) -> None:
         """The latest frame's global camera-to-world, as published (journal replay)."""
-        self._ledger.settle()
-        self._ledger.set_poses(self._ledger.last_keyframe_c2w,
-                               None if c2w is None else np.asarray(c2w, dtype=np.float64))
+        self.settle()
+        self.ledger.set_poses(self.ledger.last_keyframe_c2w,
+                              None if c2w is None else np.asarray(c2w, dtype=np.float64))
 
     # ------------------------------------------------------------------ frames
-    def push(self, image: Tensor | np.ndarray, keyframe: bool | None = None) -> list[FrameResult]:
+    def push(self, image: Tensor | np.ndarray, keyframe: bool | None = None, stamp: int | None = None,
+             tag: Any = None) -> list[FrameResult]:
         """Feed one frame [3, H, W] RGB float in [0, 1] (or uint8 [H, W, 3]); returns its results
-        in the global frame.
+        in the global frame. ``keyframe``: None follows ``keyframe_policy``; True/False forces the
+        decision (the scale frames of the first window are always stored; a full window without
+        ``auto_restart`` never stores). ``stamp`` (ns) and ``tag`` go to the observer with it."""
+        return self.results(self.submit(image, keyframe, stamp, tag))
 
-        keyframe: None follows ``keyframe_policy``; True/False forces the decision (the
-        scale frames of the first window are always stored; a full window without
-        ``auto_restart`` never stores).
-        """
-        return self.submit(image, keyframe).result()
+    def submit(self, image: Tensor | np.ndarray, keyframe: bool | None = None, stamp: int | None = None,
+               tag: Any = None) -> Pending:
+        """``push`` without waiting for the results (``results(pending)`` takes them). Bad input
+        raises InvalidFrameError here and changes nothing."""
+        decision = self.decide(image, keyframe)
+        try:
+            step = self.inner.step(decision.frame, decision.store)
+        except BaseException as exc:
+            self.track(decision, exc)
+            raise
+        return self.track(decision, step, stamp, tag)
 
-    def submit(self, image: Tensor | np.ndarray, keyframe: bool | None = None) -> LongPendingResults:
-        """``push`` without waiting for the results (``StreamingSession.submit``): the frame is
-        checked, decided and launched, ``frames_pushed`` moves on at once, and the returned
-        object's ``result()`` gives the global results ``push`` would have. What needs earlier
-        results takes them first, oldest first: the motion policy's decision (the latest
-        pose), a restart (the kept keyframes), ``rollback_last_frame``. Bad input raises
-        InvalidFrameError here and changes nothing."""
-        store = self.before_inner_submit(image, keyframe)
-        return self.after_inner_submit(self.inner.submit(image, keyframe=store))
-
-    def before_inner_submit(self, image: Tensor | np.ndarray, keyframe: bool | None = None) -> bool | None:
-        """The first half of ``submit``: check the frame, decide whether it is stored, restart the
-        window when it is full; returns the decision to hand the inner session with the frame
-        (None: a scale frame, the inner session's own). The caller then submits the frame to
-        ``inner`` (alone, or batched with other cameras' frames: ``stream.multi.submit_batch``)
-        and hands the result to ``after_inner_submit``."""
-        self.check_frame(image)
-        stats = self.inner.stats()
-        if self._window.index == 0 and not self._restart_pending and (stats is None or stats.temporal_index == 0):
-            return None  # the sequence's scale frames, collected by the inner session
+    def decide(self, image: Tensor | np.ndarray, keyframe: bool | None = None) -> Decision:
+        """The first half of ``submit``: check the frame (InvalidFrameError before anything moves),
+        decide whether it is stored, restart the window when it is full. Hand ``Decision.frame``
+        and ``.store`` to the inner session's ``step`` (alone, or batched with other cameras'
+        frames: ``stream.multi.submit_batch``), then its outcome to ``track``."""
+        frame = self.check_frame(image)
+        if self._in_scale_phase():
+            return Decision(frame, None)  # the sequence's scale frames, collected by the inner session
         if keyframe is None and self._policy.reads_poses:
-            self._ledger.settle()  # the decision reads the latest pose
-        store = self._policy.decide(keyframe, self._frames_pushed, self._ledger.last_keyframe_c2w,
-                                    self._ledger.latest_c2w)
-        if self._restart_pending or (store and stats.temporal_index >= self.long_cfg.window_frames):
-            if self.long_cfg.auto_restart or self._restart_pending:
+            self.settle()  # the decision reads the latest pose
+        store = self._policy.decide(keyframe, self._frames_pushed, self.ledger.last_keyframe_c2w,
+                                    self.ledger.latest_c2w)
+        cfg = self.long_cfg
+        if cfg is not None and (self.restart_pending or (store and self.inner.stats().temporal_index
+                                                         >= cfg.window_frames)):
+            if cfg.auto_restart or self.restart_pending:
                 self.restart()
             else:
                 store = self._policy.window_full()
-        return store
+        return Decision(frame, store)
 
-    def after_inner_submit(self, inner: PendingResults) -> LongPendingResults:
-        """The second half of ``submit``: the inner session's pending results as global ones."""
-        window = self._window
+    def track(self, decision: Decision, step: PendingResults | BaseException, stamp: int | None = None,
+              tag: Any = None) -> Pending | BaseException:
+        """The second half of ``submit``: the inner step's pending results as this session's
+        ``Pending`` (its results come in the global frame), or ``step`` itself when the inner
+        step raised it (a failed scale step loses the scale frames collected so far: told to
+        the observer)."""
+        if isinstance(step, BaseException):
+            if decision.scale and self.inner.scale_frames_waiting == 0 and self.events is not None:
+                self.events.scale_frames_lost(self.deferred_eviction)
+            return step
+        window = self.window
         self._frames_pushed = window.to_global(self.inner.frames_pushed)
-        pending = LongPendingResults(self._ledger, inner, window.alignment, window.to_global(0))
-        self._ledger.enqueue(pending)
+        pending = Pending(step, window.alignment, window.to_global(0), stamp, tag, decision.scale)
+        self._queue.append(pending)
+        if decision.scale and self.events is not None:
+            self.events.scale_frame(decision.frame, stamp, tag, self.deferred_eviction)
         return pending
+
+    def results(self, pending: Pending) -> list[FrameResult]:
+        """The global results of ``pending`` (waiting for them), after those of every frame
+        submitted before it; each frame's are recorded when taken. A frame submitted before a
+        reset gives its results unrecorded (in the old sequence's frame)."""
+        if pending.results is None:
+            if any(q is pending for q in self._queue):
+                while self._queue:
+                    if self._take(self._queue.popleft()) is pending:
+                        break
+            else:
+                pending.take()
+        return pending.results
+
+    def settle(self) -> None:
+        """Take (and record) the results of every frame submitted so far."""
+        while self._queue:
+            self._take(self._queue.popleft())
 
     def check_frame(self, image: Tensor | np.ndarray, resolution: tuple[int, int] | None = None) -> Tensor:
         """``StreamingSession.check_frame``: InvalidFrameError for a frame ``push`` would refuse,
         raised before anything moves (a restart included); while a restart is pending the
         inner cache is empty, so the kept keyframes give the sequence's resolution."""
-        if resolution is None and self._restart_pending:
-            kept = self._ledger.kept()
+        if resolution is None and self.restart_pending:
+            kept = self.ledger.kept()
             if kept:
                 resolution = input_size(kept[-1].frame)
         return self.inner.check_frame(image, resolution)
 
+    # ------------------------------------------------------------------ internals
+    def _take(self, pending: Pending) -> Pending:
+        results = pending.take()
+        self.ledger.record(results)
+        if self.events is not None:
+            self.events.frame_taken(Taken(results, pending.stamp, pending.tag, pending.scale,
+                                          self.deferred_eviction))
+        return pending
 
-class LongPendingResults:
-    """The results of one ``LongStreamSession.submit``: ``result()`` waits for them (the
-    first time) and returns them in the global frame, as ``push`` does; the session's
-    bookkeeping of them (its ``KeyframeLedger``) happens then, after that of the frames
-    submitted before. After a ``reset`` the results stay available (in the old sequence's
-    frame), unrecorded."""
-
-    __slots__ = ("_owner", "_inner", "_sim", "_offset", "_results")
-
-    def __init__(self, owner: KeyframeLedger, inner, sim: Sim3, offset: int) -> None:
-        # inner: the inner session's PendingResults; sim, offset: the window's world -> global
-        # frame and global - inner frame index, as when the frame was submitted
-        self._owner: KeyframeLedger | None = owner
-        self._inner, self._sim, self._offset = inner, sim, offset
-        self._results: list[FrameResult] | None = None
-
-    @property
-    def done(self) -> bool:
-        """The results are ready (``result()`` will not wait for the device)."""
-        return self._results is not None or self._inner.done
-
-    def result(self) -> list[FrameResult]:
-        if self._results is None:
-            if self._owner is not None:
-                self._owner.settle(until=self)  # takes this one's results (and earlier ones)
-            else:
-                self.take()
-        return self._results
-
-    def take(self) -> list[FrameResult]:
-        """The global results (waiting for them); for the ledger's ``settle``."""
-        self._owner = None
-        if self._results is None:
-            self._results = [_globalised(r, self._sim, self._offset) for r in self._inner.result()]
-        return self._results
-
-    def detach(self) -> None:
-        """The owner was reset: the results are no longer its business."""
-        self._owner = None
+    def _in_scale_phase(self) -> bool:
+        """The next frame is one of the sequence's scale frames."""
+        if self.window.index != 0 or self.restart_pending:
+            return False
+        stats = self.inner.stats()
+        return stats is None or stats.temporal_index == 0
 
 
 def _globalised(r: FrameResult, sim: Sim3, offset: int) -> FrameResult:
@@ -344,7 +402,7 @@ def _globalised(r: FrameResult, sim: Sim3, offset: int) -> FrameResult:
     through ``sim`` (the window's world -> global frame)."""
     index = r.frame_index + offset
     if sim.is_identity:
-        return replace(r, frame_index=index)
+        return replace(r, frame_index=index) if offset else r
     c2w = sim.apply_to_poses(r.c2w)
     pose_enc = np.concatenate([c2w[:3, 3], matrix_to_quaternion(c2w[:3, :3]), r.pose_enc[7:]])
     depth = None if r.depth is None else (r.depth * sim.scale).astype(r.depth.dtype)
@@ -352,4 +410,4 @@ def _globalised(r: FrameResult, sim: Sim3, offset: int) -> FrameResult:
                    depth=depth)
 
 
-__all__ = ["LongStreamConfig", "LongStreamSession", "LongPendingResults", "KEYFRAME_POLICIES", "KeptKeyframe"]
+__all__ = ["LongStreamConfig", "LongStreamSession", "Pending", "Decision", "KEYFRAME_POLICIES", "KeptKeyframe"]

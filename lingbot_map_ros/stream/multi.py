@@ -14,7 +14,6 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from ..config import LongStreamConfig, StreamConfig
-from .protocol import Session
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,11 @@ class CameraSessions:
     the storage's capacity in tokens, 0 = sized at the first camera's first frame for
     all cameras at that camera's resolution (it grows if a camera needs more, see
     ``SharedKVStorage``). ``steps``: how the sessions capture their one-frame steps
-    (``graphs.StepCapture``; default CUDA graphs where they apply).
+    (``graphs.StepCapture``; default CUDA graphs where they apply); ``fused``: force the
+    kernel decision (``StreamingSession``).
+
+    One camera is the case of many: a single camera's session gets a pool of its own
+    (``cache.storage.PrivateStorage``, FP8 K/V allowed), several share one ``SharedKVStorage``.
 
     Page ownership: each camera's ``PageTable`` numbers pages 0..n-1 inside its own
     extent, its pool is a view that ends there, and every step's page ids are checked
@@ -55,7 +58,7 @@ class CameraSessions:
     """
 
     def __init__(self, model, cameras: Mapping[str, tuple[StreamConfig, LongStreamConfig | None]],
-                 pool_tokens: int = 0, with_depth: bool = True, steps=None) -> None:
+                 pool_tokens: int = 0, with_depth: bool = True, steps=None, fused: bool | None = None) -> None:
         from ..cache.pool import SharedKVStorage
         from .long_stream import LongStreamSession
         from .session import StreamingSession, torch_dtype
@@ -68,17 +71,19 @@ class CameraSessions:
         self.model = model
         mcfg = model.cfg
         device = next(model.parameters()).device
+        # several cameras share one storage; one camera alone has a pool of its own
         self.storage = SharedKVStorage(mcfg.depth, mcfg.num_heads, mcfg.head_dim, torch_dtype(dtypes.pop()),
-                                       device, capacity_tokens=pool_tokens, reserve=len(cameras))
+                                       device, capacity_tokens=pool_tokens, reserve=len(cameras)) \
+            if len(cameras) > 1 else None
         self.inner: dict[str, StreamingSession] = {}
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, LongStreamSession] = {}
         first = None
         for name, (cfg, long_cfg) in cameras.items():
             inner = StreamingSession(model, cfg, with_depth=with_depth, storage=self.storage, owner=name,
-                                     share_from=first, steps=steps)
+                                     share_from=first, steps=steps, fused=fused)
             first = first or inner
             self.inner[name] = inner
-            self.sessions[name] = LongStreamSession(inner, long_cfg) if long_cfg is not None else inner
+            self.sessions[name] = LongStreamSession(inner, long_cfg)
 
     @property
     def names(self) -> list[str]:
@@ -88,32 +93,26 @@ class CameraSessions:
                     ) -> dict[str, object]:
         """One frame for each named camera, as each camera's ``submit`` would take it, but the
         frames whose steps can go together run in one batched trunk (``submit_batch``:
-        phase-2 one-frame steps with captured CUDA graphs). Returns per camera its pending
-        results, or the exception its ``submit`` raised (that camera is unchanged; the others
-        are not affected). Cameras with windowed restarts decide and restart first, as in
-        ``LongStreamSession.submit``."""
+        phase-2 one-frame steps with captured CUDA graphs). Returns per camera its ``Pending``
+        (``sessions[camera].results`` takes its results), or the exception its ``submit``
+        raised (that camera is unchanged; the others are not affected). Each camera checks,
+        decides and restarts first (``LongStreamSession.decide``)."""
         keyframes = keyframes or {}
         unknown = [c for c in frames if c not in self.sessions]
         if unknown:
             raise KeyError(f"unknown cameras {unknown}; cameras: {self.names}")
         out: dict[str, object] = {}
-        names, stores = [], []
+        decisions = {}
         for c in frames:
-            session = self.sessions[c]
-            if session is self.inner[c]:
-                stores.append(keyframes.get(c))
-            else:  # LongStreamSession: its decision (and restart) before the inner step
-                try:
-                    stores.append(session.before_inner_submit(frames[c], keyframes.get(c)))
-                except Exception as exc:
-                    out[c] = exc
-                    continue
-            names.append(c)
-        results = submit_batch([self.inner[c] for c in names], [frames[c] for c in names], stores) if names else []
-        for c, result in zip(names, results):
-            session = self.sessions[c]
-            out[c] = result if isinstance(result, Exception) or session is self.inner[c] \
-                else session.after_inner_submit(result)
+            try:
+                decisions[c] = self.sessions[c].decide(frames[c], keyframes.get(c))
+            except Exception as exc:  # InvalidFrameError, a failed restart: this camera is unchanged
+                out[c] = exc
+        names = list(decisions)
+        steps = submit_batch([self.inner[c] for c in names], [decisions[c].frame for c in names],
+                             [decisions[c].store for c in names]) if names else []
+        for c, step in zip(names, steps):
+            out[c] = self.sessions[c].track(decisions[c], step)
         return {c: out[c] for c in frames}
 
     def wait(self) -> None:
@@ -121,7 +120,10 @@ class CameraSessions:
         for inner in self.inner.values():
             inner.wait()
 
-    def pool_status(self) -> PoolStatus:
+    def pool_status(self) -> PoolStatus | None:
+        """The shared storage's status (None for one camera: its pool is its own)."""
+        if self.storage is None:
+            return None
         cams = {}
         for name, session in self.sessions.items():
             lease = self.storage.lease_of(name)
@@ -133,19 +135,20 @@ class CameraSessions:
                           nbytes=self.storage.nbytes, cameras=cams)
 
 
-def submit_batch(sessions: Sequence, images: Sequence, keyframes: Sequence[bool | None] | None = None) -> list:
-    """Submit one frame to each of several cameras' ``StreamingSession``s (on one
-    ``SharedKVStorage``, driven from one thread), running the frames that can go together in one
-    batched trunk (``graphs.BatchedTrunk``): each camera's frame attends over its own cache only,
-    and each camera gets exactly what ``sessions[i].submit(images[i], keyframes[i])`` would give.
+def submit_batch(sessions: Sequence, frames: Sequence, keyframes: Sequence[bool | None] | None = None) -> list:
+    """Step one checked frame (as ``check_frame`` returned it) in each of several cameras'
+    ``StreamingSession``s (on one ``SharedKVStorage``, driven from one thread), running the frames
+    that can go together in one batched trunk (``graphs.BatchedTrunk``): each camera's frame
+    attends over its own cache only, and each camera gets exactly what
+    ``sessions[i].step(frames[i], keyframes[i])`` would give.
 
-    Written against the sessions' public step seam: ``check_frame``, ``batch_key``, then
-    ``plan`` -> ``launch`` (alone) or the batched trunk -> ``complete``. A frame joins the batch
+    Written against the sessions' public step seam: ``batch_key``, then ``plan_step`` ->
+    ``run_step`` (alone) or the batched trunk -> ``finish_batched``. A frame joins the batch
     when its camera's one-frame step has a captured graph at the running resolution (phase 2,
     storage unchanged: ``batch_key``); the others (scale frames, a first frame at a new size, eager
     backends) are submitted on their own, as are the batch's frames when fewer than two can go
     together. Returns per camera its ``PendingResults``, or the exception its ``submit`` would
-    have raised (an invalid frame, a full cache); a failing camera changes nothing of its own
+    have raised (a full cache); a failing camera changes nothing of its own
     state and nothing of the others'. When a batched trunk fails (before anything was applied),
     its cameras' steps run on their own, and that set of cameras is not batched again
     (``SharedGpuState.refused``, one warning)."""
@@ -154,24 +157,19 @@ def submit_batch(sessions: Sequence, images: Sequence, keyframes: Sequence[bool 
     from ..cache.attention import UngraphableStep
 
     n = len(sessions)
-    if len(images) != n or (keyframes is not None and len(keyframes) != n):
-        raise ValueError(f"submit_batch: {n} sessions, {len(images)} images, "
+    if len(frames) != n or (keyframes is not None and len(keyframes) != n):
+        raise ValueError(f"submit_batch: {n} sessions, {len(frames)} frames, "
                          f"{n if keyframes is None else len(keyframes)} keyframe decisions")
     if len({id(x) for x in sessions}) != n:
         raise ValueError("submit_batch: a session appears twice (one frame per camera and batch)")
     keyframes = list(keyframes) if keyframes is not None else [None] * n
     results: list = [None] * n
-    checked = {}  # the frames as check_frame returned them
+    checked = dict(enumerate(frames))
     single: list[int] = []
     groups: dict[tuple, list[int]] = {}
     with torch.inference_mode():
         for i, session in enumerate(sessions):
-            try:
-                host = checked[i] = session.check_frame(images[i])
-            except Exception as exc:  # InvalidFrameError: as submit would raise it
-                results[i] = exc
-                continue
-            key = session.batch_key(host)
+            key = session.batch_key(checked[i])
             if key is None:
                 single.append(i)
             else:
@@ -183,7 +181,7 @@ def submit_batch(sessions: Sequence, images: Sequence, keyframes: Sequence[bool 
             _launch_group(sessions, members, checked, keyframes, results, single, UngraphableStep)
         for i in single:
             try:
-                results[i] = sessions[i].submit(images[i], keyframes[i])
+                results[i] = sessions[i].step(checked[i], keyframes[i])
             except Exception as exc:
                 results[i] = exc
     return results
@@ -199,14 +197,14 @@ def _launch_group(sessions, members: list[int], checked: dict, keyframes: list, 
     planned = []  # (index, PlannedFrame)
     for i in members:
         try:
-            planned.append((i, sessions[i].plan(checked[i], keyframes[i], prepare=True, t0=t0)))
+            planned.append((i, sessions[i].plan_step(checked[i], keyframes[i], prepare=True, t0=t0)))
         except ungraphable:  # counted by the session: this frame goes on its own
             single.append(i)
         except Exception as exc:  # CacheFullError, CrossedExtentError: nothing changed
             results[i] = exc
     if len(planned) == 1:  # the others dropped out: this one goes on its own
         (i, frame), = planned
-        results[i] = sessions[i].launch(frame)
+        results[i] = sessions[i].run_step(frame)
         return
     if not planned:
         return
@@ -223,13 +221,13 @@ def _launch_group(sessions, members: list[int], checked: dict, keyframes: list, 
     if batch is None:  # their own one-frame steps, one after another (the plans still hold)
         for i, frame in planned:
             try:
-                results[i] = sessions[i].launch(frame)
+                results[i] = sessions[i].run_step(frame)
             except Exception as exc:
                 results[i] = exc
         return
     for k, (i, frame) in enumerate(planned):
         # camera k's heads, then its landing (in complete), before camera k+1's heads
-        results[i] = sessions[i].complete(frame, batch.heads(k))
+        results[i] = sessions[i].finish_batched(frame, batch.heads(k))
 
 
 __all__ = ["CameraSessions", "PoolStatus", "CameraPool", "submit_batch"]

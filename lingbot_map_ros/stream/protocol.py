@@ -1,13 +1,10 @@
-"""``Session``: what the node and the command line use of a streaming session.
-
-``StreamingSession`` (one window, the model's horizon) and ``LongStreamSession``
-(windowed restarts) both satisfy it, so callers hold a ``Session`` and need no
-``getattr`` for what only one of them has. A light module: the types it names are
-imported for type checking only.
+"""``Session``: what the node and the command line use of a streaming session
+(``LongStreamSession``: windowed restarts, or one window without a ``LongStreamConfig``).
+A light module: the types it names are imported for type checking only.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import numpy as np
@@ -18,16 +15,8 @@ if TYPE_CHECKING:
     from .results import FrameResult
 
 
-@runtime_checkable
 class Pending(Protocol):
-    """The results of one ``Session.submit``."""
-
-    @property
-    def done(self) -> bool:
-        """``result()`` will not wait for the device."""
-
-    def result(self) -> list[FrameResult]:
-        """The step's results (waiting for them the first time), as ``push`` returns them."""
+    """One submitted frame (``Session.submit``): hand it to ``Session.results`` for its results."""
 
 
 @runtime_checkable
@@ -56,12 +45,17 @@ class Session(Protocol):
     def deferred_eviction(self) -> bool:
         """Window evictions wait for ``commit_eviction``."""
 
-    def push(self, image: torch.Tensor | np.ndarray, keyframe: bool | None = None) -> list[FrameResult]:
+    def push(self, image: torch.Tensor | np.ndarray, keyframe: bool | None = None, stamp: int | None = None,
+             tag: Any = None) -> list[FrameResult]:
         """Feed one frame; the results that became available. InvalidFrameError for a refused
         frame, CacheFullError when the cache cannot take it; nothing changed then."""
 
-    def submit(self, image: torch.Tensor | np.ndarray, keyframe: bool | None = None) -> Pending:
+    def submit(self, image: torch.Tensor | np.ndarray, keyframe: bool | None = None, stamp: int | None = None,
+               tag: Any = None) -> Pending:
         """``push`` without waiting for the results."""
+
+    def results(self, pending: Pending) -> list[FrameResult]:
+        """The results of a submitted frame (after those of the frames submitted before it)."""
 
     def check_frame(self, image: torch.Tensor | np.ndarray,
                     resolution: tuple[int, int] | None = None) -> torch.Tensor:

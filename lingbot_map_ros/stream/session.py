@@ -1,20 +1,18 @@
 """StreamingSession: the model, the paged cache and the streaming policy in one owner.
 
-``push(image)`` takes one preprocessed frame and returns the results that became
-available: nothing while the scale frames are being collected, all of them when
-phase 1 runs, then one result per frame. ``submit(image)`` does the same without
-waiting: it launches the step and returns a ``PendingResults``; submitting the next
-frame before asking for the results keeps the GPU busy (a frame's heads then run
-beside the next frame's trunk, and the host's work on results overlaps the GPU).
-Keyframes follow the interval policy unless the caller decides
-(``push(image, keyframe=...)``). External keyframe
-logic uses ``set_deferred_eviction``, ``commit_eviction`` and
-``rollback_last_frame``; ``reset`` starts a new sequence. Every transition is a
-method of this object; a step that raises leaves the cache as it was. Frames are
-checked here (``check_frame``: layout, size, resolution of the running sequence); a
-refused one raises ``InvalidFrameError`` and changes nothing. The public methods are
-the ``stream.protocol.Session`` protocol, which ``LongStreamSession`` shares, and the
-step seam ``plan`` -> ``launch`` | ``complete`` that ``stream.multi.submit_batch`` drives.
+This is one window of the model: ``LongStreamSession`` (the session the node and the command
+line hold) cuts a stream into windows of it. ``step(frame)`` takes one checked frame
+(``check_frame``: layout, size, the running sequence's resolution; a refused one raises
+``InvalidFrameError`` and changes nothing) and returns a ``PendingResults``: nothing while the
+scale frames are being collected, all of them when phase 1 runs, then one result per frame.
+Stepping the next frame before taking the results keeps the GPU busy (a frame's heads then run
+beside the next frame's trunk, and the host's work on results overlaps the GPU). ``submit`` is
+``check_frame`` + ``step``, ``push`` waits for the results too. Keyframes follow the interval
+policy unless the caller decides (``keyframe=``). External keyframe logic uses
+``set_deferred_eviction``, ``commit_eviction`` and ``rollback_last_frame``; ``reset`` starts a
+new sequence. Every transition is a method of this object; a step that raises leaves the cache
+as it was. ``stream.multi.submit_batch`` drives the step seam ``plan_step`` -> ``run_step`` |
+``finish_batched``.
 
 The session checks frames, collects the scale frames and keeps the protocol; the cache
 of the running sequence and the steps that write it (planning, eager or graphed launches,
@@ -22,6 +20,7 @@ speculation, landing the outputs, FrameResults) are its ``StepRunner`` (``stream
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 import weakref
@@ -35,6 +34,7 @@ from .. import kernels
 from ..cache.attention import AttentionBackend, UngraphableStep, make_backend
 from ..cache.pages import CacheError, CacheFullError, CacheStats
 from ..cache.pool import SharedKVStorage
+from ..cache.storage import PrivateStorage
 from ..config import SPECIAL_TOKENS, StreamConfig
 from ..kernels.fp8_gemm import quantize_linears_
 from ..model.lingbot import LingBotMap, StepOptions
@@ -152,15 +152,18 @@ class StreamingSession:
 
     def __init__(self, model: LingBotMap, cfg: StreamConfig, backend: AttentionBackend | None = None,
                  with_depth: bool = True, storage: SharedKVStorage | None = None, owner: str = "",
-                 share_from: StreamingSession | None = None, steps: StepCapture | None = None) -> None:
+                 share_from: StreamingSession | None = None, steps: StepCapture | None = None,
+                 fused: bool | None = None) -> None:
         """``storage``/``owner``: take the K/V pages from that shared storage under that name
-        (several cameras, ``stream.multi``) instead of an allocation of its own.
+        (several cameras, ``stream.multi``); None: a ``PrivateStorage`` of its own.
         ``share_from``: a session on the same model whose step options (the heads'
         reduced-precision copies, the head stream, the kernel decision) this one reuses,
         so N sessions hold one copy of the weights; both are driven from one thread.
         ``steps``: how the one-frame phase-2 step is captured (default ``CudaGraphSteps``:
-        CUDA graphs where they apply, else eager steps). The cache and the steps themselves
-        are its ``StepRunner``'s (``stream.steps``)."""
+        CUDA graphs where they apply, else eager steps). ``fused``: whether the step runs the
+        Triton kernels (None: decided here, ``_resolve_kernels``; a test forces it to run the
+        kernels' PyTorch twins on the CPU). The cache and the steps themselves are its
+        ``StepRunner``'s (``stream.steps``)."""
         self.model = model.eval()
         self.cfg = cfg
         self.device = next(model.parameters()).device
@@ -171,12 +174,13 @@ class StreamingSession:
                                "load the model with the same dtype (io.checkpoint.load_model(dtype=...))")
         _apply_precision(model, cfg)
         if share_from is not None:
-            if share_from.model is not model or share_from.dtype != self.dtype or share_from.with_depth != with_depth:
+            if share_from.model is not model or share_from.dtype != self.dtype or \
+                    share_from.step_options.with_depth != with_depth:
                 raise SessionError("share_from must be a session on the same model, dtype and depth setting")
-            fused, triton = share_from.fused, share_from._merge_kernel
+            resolved, triton = share_from.step_options.fused, share_from.merge_kernel
         else:
-            fused, triton = _resolve_kernels(model, cfg, self.device, self.dtype)
-        self._merge_kernel = triton  # FlashInfer's split-KV merge: the Triton kernel wherever Triton runs here
+            resolved, triton = _resolve_kernels(model, cfg, self.device, self.dtype)
+        self.merge_kernel = triton  # FlashInfer's split-KV merge: the Triton kernel wherever Triton runs here
         shared = share_from.batch_group if share_from is not None else None
         if backend is None and share_from is not None and share_from.cfg.backend == cfg.backend \
                 and share_from.cfg.kv_splits == cfg.kv_splits and share_from.cfg.fa3_tiles == cfg.fa3_tiles:
@@ -187,47 +191,31 @@ class StreamingSession:
         # what sessions on one storage share besides the weights, their batched trunks (None: a session on its own)
         self.batch_group: SharedGpuState | None = shared or (
             SharedGpuState(getattr(self.backend, "workspace", None)) if storage is not None else None)
-        options = share_from.step_options if share_from is not None else \
-            _step_options(model, cfg, self.device, self.dtype, fused, with_depth)
+        if share_from is not None:
+            options = share_from.step_options
+        else:
+            options = _step_options(model, cfg, self.device, self.dtype, resolved, with_depth)
+            if fused is not None and fused != options.fused:
+                options = dataclasses.replace(options, fused=fused)
         place_heads(model, self.device, options, self)
         if storage is not None and cfg.kv_cache_dtype == "fp8":
             raise SessionError("kv_cache_dtype 'fp8' is for a single camera: several cameras share one bf16 K/V "
                                "storage; use kv_cache_dtype 'auto'")
         self.owner = owner  # the name this session's pages are leased under in a shared storage ("" alone)
-        self._pending: list[tuple[Tensor, Tensor]] = []  # the scale frames so far (device, as checked)
+        self._scale_frames: list[tuple[Tensor, Tensor]] = []  # the scale frames so far (device, as checked)
         self.batched_steps = 0  # one-frame steps that ran in a batched trunk with other cameras' (submit_batch)
+        mcfg = model.cfg
+        if storage is None:
+            storage = PrivateStorage(mcfg.depth, mcfg.num_heads, mcfg.head_dim, self.dtype, self.device,
+                                     cfg.kv_cache_dtype, fused=triton)
         self._runner = StepRunner(model, cfg, self.device, self.dtype, self.backend, options, triton,
                                   steps if steps is not None else CudaGraphSteps(), self.batch_group, storage, owner)
 
     # ------------------------------------------------------------------ state
     @property
     def step_options(self) -> StepOptions:
-        """How every step runs, eager or graphed (a test may replace it before the first frame)."""
+        """How every step runs, eager or graphed (decided at construction)."""
         return self._runner.options
-
-    @step_options.setter
-    def step_options(self, options: StepOptions) -> None:
-        place_heads(self.model, self.device, options, self)
-        self._runner.options = options
-
-    @property
-    def fused(self) -> bool:
-        """The step runs the Triton kernels (decided at construction, see ``_resolve_kernels``)."""
-        return self.step_options.fused
-
-    @property
-    def with_depth(self) -> bool:
-        return self.step_options.with_depth
-
-    @property
-    def depth_head(self):
-        """The depth head the steps run (its bf16 copy), or None for the model's own."""
-        return self.step_options.depth_head
-
-    @property
-    def camera_head(self):
-        """The camera head the steps run (its bf16-weight copy), or None for the model's own."""
-        return self.step_options.camera_head
 
     @property
     def resolution(self) -> tuple[int, int] | None:
@@ -254,10 +242,15 @@ class StreamingSession:
         return is_keyframe_index(self.cfg, frame_index)
 
     # ------------------------------------------------------------------ transitions
+    @property
+    def scale_frames_waiting(self) -> int:
+        """Scale frames collected for the next phase-1 step (0 once it ran, or after it failed)."""
+        return len(self._scale_frames)
+
     def reset(self) -> None:
         """Empty the cache; the next frame starts a new sequence (buffers are kept and reused)."""
         self._runner.reset()
-        self._pending.clear()
+        self._scale_frames.clear()
 
     def set_deferred_eviction(self, deferred: bool) -> None:
         self._runner.set_deferred(deferred)
@@ -281,7 +274,7 @@ class StreamingSession:
         ``journal.resume``: the frames in between were attended only, which changes nothing in
         the cache). After the scale frames, forward only; SessionError otherwise."""
         pages = self._runner.pages
-        if pages is None or pages.in_phase1 or self._pending:
+        if pages is None or pages.in_phase1 or self._scale_frames:
             raise SessionError("seek: the scale frames have not run yet")
         if frame_index < self.frames_pushed:
             raise SessionError(f"seek: frame {frame_index} is before the next frame {self.frames_pushed}")
@@ -299,25 +292,27 @@ class StreamingSession:
         return self.submit(image, keyframe).result()
 
     def submit(self, image: Tensor | np.ndarray, keyframe: bool | None = None) -> PendingResults:
-        """``push`` without waiting for the results: the frame is checked, planned and
-        launched, and its results come from the returned object's ``result()``. The cache
-        state (frame indices, rollback, commit) moves on at once, as after a ``push``.
-        Submit frame t+1 before taking frame t's results to keep the GPU busy; at most
-        ``MAX_IN_FLIGHT`` steps are left running (a submit waits for an older one first).
-        Bad input raises InvalidFrameError here, as in ``push``, and changes nothing."""
-        host = self.check_frame(image)
+        """``push`` without waiting for the results: ``step(check_frame(image), keyframe)``."""
+        return self.step(self.check_frame(image), keyframe)
+
+    def step(self, host: Tensor, keyframe: bool | None = None) -> PendingResults:
+        """Plan and launch the step of a frame ``check_frame`` accepted (``host``: as it returned
+        it); its results come from the returned object's ``result()``. The cache state (frame
+        indices, rollback, commit) moves on at once. Step frame t+1 before taking frame t's
+        results to keep the GPU busy; at most ``MAX_IN_FLIGHT`` steps are left running (a step
+        waits for an older one first)."""
         runner = self._runner
         frame = runner.device_frame(host)
         if runner.pages is None or runner.pages.in_phase1:
-            self._pending.append((frame, host))
-            if len(self._pending) < self.cfg.num_scale_frames:
+            self._scale_frames.append((frame, host))
+            if len(self._scale_frames) < self.cfg.num_scale_frames:
                 return PendingResults(results=[])
-            frames = torch.stack([f for f, _ in self._pending])
-            hosts = [h for _, h in self._pending]
+            frames = torch.stack([f for f, _ in self._scale_frames])
+            hosts = [h for _, h in self._scale_frames]
             try:
                 return runner.run(frames, hosts, store=True)
             finally:
-                self._pending.clear()
+                self._scale_frames.clear()
         return runner.run(frame[None], [host], store=runner.store_decision(keyframe))
 
     def wait(self) -> None:
@@ -351,30 +346,30 @@ class StreamingSession:
         expected = resolution
         if not expected:  # the running sequence's (None at its start)
             pages = self._runner.pages
-            expected = tuple(self._pending[0][0].shape[-2:]) if self._pending else \
+            expected = tuple(self._scale_frames[0][0].shape[-2:]) if self._scale_frames else \
                 None if pages is None or pages.in_phase1 else self._runner.resolution
         if expected is not None and (h, w) != tuple(expected):
             raise InvalidFrameError(f"image size changed: {w}x{h}, the sequence's frames are {expected[1]}x"
                                     f"{expected[0]}; reset the session to change resolution")
         return image
 
-    # ------------------------------------------------------------------ the step seam: plan -> launch -> complete
-    # ``submit`` in three public parts, for a caller that launches several sessions' steps together
+    # ------------------------------------------------------------------ the step seam: plan_step -> run_step | finish_batched
+    # ``step`` in public parts, for a caller that launches several sessions' steps together
     # (``stream.multi.submit_batch``: one batched trunk of several cameras' graphed steps); ``owner``
     # and ``batch_group`` (attributes) name the session's lease and what the sessions on its storage share
     def batch_key(self, host: Tensor) -> tuple | None:
         """For a checked frame (``check_frame``): the key of the batched steps it can join now
         (sessions whose frames have equal keys may run in one trunk), or None: its one-frame
         phase-2 step at the running resolution has no captured graph on the current storage."""
-        if self.batch_group is None or self._pending or not self._runner.batchable(host):
+        if self.batch_group is None or self._scale_frames or not self._runner.batchable(host):
             return None
         return (id(self.batch_group), self.resolution)
 
     @torch.inference_mode()
-    def plan(self, host: Tensor, keyframe: bool | None = None, prepare: bool = False,
-             t0: float | None = None) -> PlannedFrame:
-        """The first part of ``submit`` for a checked one-frame phase-2 frame: its device copy and
-        its step's plan (no cache state changes; CacheFullError, CrossedExtentError as ``submit``
+    def plan_step(self, host: Tensor, keyframe: bool | None = None, prepare: bool = False,
+                  t0: float | None = None) -> PlannedFrame:
+        """The first part of ``step`` for a checked one-frame phase-2 frame: its device copy and
+        its step's plan (no cache state changes; CacheFullError, CrossedExtentError as ``step``
         raises them). ``prepare``: load the plan into its graphed step now (UngraphableStep when it
         cannot: counted as a graph fallback; nothing changed). Older steps in flight are waited for
         until the next may launch."""
@@ -382,7 +377,7 @@ class StreamingSession:
         runner = self._runner
         frame = runner.device_frame(host)[None]
         try:
-            step = runner.plan_run(frame, runner.store_decision(keyframe))
+            step = runner.plan(frame, runner.store_decision(keyframe))
             if prepare and not step.prepared:
                 step.graphed.prepare(step.dplan)
                 step.prepared = True
@@ -393,18 +388,18 @@ class StreamingSession:
         return PlannedFrame(frame, host, step, t0)
 
     @torch.inference_mode()
-    def launch(self, planned: PlannedFrame) -> PendingResults:
-        """Launch a planned step on its own (its graph, or eagerly); the rest of ``submit``."""
-        return self._runner.launch(planned.frame, [planned.host], planned.step, planned.t0)
+    def run_step(self, planned: PlannedFrame) -> PendingResults:
+        """Run a planned step on its own (its graph, or eagerly); the rest of ``step``."""
+        return self._runner.execute(planned.frame, [planned.host], planned.step, planned.t0)
 
     @torch.inference_mode()
-    def complete(self, planned: PlannedFrame, outputs) -> PendingResults:
+    def finish_batched(self, planned: PlannedFrame, outputs) -> PendingResults:
         """A planned step whose graphed trunk ran outside (a batched trunk; ``outputs``: its heads'
         ``StepOutput``): it becomes part of the cache and its outputs start landing, as after
-        ``launch``. Counted in ``batched_steps``."""
+        ``run_step``. Counted in ``batched_steps``."""
         self.batched_steps += 1
-        return self._runner.complete(planned.frame, [planned.host], outputs, planned.step, planned.t0,
-                                     planned.graphed)
+        return self._runner.apply(planned.frame, [planned.host], outputs, planned.step, planned.t0,
+                                  planned.graphed)
 
 
 __all__ = ["StreamingSession", "PlannedFrame", "SharedGpuState", "FrameResult", "PendingResults", "SessionError",

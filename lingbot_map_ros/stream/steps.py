@@ -6,8 +6,8 @@ the public protocol; its ``StepRunner`` owns what every step plans against and w
 page table, the K/V pool (its own, or its lease of a ``SharedKVStorage``), the camera cache,
 the frame counters, the captured one-frame step with the next step's speculated plan, and the
 steps in flight with the page-locked buffers their outputs land in. A step goes
-``plan_run`` (the cache for its size, its page plan and device tensors; no state changes) ->
-``launch`` (its graph, or eagerly) -> ``complete`` (the plan becomes part of the cache, the
+``plan`` (the cache for its size, its page plan and device tensors; no state changes) ->
+``execute`` (its graph, or eagerly) -> ``apply`` (the plan becomes part of the cache, the
 outputs start landing, the next step is speculated); ``PendingResults`` turns the landed
 outputs into FrameResults.
 """
@@ -24,9 +24,9 @@ import torch
 from torch import Tensor
 
 from ..cache.attention import UngraphableStep
-from ..cache.fp8 import Fp8KVPool
 from ..cache.pages import CacheError, CacheFullError, PageTable, StepPlan
 from ..cache.pool import CameraKVCache, KVPool, PoolAttention, PoolFullError, SharedKVStorage, make_device_plan
+from ..cache.storage import PrivateStorage
 from ..config import SPECIAL_TOKENS, StreamConfig
 from ..geometry import fov_to_intrinsics, pose_enc_to_c2w
 from ..model.lingbot import LingBotMap, StepOptions
@@ -70,7 +70,7 @@ class PendingResults:
 
 @dataclass
 class _PlannedStep:
-    """A step planned but not launched (``StepRunner.plan_run``)."""
+    """A step planned but not executed (``StepRunner.plan``)."""
 
     plan: StepPlan
     dplan: object  # DevicePlan
@@ -81,9 +81,9 @@ class _PlannedStep:
 
 @dataclass
 class PlannedFrame:
-    """One checked frame's step, planned and not launched (``StreamingSession.plan``): launch it
-    with ``StreamingSession.launch``, or launch its ``graphed`` step with others (a batched trunk)
-    and hand the outputs to ``StreamingSession.complete``."""
+    """One checked frame's step, planned and not executed (``StreamingSession.plan_step``): run it
+    with ``StreamingSession.run_step``, or launch its ``graphed`` step with others (a batched trunk)
+    and hand the outputs to ``StreamingSession.finish_batched``."""
 
     frame: Tensor  # [1, 3, H, W] on the device
     host: Tensor  # as ``check_frame`` returned it
@@ -158,12 +158,11 @@ class StepRunner:
 
     def __init__(self, model: LingBotMap, cfg: StreamConfig, device: torch.device, dtype: torch.dtype, backend,
                  options: StepOptions, merge_kernel: bool, steps: StepCapture, shared: SharedGpuState | None,
-                 storage: SharedKVStorage | None, owner: str) -> None:
-        """``options``: how every step runs, eager or graphed (replaceable before the first frame);
-        ``merge_kernel``: FlashInfer's split-KV merge runs the Triton kernel; ``steps``: how the
-        one-frame phase-2 step is captured; ``shared``: what the sessions on ``storage`` share
-        (None alone); ``storage``/``owner``: lease the K/V pages from that storage under that name
-        (None: a pool of its own)."""
+                 storage: SharedKVStorage | PrivateStorage, owner: str) -> None:
+        """``options``: how every step runs, eager or graphed; ``merge_kernel``: FlashInfer's
+        split-KV merge runs the Triton kernel; ``steps``: how the one-frame phase-2 step is
+        captured; ``shared``: what the sessions on a shared ``storage`` share (None alone);
+        ``storage``/``owner``: where the K/V pages are leased, under which name."""
         self.model, self.cfg, self.device, self.dtype = model, cfg, device, dtype
         self.backend = backend
         self.options = options
@@ -248,7 +247,7 @@ class StepRunner:
         g = self.graphed
         return (g is not None and (g.graph is not None or not g.capture)
                 and self.pages is not None and not self.pages.in_phase1
-                and self._storage is not None and self._storage.generation == self._pool_generation
+                and self._shared is not None and self._storage.generation == self._pool_generation
                 and tuple(host.shape[:2] if host.dtype == torch.uint8 else host.shape[-2:]) == self.resolution)
 
     def _ensure_cache(self, h: int, w: int) -> None:
@@ -263,20 +262,13 @@ class StepRunner:
         self.graphed = None  # bound to the old pool
         self.speculated = None
         self.pool = None  # free the old pool before allocating the new one
-        if self._storage is None and cfg.kv_cache_dtype == "fp8":
-            self.pool = Fp8KVPool(mcfg.depth, self.pages.num_pages, page_size, mcfg.num_heads, mcfg.head_dim,
-                                  self.dtype, self.device, fused=self._merge_kernel)
-        elif self._storage is None:
-            self.pool = KVPool(mcfg.depth, self.pages.num_pages, page_size, mcfg.num_heads, mcfg.head_dim,
-                               self.dtype, self.device)
-        else:
-            self._storage.release(self._owner)
-            try:
-                self.pool = self._storage.lease(self._owner, self.pages.num_pages, page_size)
-            except PoolFullError as exc:
-                self.pages, self.resolution = None, None
-                raise CacheFullError(str(exc)) from None
-            self._pool_generation = self._storage.generation
+        self._storage.release(self._owner)
+        try:
+            self.pool = self._storage.lease(self._owner, self.pages.num_pages, page_size)
+        except PoolFullError as exc:
+            self.pages, self.resolution = None, None
+            raise CacheFullError(str(exc)) from None
+        self._pool_generation = self._storage.generation
         if self.camera is None:
             head_dim = mcfg.camera_dim // mcfg.camera_num_heads
             # fused: its graph-step attention through the Triton kernel
@@ -295,16 +287,16 @@ class StepRunner:
         self.graphed, self.speculated = None, None
         self._pool_generation = self._storage.generation
 
-    # ------------------------------------------------------------------ steps: plan -> launch -> complete
+    # ------------------------------------------------------------------ steps: plan -> execute -> apply
     @torch.inference_mode()
     def run(self, frames: Tensor, hosts: list[Tensor], store: bool) -> PendingResults:
         """A whole step of ``frames`` [S, 3, H, W] on the device (``hosts``: as checked)."""
         t0 = time.perf_counter()
-        step = self.plan_run(frames, store)
+        step = self.plan(frames, store)
         self.make_room()
-        return self.launch(frames, hosts, step, t0)
+        return self.execute(frames, hosts, step, t0)
 
-    def plan_run(self, frames: Tensor, store: bool) -> _PlannedStep:
+    def plan(self, frames: Tensor, store: bool) -> _PlannedStep:
         """Everything of a step before its launch: the cache for the frames' size, the page
         plan (checked against the camera's extent), its device tensors (the speculated ones
         when the plan matches) and the graphed step that may run it. Changes no cache state
@@ -312,11 +304,11 @@ class StepRunner:
         stored."""
         s, _, h, w = frames.shape
         self._ensure_cache(h, w)
-        if self._storage is not None and self._storage.generation != self._pool_generation:
+        if self._storage.generation != self._pool_generation:
             self._rebind_storage()
         plan: StepPlan = self.pages.plan_step(s, store)
-        if self._storage is not None:  # never a page of another camera's extent
-            self._storage.check_pages(self._owner, plan.read_pages + plan.frame_pages, max(plan.special_slots))
+        # never a page of another camera's extent (a private storage has nothing to refuse)
+        self._storage.check_pages(self._owner, plan.read_pages + plan.frame_pages, max(plan.special_slots))
         tokens = SPECIAL_TOKENS + plan.page_size
         speculated, self.speculated = self.speculated, None
         prepared = speculated is not None and speculated[0] == plan
@@ -324,8 +316,8 @@ class StepRunner:
         graphed = self._graphed_step() if s == 1 and not plan.phase1 else None
         return _PlannedStep(plan, dplan, prepared, tokens, graphed)
 
-    def launch(self, frames: Tensor, hosts: list[Tensor], step: _PlannedStep, t0: float) -> PendingResults:
-        """Launch a planned step: its graph, or eagerly (no graph, or it refused the step)."""
+    def execute(self, frames: Tensor, hosts: list[Tensor], step: _PlannedStep, t0: float) -> PendingResults:
+        """Run a planned step: its graph, or eagerly (no graph, or it refused the step)."""
         plan, dplan, graphed = step.plan, step.dplan, step.graphed
         out = None
         if graphed is not None:
@@ -339,17 +331,17 @@ class StepRunner:
                 # heads of graphed steps still in flight write the camera cache: they go first
                 torch.cuda.current_stream(self.device).wait_stream(self.graphed.output_stream)
             out = self._eager_step(frames, plan, dplan, self.pool, self.camera)
-        return self.complete(frames, hosts, out, step, t0, graphed)
+        return self.apply(frames, hosts, out, step, t0, graphed)
 
     def note_graph_fallback(self, exc: Exception) -> None:
         self.graph_fallbacks += 1
         if self.graph_fallbacks == 1 or self.graph_fallbacks % 1000 == 0:
             log.warning("step without its CUDA graph (%d so far): %s", self.graph_fallbacks, exc)
 
-    def complete(self, frames: Tensor, hosts: list[Tensor], out, step: _PlannedStep, t0: float,
-                 graphed: GraphedStep | None) -> PendingResults:
-        """After the launch: the step becomes part of the cache, its outputs start landing, and
-        the next step is speculated (graphed steps)."""
+    def apply(self, frames: Tensor, hosts: list[Tensor], out, step: _PlannedStep, t0: float,
+              graphed: GraphedStep | None) -> PendingResults:
+        """After the step ran: it becomes part of the cache, its outputs start landing, and the
+        next step is speculated (graphed steps)."""
         plan = step.plan
         s = frames.shape[0]
         self.pages.apply(plan)  # only now does the step become part of the cache
@@ -391,7 +383,7 @@ class StepRunner:
     def _speculate(self, graphed: GraphedStep, tokens: int) -> None:
         """Plan the next frame's step as the keyframe policy predicts it and load it into the
         graph while the GPU still runs this one (host work that would otherwise leave the
-        GPU idle). ``plan_run`` uses it only if the next step's plan turns out identical; any
+        GPU idle). ``plan`` uses it only if the next step's plan turns out identical; any
         transition in between (reset, rollback, commit, a forced keyframe decision) just
         makes it plan again, which also overwrites what was loaded here."""
         try:

@@ -21,6 +21,7 @@ from lingbot_map_ros.runtime.model_input import gpu_device
 from lingbot_map_ros.runtime.params import resolve_settings
 from lingbot_map_ros.runtime.saving import SaveError, write_map_files
 from lingbot_map_ros.runtime.scheduler import CameraScheduler
+from lingbot_map_ros.stream.long_stream import LongStreamSession
 from lingbot_map_ros.stream.session import SessionError, StreamingSession
 
 from engine_fakes import Log, Sink  # test/ is on sys.path (conftest.py)
@@ -63,32 +64,46 @@ def frames(n: int, seed: int = 0) -> list[np.ndarray]:
 
 
 class Faulty:
-    """Wraps a session; ``corrupt`` = (frame_index, "pose"|"depth"|"raise") applies on that push."""
+    """Wraps a session; ``fault`` ("pose" | "depth" | "raise") applies to the next submitted frame:
+    its results come non-finite, or the submit raises."""
 
     def __init__(self, session) -> None:
         self._s = session
         self.fault = None
+        self._faults: list = []  # (pending, fault)
 
     def __getattr__(self, name):
         return getattr(self._s, name)
 
-    def push(self, image, keyframe=None):
+    def submit(self, image, keyframe=None, stamp=None, tag=None):
         fault, self.fault = self.fault, None
         if fault == "raise":
             raise RuntimeError("CUDA out of memory (simulated)")
-        results = self._s.push(image, keyframe)
-        for r in results:
-            if fault == "pose":
-                r.c2w = np.full((4, 4), np.nan)
-            elif fault == "depth":
-                r.depth = r.depth.copy()
-                r.depth[0, 0] = np.inf
+        pending = self._s.submit(image, keyframe, stamp, tag)
+        if fault is not None:
+            self._faults.append((pending, fault))
+        return pending
+
+    def results(self, pending):
+        results = self._s.results(pending)
+        faults = [f for p, f in self._faults if p is pending]
+        self._faults = [(p, f) for p, f in self._faults if p is not pending]
+        for fault in faults:
+            for r in results:
+                if fault == "pose":
+                    r.c2w = np.full((4, 4), np.nan)
+                elif fault == "depth":
+                    r.depth = r.depth.copy()
+                    r.depth[0, 0] = np.inf
         return results
+
+    def push(self, image, keyframe=None):
+        return self.results(self.submit(image, keyframe))
 
 
 def make_engine(model, wants=("points", "depth"), camera_pose=None, **overrides):
     settings = resolve_settings({**SETTINGS, **overrides})
-    session = Faulty(StreamingSession(model, settings.stream))
+    session = Faulty(LongStreamSession(StreamingSession(model, settings.stream)))  # one window
     sink, log = Sink(wants), Log()
     clock = [1000.0]
     engine = InferenceEngine(session, settings, sink, log, now=lambda: clock[0], camera_pose=camera_pose)
@@ -96,15 +111,17 @@ def make_engine(model, wants=("points", "depth"), camera_pose=None, **overrides)
 
 
 def feed(engine, rgb, stamp: float) -> None:
+    """One frame, run to the end; its clouds too (the output thread)."""
     engine.submit_frame(InputFrame(rgb=rgb, stamp=stamp, stamp_s=stamp, camera_frame="cam"))
     while engine.run_once(0):
         pass
+    assert engine.outputs.flush(30)
 
 
 def save_map(engine, directory: str):
     """~/save_map in one call: the engine's snapshot (inference thread), then the files."""
     s = engine.settings
-    return write_map_files(engine.save_snapshot(), directory, s.output_directory, s.service_timeout)
+    return write_map_files(engine.commands.save_snapshot(), directory, s.output_directory, s.service_timeout)
 
 
 def replay(model, images) -> list:
@@ -170,14 +187,14 @@ def test_stale_frames_are_replaced_and_counted(model):
     for i, rgb in enumerate(imgs):  # no inference in between: only the last survives
         engine.submit_frame(InputFrame(rgb=rgb, stamp=float(i), stamp_s=float(i), camera_frame="cam"))
     assert engine.run_once(0) and not engine.run_once(0)
-    c = engine.counters.snapshot()
+    c = engine.seq.counter_values()
     assert (c.frames_received, c.frames_dropped_stale) == (3, 2)
 
 
 def test_old_frames_are_dropped_by_max_frame_age(model):
     engine, sink, _, _ = make_engine(model, max_frame_age=0.5)
     feed(engine, frames(1)[0], 999.0)  # engine clock is 1000.0
-    assert engine.counters.snapshot().frames_dropped_stale == 1 and engine.session.frames_pushed == 0
+    assert engine.seq.counter_values().frames_dropped_stale == 1 and engine.session.frames_pushed == 0
 
 
 def test_invalid_and_resized_input_is_dropped_and_state_kept(model):
@@ -190,7 +207,7 @@ def test_invalid_and_resized_input_is_dropped_and_state_kept(model):
     feed(engine, imgs[2][:200], 3.0)  # another aspect ratio -> other model size
     pushed = session.frames_pushed
     feed(engine, np.zeros((1, 1, 3), np.uint8), 4.0)  # too small for the model
-    c = engine.counters.snapshot()
+    c = engine.seq.counter_values()
     assert c.frames_dropped_invalid == 3 and session.frames_pushed == pushed == 2
     assert sum("dropped invalid image" in m for lvl, m in log.lines if lvl == "warning") >= 2
     feed(engine, imgs[2], 5.0)
@@ -210,7 +227,7 @@ def test_non_finite_pose_is_rolled_back_so_the_next_frame_matches_a_replay_witho
     session.fault = "pose"
     feed(engine, imgs[4], 4.0)
     assert occupancy() == before  # rolled back: the cache is as before
-    assert engine.counters.snapshot().frames_dropped_invalid == 1
+    assert engine.seq.counter_values().frames_dropped_invalid == 1
     assert [o.frame_index for o in sink.frames] == [1, 2, 3, 4]
     assert any("non-finite pose" in m for _, m in log.lines)
     feed(engine, imgs[5], 5.0)
@@ -225,7 +242,7 @@ def test_non_finite_scale_frames_roll_back_all_of_them(model):
     feed(engine, imgs[0], 0.0)
     session.fault = "pose"
     feed(engine, imgs[1], 1.0)
-    assert engine.counters.snapshot().frames_dropped_invalid == 2 and session.frames_pushed == 0
+    assert engine.seq.counter_values().frames_dropped_invalid == 2 and session.frames_pushed == 0
     assert sink.frames == []
 
 
@@ -238,7 +255,7 @@ def test_non_finite_depth_drops_outputs_but_keeps_the_cache(model):
     session.fault = "depth"
     feed(engine, imgs[3], 3.0)
     assert session.stats().temporal_index == before + 1  # stored
-    assert engine.counters.snapshot().frames_dropped_invalid == 1 and len(sink.frames) == 3
+    assert engine.seq.counter_values().frames_dropped_invalid == 1 and len(sink.frames) == 3
 
 
 def test_inference_exception_resets_cleanly_and_recovers(model):
@@ -251,8 +268,8 @@ def test_inference_exception_resets_cleanly_and_recovers(model):
     states = [s.state for s, _ in sink.statuses[-2:]]
     assert states == [State.ERROR, State.INITIALIZING]
     assert "out of memory" in sink.statuses[-2][0].state_text
-    assert engine.counters.snapshot().frames_dropped_error == 1
-    assert session.frames_pushed == 0 and len(engine.trajectory) == 0 and sink.paths[-1] == []
+    assert engine.seq.counter_values().frames_dropped_error == 1
+    assert session.frames_pushed == 0 and len(engine.seq.path) == 0 and sink.paths[-1] == []
     assert any(lvl == "error" and "resetting the session" in m for lvl, m in log.lines)
     feed(engine, imgs[3], 4.0)
     feed(engine, imgs[4], 5.0)  # a new sequence: two scale frames again
@@ -264,13 +281,15 @@ def test_rollback_command_removes_points_and_pose_and_guards_the_index(model):
     imgs = frames(5)
     for i in range(4):
         feed(engine, imgs[i], float(i))
-    n_map = len(engine.map)
+    n_map = len(engine.seq.map)
     last_points = sink.frames[-1].points.shape[0]
     with pytest.raises(SessionError, match="the last stored frame is 4, not 3"):
         engine.keyframes.rollback(3)  # 1-based: the latest is 4
-    assert len(engine.trajectory) == 4 and len(engine.map) == n_map
+    assert engine.outputs.flush(10)  # map changes run on the output thread, in order
+    assert len(engine.seq.path) == 4 and len(engine.seq.map) == n_map
     assert engine.keyframes.rollback(0) == 4
-    assert len(engine.trajectory) == 3 and len(engine.map) == n_map - last_points
+    assert engine.outputs.flush(10)
+    assert len(engine.seq.path) == 3 and len(engine.seq.map) == n_map - last_points
     assert sink.paths[-1] == [0, 1, 2]
     with pytest.raises(SessionError, match="nothing to roll back"):
         engine.keyframes.rollback(0)
@@ -286,7 +305,7 @@ def test_commands_run_between_frames_in_arrival_order(model):
     order = []
 
     def seen():
-        return session.frames_pushed + len(engine._collected)
+        return session.frames_pushed + len(engine.recovery.collected)
 
     engine.submit("a", lambda: order.append(("a", seen())))
     engine.submit_frame(InputFrame(rgb=imgs[0], stamp=0.0, stamp_s=0.0, camera_frame="c"))
@@ -300,7 +319,7 @@ def test_commands_run_between_frames_in_arrival_order(model):
     engine.submit_frame(InputFrame(rgb=imgs[2], stamp=2.0, stamp_s=2.0, camera_frame="c"))
     while engine.run_once(0):
         pass
-    assert order[-1] == ("c", 1) and seen() == 2 and engine.counters.snapshot().frames_dropped_stale == 1
+    assert order[-1] == ("c", 1) and seen() == 2 and engine.seq.counter_values().frames_dropped_stale == 1
 
 
 def test_reset_and_save_map(model, tmp_path):
@@ -310,14 +329,15 @@ def test_reset_and_save_map(model, tmp_path):
         feed(engine, imgs[i], 100.0 + i)
     ply, tum = save_map(engine, str(tmp_path / "out"))
     points, colors = read_ply(ply)
-    assert points.shape[0] == len(engine.map) > 0 and colors is not None
+    assert points.shape[0] == len(engine.seq.map) > 0 and colors is not None
     stamps, poses = read_tum(tum)
     np.testing.assert_allclose(stamps, [100.0, 101.0, 102.0, 103.0])
-    np.testing.assert_allclose(poses, engine.trajectory.poses(), atol=1e-6)
-    engine.reset()
-    c = engine.counters.snapshot()
+    np.testing.assert_allclose(poses, engine.seq.path.poses(), atol=1e-6)
+    engine.commands.reset()
+    assert engine.outputs.flush(10)  # the map's clear runs on the output thread
+    c = engine.seq.counter_values()
     assert (c.frames_received, c.frames_processed) == (0, 0)
-    assert len(engine.map) == 0 and len(engine.trajectory) == 0 and session.frames_pushed == 0
+    assert len(engine.seq.map) == 0 and len(engine.seq.path) == 0 and session.frames_pushed == 0
     assert sink.statuses[-1][0].state == State.WAITING_FOR_IMAGES
     before = (ply.read_bytes(), tum.read_bytes())
     with pytest.raises(SaveError, match="empty"):  # before: an empty map silently replaced the saved one
@@ -342,7 +362,7 @@ def test_thread_processes_frames_and_commands(model):
             engine.submit_frame(InputFrame(rgb=rgb, stamp=float(i), stamp_s=float(i), camera_frame="c"))
             cmd = engine.submit("sync", lambda: None)
             assert cmd.wait(30)
-        assert engine.counters.snapshot().frames_processed == 3
+        assert engine.seq.counter_values().frames_processed == 3
     finally:
         driver.stop()
     assert torch.get_num_threads() >= 1
@@ -354,14 +374,14 @@ def test_full_cache_while_deferred_drops_the_frame_and_keeps_the_state(model):
     for i in range(6):  # 2 scale frames + a window of 3 + 1 pending eviction
         feed(engine, imgs[i], float(i))
     assert session.stats().pending_evictions == 1
-    before = (session.stats(), len(engine.trajectory))
+    before = (session.stats(), len(engine.seq.path))
     feed(engine, imgs[6], 6.0)
-    assert (session.stats(), len(engine.trajectory)) == before
-    assert engine.counters.snapshot().frames_dropped_error == 1
+    assert (session.stats(), len(engine.seq.path)) == before
+    assert engine.seq.counter_values().frames_dropped_error == 1
     assert any("commit_eviction" in m for lvl, m in log.lines if lvl == "warning")
     assert engine.keyframes.commit_eviction() > 0
     feed(engine, imgs[7], 7.0)
-    assert sink.frames[-1].frame_index == 7 and engine.state == State.TRACKING
+    assert sink.frames[-1].frame_index == 7 and engine.seq.state == State.TRACKING
 
 
 def test_windowed_restarts_keep_one_continuous_trajectory(model):
@@ -402,14 +422,14 @@ def test_poses_do_not_wait_for_the_map(model):
     frames it did handle, with their clouds published."""
     engine, sink, _, _ = make_engine(model)
     gate = threading.Event()
-    real_add, added = engine.map.add, []
+    real_add, added = engine.seq.map.add, []
 
     def blocking_add(index, points, colors):
         gate.wait(30)
         added.append(index)
         real_add(index, points, colors)
 
-    engine.map.add = blocking_add
+    engine.seq.map.add = blocking_add
     driver = CameraScheduler({"": engine})
     driver.start()
     try:
@@ -419,12 +439,12 @@ def test_poses_do_not_wait_for_the_map(model):
             assert engine.submit("sync", lambda: None).wait(60)
         poses = [o.frame_index for o in sink.frames]
         assert poses == list(range(1, 9)) and not added  # all 8 poses out, the map still blocked
-        assert engine.clouds_skipped == 8 - 1 - 2  # one job running, two waiting, the rest skipped
+        assert engine.clouds.skipped == 8 - 1 - 2  # one job running, two waiting, the rest skipped
         gate.set()
         assert engine.outputs.flush(30)
     finally:
         driver.stop()
-    assert len(added) == 3 and len(engine.map) > 0
+    assert len(added) == 3 and len(engine.seq.map) > 0
     with_clouds = [o.frame_index for o in sink.frames if o.points is not None]
     assert with_clouds == [i + 1 for i in added]
 
@@ -434,13 +454,13 @@ def test_model_sized_frames_go_to_the_session_as_bytes(model):
     its device); the outputs equal those of the float32 preprocessing, colours included."""
     engine, sink, _, session = make_engine(model, point_stride=1)
     pushed = []
-    push = session.push
+    submit = session.submit
 
-    def spy(image, keyframe=None):
+    def spy(image, keyframe=None, stamp=None, tag=None):
         pushed.append((image.dtype, image.shape))
-        return push(image, keyframe)
+        return submit(image, keyframe, stamp, tag)
 
-    session.push = spy
+    session.submit = spy
     images = [f[:56, :WIDTH].copy() for f in frames(4)]  # 98x56: the model's size at image_width 98
     for i, rgb in enumerate(images):
         feed(engine, rgb, 10.0 + i)
@@ -470,7 +490,7 @@ class InfoSink(Sink):
 def clocked_engine(model, **overrides):
     """An engine whose monotonic clock the test moves by hand: ``mono[0]`` seconds."""
     settings = resolve_settings({**SETTINGS, **overrides})
-    session = StreamingSession(model, settings.stream)
+    session = LongStreamSession(StreamingSession(model, settings.stream))  # one window
     sink, log, mono = InfoSink(), Log(), [0.0]
     engine = InferenceEngine(session, settings, sink, log, now=lambda: 1000.0, monotonic=lambda: mono[0])
     return engine, sink, log, session, mono
@@ -486,18 +506,18 @@ def test_deferred_eviction_without_commit_is_committed_after_the_timeout(model):
     assert session.stats().pending_evictions == 1
     mono[0] = 1.0
     feed(engine, imgs[6], 7.0)  # within the timeout: dropped, as before (the client may still commit)
-    assert engine.counters.snapshot().frames_dropped_error == 1
+    assert engine.seq.counter_values().frames_dropped_error == 1
     mono[0] = 2.5  # the pending eviction is older than deferred_eviction_timeout
     feed(engine, imgs[7], 8.0)
     feed(engine, imgs[8], 9.0)  # no waiting any more: the client is taken as gone until it commits again
-    c = engine.counters.snapshot()
+    c = engine.seq.counter_values()
     assert c.evictions_auto_committed == 2 and c.frames_processed == 8 and c.frames_dropped_error == 1
-    assert sink.frames[-1].frame_index == 8 and engine.state == State.TRACKING
+    assert sink.frames[-1].frame_index == 8 and engine.seq.state == State.TRACKING
     assert any("deferred_eviction_timeout" in m for lvl, m in log.lines if lvl == "warning")
     assert sink.statuses[-1][0].evictions_auto_committed == c.evictions_auto_committed
     engine.keyframes.commit_eviction()  # the client is back: evictions wait for it again
     feed(engine, imgs[0], 10.0)
-    assert session.stats().pending_evictions == 1 and engine.counters.snapshot().evictions_auto_committed == 2
+    assert session.stats().pending_evictions == 1 and engine.seq.counter_values().evictions_auto_committed == 2
 
 
 def test_deferred_eviction_timeout_zero_waits_forever(model):
@@ -508,8 +528,8 @@ def test_deferred_eviction_timeout_zero_waits_forever(model):
         feed(engine, imgs[i], 1.0 + i)
     mono[0] = 1e6
     feed(engine, imgs[6], 7.0)
-    assert engine.counters.snapshot().evictions_auto_committed == 0
-    assert engine.counters.snapshot().frames_dropped_error == 1
+    assert engine.seq.counter_values().evictions_auto_committed == 0
+    assert engine.seq.counter_values().frames_dropped_error == 1
 
 
 def test_repeated_and_older_stamps_are_dropped_and_the_trajectory_stays_monotonic(model):
@@ -520,9 +540,9 @@ def test_repeated_and_older_stamps_are_dropped_and_the_trajectory_stays_monotoni
     feed(engine, imgs[2], 11.0)  # repeated
     feed(engine, imgs[3], 10.8)  # 0.2 s back: out of order, below time_jump_threshold
     feed(engine, imgs[4], 12.0)
-    c = engine.counters.snapshot()
+    c = engine.seq.counter_values()
     assert c.frames_dropped_stamp == 2 and c.time_jumps == 0 and c.frames_processed == 3
-    stamps = engine.trajectory.stamps()
+    stamps = engine.seq.path.stamps()
     assert list(stamps) == [10.0, 11.0, 12.0]
     assert any("same stamp" in m for _, m in log.lines) and any("older than the previous" in m for _, m in log.lines)
 
@@ -533,11 +553,11 @@ def test_time_jump_resets_by_default(model):
     for i in range(3):
         feed(engine, imgs[i], 100.0 + i)
     feed(engine, imgs[3], 5.0)  # a bag played again from the start
-    assert engine.counters.snapshot().time_jumps == 1
-    assert len(engine._collected) == 1 and len(engine.trajectory) == 0  # a new sequence collects scale frames
+    assert engine.seq.counter_values().time_jumps == 1
+    assert len(engine.recovery.collected) == 1 and len(engine.seq.path) == 0  # a new sequence collects scale frames
     feed(engine, imgs[4], 6.0)
     assert [o.frame_index for o in sink.frames[-2:]] == [1, 2]
-    assert list(engine.trajectory.stamps()) == [5.0, 6.0]
+    assert list(engine.seq.path.stamps()) == [5.0, 6.0]
     assert any("time jump" in m and "new sequence" in m for lvl, m in log.lines if lvl == "warning")
 
 
@@ -548,10 +568,10 @@ def test_time_jump_drop_mode_waits_until_the_stamps_pass_the_last_one(model):
         feed(engine, imgs[i], 100.0 + i)
     feed(engine, imgs[3], 5.0)
     feed(engine, imgs[4], 6.0)
-    c = engine.counters.snapshot()
+    c = engine.seq.counter_values()
     assert c.time_jumps == 1 and c.frames_dropped_stamp == 2 and session.frames_pushed == 3
     feed(engine, imgs[5], 103.0)
-    assert sink.frames[-1].frame_index == 4 and list(engine.trajectory.stamps())[-1] == 103.0
+    assert sink.frames[-1].frame_index == 4 and list(engine.seq.path.stamps())[-1] == 103.0
 
 
 def test_frame_summary_reports_motion_since_the_last_keyframe(model):
@@ -563,7 +583,7 @@ def test_frame_summary_reports_motion_since_the_last_keyframe(model):
     poses = {o.frame_index: o.T_map_cam for o in sink.frames}
     assert set(infos) == set(range(1, 7))
     stored = [i for i, info in infos.items() if info.stored]
-    assert stored == [i for i in range(1, 7) if session.is_keyframe_index(i - 1) or i <= 2]
+    assert stored == [i for i in range(1, 7) if session.inner.is_keyframe_index(i - 1) or i <= 2]
     for i, info in infos.items():
         ref = max(k for k in stored if k < i) if any(k < i for k in stored) else None
         if ref is None:
@@ -591,14 +611,14 @@ def test_hold_keeps_the_next_frame_waiting_until_a_decision(model):
     assert session.frames_pushed == 3 and engine.queue.pending_frame()
     with pytest.raises(SessionError, match="not the frame waiting for a decision"):
         engine.keyframes.commit_eviction(2)
-    assert session.frames_pushed == 3 and engine.counters.snapshot().decisions_refused == 1
+    assert session.frames_pushed == 3 and engine.seq.counter_values().decisions_refused == 1
     engine.keyframes.commit_eviction(3)  # keep
     with pytest.raises(SessionError, match="already decided"):
         engine.keyframes.rollback(3)  # a second decision about frame 3
     while engine.run_once(0):
         pass
     assert session.frames_pushed == 4 and sink.infos[-1].frame_index == 4 and sink.infos[-1].decision_pending
-    c = engine.counters.snapshot()
+    c = engine.seq.counter_values()
     assert (c.decisions_kept, c.decisions_refused) == (1, 2)
 
 
@@ -606,12 +626,12 @@ def test_hold_drop_rolls_the_frame_back_and_the_timeout_applies_the_default(mode
     engine, sink, log, session, mono, imgs = held_engine(model, keyframe_decision_default="drop")
     before = session.stats().temporal_index
     assert engine.keyframes.rollback(3) == 3  # drop
-    assert session.stats().temporal_index == before - 1 and len(engine.trajectory) == 2
+    assert session.stats().temporal_index == before - 1 and len(engine.seq.path) == 2
     feed(engine, imgs[3], 4.0)  # held again (index 3 again: the dropped frame left no trace)
     assert sink.infos[-1].frame_index == 3 and sink.infos[-1].decision_pending
     mono[0] = 0.6  # nobody decides (a client that died)
     assert engine.run_once(0) is False  # the deadline passes: default "drop" applies
-    c = engine.counters.snapshot()
+    c = engine.seq.counter_values()
     assert (c.decisions_dropped, c.decisions_timed_out) == (1, 1) and session.frames_pushed == 2
     with pytest.raises(SessionError, match="already decided"):
         engine.keyframes.commit_eviction(3)  # too late
@@ -622,10 +642,10 @@ def test_hold_drop_rolls_the_frame_back_and_the_timeout_applies_the_default(mode
 
 def test_reset_during_a_hold_releases_it(model):
     engine, sink, _, session, mono, imgs = held_engine(model)
-    engine.reset()
+    engine.commands.reset()
     assert not engine.queue.pending_frame() and session.frames_pushed == 0
     feed(engine, imgs[3], 10.0)
-    assert len(engine._collected) == 1 and engine.counters.snapshot().decisions_timed_out == 0
+    assert len(engine.recovery.collected) == 1 and engine.seq.counter_values().decisions_timed_out == 0
 
 
 def test_reset_discards_a_frame_that_waited_behind_the_hold(model):
@@ -634,11 +654,11 @@ def test_reset_discards_a_frame_that_waited_behind_the_hold(model):
     engine, sink, _, session, mono, imgs = held_engine(model)
     engine.submit_frame(InputFrame(rgb=imgs[3], stamp=9.0, stamp_s=9.0, camera_frame="cam"))  # arrives while frame 3 is held: it waits in the slot
     assert engine.queue.pending_frame()
-    engine.reset()
+    engine.commands.reset()
     assert not engine.queue.pending_frame()
-    assert engine.run_once(0) is False and session.frames_pushed == 0 and not engine._collected  # nothing old runs
+    assert engine.run_once(0) is False and session.frames_pushed == 0 and not engine.recovery.collected  # nothing old runs
     feed(engine, imgs[4], 10.0)
-    assert len(engine._collected) == 1  # the first scale frame of the new sequence
+    assert len(engine.recovery.collected) == 1  # the first scale frame of the new sequence
 
 
 def test_a_shorter_decision_timeout_set_during_a_hold_counts_from_now(model):
@@ -651,24 +671,24 @@ def test_a_shorter_decision_timeout_set_during_a_hold_counts_from_now(model):
     feed(engine, imgs[3], 4.0)  # waits in the slot behind held frame 3 (deadline 20 s)
     mono[0] = 5.0
     engine.configure(replace(engine.settings, keyframe_decision_timeout=2.0))  # as a parameter set does
-    assert engine.run_once(0) is True and engine.decisions.hold is not None  # the settings; deadline now 7 s
-    assert engine.run_once(0) is False and engine.decisions.hold.deadline == pytest.approx(7.0)
+    assert engine.run_once(0) is True and engine.seq.decisions.hold is not None  # the settings; deadline now 7 s
+    assert engine.run_once(0) is False and engine.seq.decisions.hold.deadline == pytest.approx(7.0)
     mono[0] = 6.9
     engine.configure(replace(engine.settings, keyframe_decision_timeout=60.0))  # longer: no extension
-    assert engine.run_once(0) is True and engine.run_once(0) is False and engine.decisions.hold is not None
+    assert engine.run_once(0) is True and engine.run_once(0) is False and engine.seq.decisions.hold is not None
     mono[0] = 7.0
     while engine.run_once(0):
         pass
-    c = engine.counters.snapshot()
+    c = engine.seq.counter_values()
     assert (c.decisions_timed_out, c.decisions_kept) == (1, 0)  # released at 7 s, not at 20 s
     assert session.frames_pushed == 4 and sink.infos[-1].frame_index == 4 and sink.infos[-1].decision_pending
-    assert engine.decisions.hold.deadline == pytest.approx(67.0)  # the next held frame gets the timeout in force
+    assert engine.seq.decisions.hold.deadline == pytest.approx(67.0)  # the next held frame gets the timeout in force
     engine.configure(replace(engine.settings, keyframe_decision_timeout=0.0))  # hold mode off, frame 4 held
     assert engine.run_once(0) is True  # the settings: frame 4 released now (mono 7 s), not at 67 s
-    assert engine.decisions.hold is None and engine.counters.snapshot().decisions_timed_out == 2
+    assert engine.seq.decisions.hold is None and engine.seq.counter_values().decisions_timed_out == 2
     assert sink.statuses[-1][0].state_text == "frame 4: keep by timeout"
     feed(engine, imgs[4], 5.0)  # and the next frame is not held
-    assert session.frames_pushed == 5 and not sink.infos[-1].decision_pending and engine.decisions.hold is None
+    assert session.frames_pushed == 5 and not sink.infos[-1].decision_pending and engine.seq.decisions.hold is None
 
 
 def _odometry_variance_xx(out) -> float:
@@ -687,7 +707,7 @@ def test_non_finite_pose_turns_tracking_lost_and_good_frames_bring_it_back(model
     feed(engine, imgs[5], 5.0)
     st = sink.statuses[-1][0]
     assert (st.tracking_state, st.tracking_reasons) == ("lost", "non_finite")
-    assert engine.lost_resets == 0 and session.frames_pushed == 5  # on_lost=continue keeps the sequence
+    assert engine.seq.tracking.lost_resets == 0 and session.frames_pushed == 5  # on_lost=continue keeps the sequence
     feed(engine, imgs[6], 6.0)  # the first good frame after it: still lost, covariance x1000
     assert sink.statuses[-1][0].tracking_state == "lost"
     assert _odometry_variance_xx(sink.frames[-1]) == pytest.approx(1000 * tracking_var)
@@ -706,14 +726,14 @@ def test_on_lost_reset_starts_a_new_sequence_and_counts_it(model):
     session.fault = "depth"
     feed(engine, imgs[4], 4.0)
     st = sink.statuses[-1][0]
-    assert engine.lost_resets == 1 and st.lost_resets == 1 and session.frames_pushed == 0
+    assert engine.seq.tracking.lost_resets == 1 and st.lost_resets == 1 and session.frames_pushed == 0
     assert st.state == State.INITIALIZING and st.tracking_state == "initializing"
     assert sink.paths[-1] == []
     feed(engine, imgs[5], 5.0)  # the next frames start the new sequence (2 scale frames)
     feed(engine, imgs[6], 6.0)
     assert [o.frame_index for o in sink.frames[-2:]] == [1, 2] and session.frames_pushed == 2
-    engine.reset()
-    assert engine.lost_resets == 0
+    engine.commands.reset()
+    assert engine.seq.tracking.lost_resets == 0
 
 
 def test_confidence_collapse_degrades_then_loses_tracking(model):
@@ -743,7 +763,7 @@ def test_fixed_scale_multiplies_poses_points_depth_and_saved_files(model, tmp_pa
     assert b.covariance[0] == pytest.approx(2.5 ** 2 * a.covariance[0])
     st = sink.statuses[-1][0]
     assert (st.scale, st.scale_source, st.scale_converged, st.scale_spread) == (2.5, "fixed", True, 0.0)
-    np.testing.assert_array_equal(scaled.trajectory.poses(), plain.trajectory.poses())  # kept in model units
+    np.testing.assert_array_equal(scaled.seq.path.poses(), plain.seq.path.poses())  # kept in model units
     ply_a, tum_a = save_map(plain, str(tmp_path / "a"))
     ply_b, tum_b = save_map(scaled, str(tmp_path / "b"))
     np.testing.assert_allclose(read_ply(ply_b)[0], 2.5 * read_ply(ply_a)[0], rtol=1e-5)
@@ -768,7 +788,7 @@ def test_odometry_scale_converges_to_the_odometry_ratio_and_scales_the_outputs(m
         return None if k == 3 else R @ (truth * centres[k]) + np.array([4.0, -1.0, 0.2])  # one gap
 
     settings = resolve_settings({**SETTINGS, "scale_source": "odometry"})
-    session = StreamingSession(model, settings.stream)
+    session = LongStreamSession(StreamingSession(model, settings.stream))  # one window
     sink, log = Sink(("points",)), Log()
     engine = InferenceEngine(session, settings, sink, log, now=lambda: 1000.0, odom_position=odom_position)
     steps = np.linalg.norm(np.diff(np.array(centres), axis=0), axis=1)
@@ -783,8 +803,8 @@ def test_odometry_scale_converges_to_the_odometry_ratio_and_scales_the_outputs(m
     last = sink.frames[-1]
     np.testing.assert_allclose(last.T_map_cam[:3, 3], st.scale * centres[-1], rtol=1e-5)
     assert any("no odom -> camera transform" in m for _, m in log.lines)
-    engine.reset()
-    assert engine.applied_scale == 1.0 and not engine.scale_source.converged
+    engine.commands.reset()
+    assert engine.seq.anchor.applied_scale == 1.0 and not engine.seq.anchor.scale_source.converged
 
 
 def _camera(width: int = 518, height: int = 294, d=(-0.25, 0.08, 0.001, -0.002, 0.0)):
@@ -803,7 +823,7 @@ def test_distorted_camera_info_undistorts_frames_before_the_model(model):
         engine.submit_frame(InputFrame(rgb=rgb, stamp=float(i), stamp_s=float(i), camera_frame="cam", camera=camera))
         while engine.run_once(0):
             pass
-    assert engine.frames_undistorted == 3
+    assert engine.inputs.frames_undistorted == 3
     fixed = [Undistorter().undistort(rgb, camera) for rgb in imgs]
     assert not np.array_equal(fixed[0], imgs[0])
     expected = replay(model, fixed)
@@ -817,7 +837,7 @@ def test_camera_info_of_another_size_refuses_the_frame_and_zero_distortion_passe
                                    camera=_camera(640, 480)))
     while engine.run_once(0):
         pass
-    assert engine.counters.snapshot().frames_dropped_invalid == 1 and engine.session.frames_pushed == 0
+    assert engine.seq.counter_values().frames_dropped_invalid == 1 and engine.session.frames_pushed == 0
     assert any("CameraInfo is 640x480" in m for _, m in log.lines)
     plain = _camera(d=(0.0, 0.0, 0.0, 0.0, 0.0))
     for i in (1, 2):
@@ -825,14 +845,14 @@ def test_camera_info_of_another_size_refuses_the_frame_and_zero_distortion_passe
                                        camera=plain))
         while engine.run_once(0):
             pass
-    assert engine.frames_undistorted == 0 and len(sink.frames) == 2
+    assert engine.inputs.frames_undistorted == 0 and len(sink.frames) == 2
     expected = replay(model, imgs[1:3])
     np.testing.assert_array_equal(sink.frames[-1].T_map_cam, optical_pose_to_map(expected[-1].c2w))
     engine.configure(resolve_settings({**SETTINGS, "undistort": False}))  # a value through the queue
     engine.submit_frame(InputFrame(rgb=imgs[0], stamp=3.0, stamp_s=3.0, camera_frame="cam", camera=_camera()))
     while engine.run_once(0):
         pass
-    assert engine.frames_undistorted == 0 and len(sink.frames) == 3  # undistort false: used as it came
+    assert engine.inputs.frames_undistorted == 0 and len(sink.frames) == 3  # undistort false: used as it came
 
 
 def test_depth_scale_converges_to_the_sensor_ratio(model):
@@ -846,7 +866,7 @@ def test_depth_scale_converges_to_the_sensor_ratio(model):
     for i, rgb in enumerate(imgs):
         if i != 2:  # one frame without a depth image
             mm = np.clip(np.rint(expected[i].depth * truth * 1000.0), 0, 65535).astype(np.uint16)
-            engine.depth_cache.put(float(i) + 0.02, mm)
+            engine.seq.anchor.depth_cache.put(float(i) + 0.02, mm)
         feed(engine, rgb, float(i))
     st = sink.statuses[-1][0]
     assert st.scale_source == "depth" and st.scale_converged, st
@@ -886,7 +906,7 @@ def _lose_and_restart(engine, sink, session, imgs):
     good = sink.frames[-1]
     session.fault = "pose"
     feed(engine, imgs[5], 5.0)
-    assert engine.lost_resets == 1
+    assert engine.seq.tracking.lost_resets == 1
     for i in range(6, 10):
         feed(engine, imgs[i], float(i))
     return good
@@ -915,13 +935,13 @@ def test_lost_reset_with_odometry_continues_the_map_from_the_last_good_pose(mode
     for k, stamp in enumerate((6.0, 7.0, 8.0, 9.0)):
         np.testing.assert_allclose(new[stamp].T_map_cam, expected_first @ np.linalg.inv(own[0]) @ own[k], atol=1e-6)
     # the clouds: the replay's points moved into the map by the same offset
-    out = engine.output
+    out = engine.seq.anchor.output
     assert out.scale == 1.0 and out.offset is not None
     pts, _, _ = select_points(unproject_depth(replayed[-1].depth, replayed[-1].intrinsics, replayed[-1].c2w), None,
                               replayed[-1].confidence, 0.0, 1)
     np.testing.assert_allclose(new[9.0].points, out.points(points_to_map(pts)), atol=1e-4)
-    # the path the node publishes (engine.output over the model-unit trajectory) and the saved files
-    np.testing.assert_allclose(out.pose(engine.trajectory.poses()), [new[t].T_map_cam for t in sorted(new)],
+    # the path the node publishes (engine.seq.anchor.output over the model-unit trajectory) and the saved files
+    np.testing.assert_allclose(out.pose(engine.seq.path.poses()), [new[t].T_map_cam for t in sorted(new)],
                                atol=1e-9)
     ply, tum = save_map(engine, str(tmp_path / "aligned"))
     np.testing.assert_allclose(read_tum(tum)[1], [new[t].T_map_cam for t in sorted(new)], atol=1e-5)
@@ -929,11 +949,11 @@ def test_lost_reset_with_odometry_continues_the_map_from_the_last_good_pose(mode
     status = [st for st, _ in sink.statuses]
     assert any("aligned to the last good pose through odometry" in st.state_text for st in status)
     assert any("map continued from the last good pose" in st.state_text for st in status)
-    assert "continued from frame 5 of the previous sequence" in engine.map_alignment
+    assert "continued from frame 5 of the previous sequence" in engine.seq.anchor.map_alignment
     assert any(level == "warning" and "added in model units" in m for level, m in log.lines)  # scale_source none
     # ~/reset: a fresh map (no offset), the next frames are the replay itself
-    engine.reset()
-    assert engine.output.identity and engine.map_alignment.startswith("origin at the first camera")
+    engine.commands.reset()
+    assert engine.seq.anchor.output.identity and engine.seq.anchor.map_alignment.startswith("origin at the first camera")
     for i in (10, 11):
         feed(engine, imgs[i], 100.0 + i)
     fresh = replay(model, imgs[10:12])
@@ -963,7 +983,7 @@ def test_lost_reset_without_odometry_starts_a_new_origin_and_says_so(model):
     _lose_and_restart(engine, sink, session, imgs)
     own = replay(model, imgs[6:10])
     np.testing.assert_allclose(sink.frames[-1].T_map_cam, optical_pose_to_map(own[-1].c2w), atol=1e-9)
-    assert engine.output.identity
+    assert engine.seq.anchor.output.identity
     assert any(level == "warning" and "NEW map origin" in m and "no odometry look-up" in m for level, m in log.lines)
     assert any("new sequence at a new map origin (no odometry look-up" in st.state_text for st, _ in sink.statuses)
 
@@ -990,7 +1010,7 @@ def test_health_thresholds_follow_the_settings_at_run_time(model):
     feed(engine, imgs[5], 5.0)
     st = sink.statuses[-1][0]
     assert st.tracking_state == "initializing" and st.tracking_reasons == "rotation_jump"
-    assert engine.health.config.max_rotation_step_deg == 0.001
+    assert engine.seq.tracking.health.config.max_rotation_step_deg == 0.001
     engine.configure(resolve_settings({**loose, "health_init_frames": 2}))
     feed(engine, imgs[6], 6.0)
     assert sink.statuses[-1][0].tracking_state == "initializing"  # one good frame since the jump
@@ -1002,9 +1022,9 @@ def test_focal_lengths_are_tracked_in_input_pixels(model):
     engine, sink, _, _ = make_engine(model)
     for i, rgb in enumerate(frames(3)):
         feed(engine, rgb, float(i))
-    assert len(engine.focal) == 3 and engine.focal.input_size == (518, 294)
+    assert len(engine.seq.focal) == 3 and engine.seq.focal.input_size == (518, 294)
     K = sink.frames[-1].intrinsics  # 98 x 56 model input from 518 x 294
-    fx, fy = engine.focal.median()
+    fx, fy = engine.seq.focal.median()
     assert fx == pytest.approx(np.median([o.intrinsics[0, 0] for o in sink.frames]) * 518 / 98)
     assert fy == pytest.approx(np.median([o.intrinsics[1, 1] for o in sink.frames]) * 294 / 56)
     assert K.shape == (3, 3)
@@ -1022,9 +1042,9 @@ class OnDevice:
     def __getattr__(self, name):
         return getattr(self._s, name)
 
-    def push(self, image, keyframe=None):
+    def submit(self, image, keyframe=None, stamp=None, tag=None):
         self.pushed.append(image)
-        return self._s.push(image, keyframe)
+        return self._s.submit(image, keyframe, stamp, tag)
 
 
 def test_distorted_frames_are_undistorted_on_the_sessions_device_when_it_is_a_gpu(model, monkeypatch):
@@ -1034,7 +1054,7 @@ def test_distorted_frames_are_undistorted_on_the_sessions_device_when_it_is_a_gp
     from lingbot_map_ros.robot.undistort import Undistorter
 
     settings = resolve_settings(SETTINGS)
-    session = OnDevice(StreamingSession(model, settings.stream))
+    session = OnDevice(LongStreamSession(StreamingSession(model, settings.stream)))
     sink = Sink(())
     engine = InferenceEngine(session, settings, sink, Log(), now=lambda: 1000.0)
     devices = []
@@ -1051,7 +1071,7 @@ def test_distorted_frames_are_undistorted_on_the_sessions_device_when_it_is_a_gp
         engine.submit_frame(InputFrame(rgb=rgb, stamp=float(i), stamp_s=float(i), camera_frame="cam", camera=camera))
         while engine.run_once(0):
             pass
-    assert devices == [torch.device("cuda", 0)] * 3 and engine.frames_undistorted == 3
+    assert devices == [torch.device("cuda", 0)] * 3 and engine.inputs.frames_undistorted == 3
     assert all(isinstance(im, torch.Tensor) and im.dtype == torch.float32 and im.shape == (3, 56, 98)
                for im in session.pushed)
     check = StreamingSession(model, settings.stream)

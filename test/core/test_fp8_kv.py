@@ -107,7 +107,6 @@ def test_fp8_fused_and_static_paths_equal_the_plain_path(tiny_model, fixture_con
     """With FP8 K/V, the fused plumbing (the kernel writes K/V rows into the read buffer,
     ``store_written`` quantises them; twins stand in for the Triton kernels) and the CUDA-graph
     step's static path (run eagerly on the CPU) give the plain path's outputs."""
-    import dataclasses
 
     from lingbot_map_ros.kernels import layer_norm, mlp as mlp_kernels, qk_rope, residual
     from multi_camera_helpers import EagerStaticSteps
@@ -116,8 +115,7 @@ def test_fp8_fused_and_static_paths_equal_the_plain_path(tiny_model, fixture_con
     cfg = StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa", kv_cache_dtype="fp8")
 
     def run(fused: bool = False, static: bool = False):
-        session = StreamingSession(tiny_model, cfg, steps=EagerStaticSteps() if static else None)
-        session.step_options = dataclasses.replace(session.step_options, fused=fused)
+        session = StreamingSession(tiny_model, cfg, steps=EagerStaticSteps() if static else None, fused=fused)
         out = []
         for f in images[:7]:
             out += session.push(f)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from lingbot_map_ros.config import StreamConfig
-from lingbot_map_ros.journal import JOURNAL_NAME, JournaledSession, JournalMismatch, JournalWriter, journal_identity
+from lingbot_map_ros.journal import JOURNAL_NAME, JournalMismatch, JournalRecorder, JournalWriter, journal_identity
 from lingbot_map_ros.journal.format import scan
 from lingbot_map_ros.journal.resume import rebuild
 from lingbot_map_ros.stream.errors import SessionError
@@ -39,9 +39,7 @@ def image(images, step, uint8=True):
 def make(model, fixture_config, long=True, **long_kw):
     cfg = StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa", keyframe_interval=2)
     inner = StreamingSession(model, cfg)
-    if not long:
-        return inner
-    return LongStreamSession(inner, LongStreamConfig(**{"window_frames": 8, **long_kw}))
+    return LongStreamSession(inner, LongStreamConfig(**{"window_frames": 8, **long_kw}) if long else None)
 
 
 # ops run before the step's frame; rollback/commit outcomes (or their refusal) are compared too
@@ -75,7 +73,7 @@ def run_steps(session, images, steps, script=SCRIPT, uint8=True):
             except SessionError as exc:
                 got.append((op, "refused", str(exc)))
         im = image(images, s, uint8)
-        results = session.push(im, tag={"n": s}) if isinstance(session, JournaledSession) else session.push(im)
+        results = session.push(im, tag={"n": s})
         got += [(r.frame_index, r.is_keyframe, r.c2w, r.depth) for r in results]
         out[s] = (got, session.frames_pushed, session.window_index)
     return out
@@ -101,8 +99,10 @@ def straight(tiny_model, fixture_config, images):
 
 
 def journaled(session, path, **kw):
+    """``session`` observed by a journal recorder writing ``path`` (``session.events``)."""
     writer = JournalWriter(path, **kw)
-    return JournaledSession(session, writer, journal_identity(session, "fixture")), writer
+    session.observe(JournalRecorder(writer, journal_identity(session, "fixture"), session.deferred_eviction))
+    return session, writer
 
 
 def resume(tiny_model, fixture_config, path, long=True):
@@ -110,9 +110,10 @@ def resume(tiny_model, fixture_config, path, long=True):
     ident = journal_identity(session, "fixture")
     rebuilt = rebuild(session, path, ident)
     writer = JournalWriter(path)
-    wrapped = JournaledSession(session, writer, ident, begin=False)
-    wrapped.adopt(rebuilt.records, rebuilt.scale_count, rebuilt.state_records)
-    return wrapped, writer, rebuilt
+    recorder = JournalRecorder(writer, ident, begin=False)
+    recorder.adopt(rebuilt.records, rebuilt.scale_count, rebuilt.state_records, session.inner.resolution)
+    session.observe(recorder)
+    return session, writer, rebuilt
 
 
 def test_the_script_covers_restarts_deferral_and_rollbacks(straight):
@@ -177,8 +178,8 @@ def test_resume_twice_in_a_row(tiny_model, fixture_config, images, straight, tmp
 
 
 def test_float_frames_and_a_session_without_windows(tiny_model, fixture_config, images, tmp_path):
-    """float32 [3, H, W] inputs are journaled as they came; a StreamingSession (no long stream)
-    resumes too."""
+    """float32 [3, H, W] inputs are journaled as they came; a session without windows (no
+    LongStreamConfig) resumes too."""
     script = {5: ["defer_on"], 9: ["rollback"], 10: ["commit"]}
     steps = range(14)
     straight = run_steps(make(tiny_model, fixture_config, long=False), images, steps, script, uint8=False)
@@ -226,10 +227,10 @@ def test_a_journal_of_another_configuration_is_refused_and_left_alone(tiny_model
 def test_named_states_survive_compaction(tiny_model, fixture_config, images, tmp_path):
     path = tmp_path / JOURNAL_NAME
     session, writer = journaled(make(tiny_model, fixture_config), path)
-    session.note_state("metric_scale", {"scale": 1.5, "samples": 3})
+    session.events.note_state("metric_scale", {"scale": 1.5, "samples": 3})
     run_steps(session, images, range(10))
-    session.note_state("map_offset", {"t": [1.0, 2.0, 3.0]})
-    session.note_state("metric_scale", {"scale": 1.25, "samples": 9})
+    session.events.note_state("map_offset", {"t": [1.0, 2.0, 3.0]})
+    session.events.note_state("metric_scale", {"scale": 1.25, "samples": 9})
     run_steps(session, images, range(10, 16), script={})
     writer.close()
     _, _, rebuilt = resume(tiny_model, fixture_config, path)
@@ -247,9 +248,9 @@ def test_pipelined_submits_journal_in_order(tiny_model, fixture_config, images, 
             session.set_deferred_eviction(True)  # takes the earlier results first: journaled in order
         pending.append(session.submit(image(images, s), tag={"n": s}))
         if len(pending) == 2:
-            pending.pop(0).result()
+            session.results(pending.pop(0))
     for p in pending:
-        p.result()
+        session.results(p)
     writer.close()
     resumed, writer, _ = resume(tiny_model, fixture_config, path)
     assert_same(straight, run_steps(resumed, images, range(9, 17)), range(9, 17))

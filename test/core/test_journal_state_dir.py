@@ -17,8 +17,11 @@ K = 9
 
 
 def opened(tiny_model, fixture_config, folder, **kw):
+    """``open_state_directory`` on a fresh session; the result with the session beside it (``.session``)."""
     session = make(tiny_model, fixture_config, **kw)
-    return open_state_directory(folder, session, journal_identity(session, "fixture"))
+    out = open_state_directory(folder, session, journal_identity(session, "fixture"))
+    out.session = session
+    return out
 
 
 def test_state_directory_resumes_and_saved_sessions_load(tiny_model, fixture_config, images, straight, tmp_path):
@@ -26,30 +29,30 @@ def test_state_directory_resumes_and_saved_sessions_load(tiny_model, fixture_con
     first = opened(tiny_model, fixture_config, state)
     assert first.rebuilt is None and first.refused == ""
     run_steps(first.session, images, range(K))
-    dest, size = save_session(first.session, tmp_path / "saved" / "kitchen")
+    dest, size = save_session(first.recorder, tmp_path / "saved" / "kitchen")
     assert dest.stat().st_size == size and scan(dest).stop == ""
-    first.session.writer.close()
+    first.recorder.writer.close()
 
     again = opened(tiny_model, fixture_config, state)  # a restart of the process
     assert again.rebuilt is not None and again.rebuilt.next_frame == straight[K - 1][1]
     assert_same(straight, run_steps(again.session, images, range(K, K + 4)), range(K, K + 4))
-    again.session.writer.close()
+    again.recorder.writer.close()
 
     fresh = opened(tiny_model, fixture_config, tmp_path / "other")
     run_steps(fresh.session, images, range(3), script={})  # another map first
-    rebuilt = load_session(fresh.session, tmp_path / "saved" / "kitchen")
+    rebuilt = load_session(fresh.session, fresh.recorder, tmp_path / "saved" / "kitchen")
     assert rebuilt.next_frame == straight[K - 1][1]
     assert_same(straight, run_steps(fresh.session, images, range(K, K + 4)), range(K, K + 4))
     # the loaded session is now the journal of that state directory
     assert scan(tmp_path / "other" / JOURNAL_NAME).kinds[:1] == ["begin"]
-    fresh.session.writer.close()
+    fresh.recorder.writer.close()
 
 
 def test_refused_and_damaged_journals(tiny_model, fixture_config, images, tmp_path):
     state = tmp_path / "state"
     first = opened(tiny_model, fixture_config, state)
     run_steps(first.session, images, range(5), script={})
-    first.session.writer.close()
+    first.recorder.writer.close()
     original = (state / JOURNAL_NAME).read_bytes()
 
     # a saved session of another configuration does not load: state unchanged
@@ -57,15 +60,15 @@ def test_refused_and_damaged_journals(tiny_model, fixture_config, images, tmp_pa
     run_steps(other.session, images, range(3), script={})
     before = other.session.frames_pushed
     with pytest.raises(JournalMismatch, match="window_frames: journal 8, here 9"):
-        load_session(other.session, state)
+        load_session(other.session, other.recorder, state)
     assert other.session.frames_pushed == before
-    other.session.writer.close()
+    other.recorder.writer.close()
 
     # at start: set aside, untouched, and a new journal begins
     refused = opened(tiny_model, fixture_config, state, window_frames=9)
     assert "window_frames: journal 8, here 9" in refused.refused and refused.rebuilt is None
     assert refused.set_aside.read_bytes() == original
-    refused.session.writer.close()
+    refused.recorder.writer.close()
     assert scan(state / JOURNAL_NAME).kinds == ["begin"]
 
     # damaged: resumed up to the bad record, a copy kept
@@ -77,6 +80,6 @@ def test_refused_and_damaged_journals(tiny_model, fixture_config, images, tmp_pa
     damaged = opened(tiny_model, fixture_config, state)
     assert damaged.rebuilt.corrupt and "checksum mismatch" in damaged.rebuilt.stop
     assert damaged.set_aside.read_bytes() == bytes(data)
-    damaged.session.writer.flush()
+    damaged.recorder.writer.flush()
     assert scan(state / JOURNAL_NAME).stop == ""  # rewritten without the damaged tail
-    damaged.session.writer.close()
+    damaged.recorder.writer.close()

@@ -7,7 +7,6 @@ kernels. Also the split-KV arithmetic of the FlashInfer backend.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import numpy as np
@@ -171,8 +170,7 @@ def test_fused_plumbing_with_twins_equals_plain_path(tiny_model, fixture_config,
     cfg = StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa")
 
     def run(fused: bool):
-        session = StreamingSession(tiny_model, cfg)
-        session.step_options = dataclasses.replace(session.step_options, fused=fused)  # before the first frame
+        session = StreamingSession(tiny_model, cfg, fused=fused)  # the kernel decision, forced
         out = []
         for f in images[:6]:
             out += session.push(f)
@@ -305,12 +303,12 @@ def test_session_falls_back_when_the_kernels_fail_their_self_check(fixture_confi
         failed = StreamingSession(model, cfg)
     assert checks == [(failed.device, model.cfg.num_heads, model.cfg.head_dim,
                        (model.cfg.embed_dim, model.cfg.dino_dim))]
-    assert not failed.fused and failed.camera_head is None and "no C compiler" in caplog.text
+    assert not failed.step_options.fused and failed.step_options.camera_head is None and "no C compiler" in caplog.text
     assert backends[-1]["fused_merge"] is False and backends[-1]["fa3_tiles"] == (128, 256, 3)
 
     monkeypatch.setattr(kernels, "self_check", lambda *a: None)
     passed = StreamingSession(model, cfg)
-    assert passed.fused and passed.camera_head is not None and backends[-1]["fused_merge"] is True
+    assert passed.step_options.fused and passed.step_options.camera_head is not None and backends[-1]["fused_merge"] is True
     assert not StreamingSession(model, cfg.with_overrides(fused_kernels=False)).fused
     monkeypatch.undo()
     images = torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])

@@ -133,6 +133,13 @@ class PoseOracle:
     def submit(self, image, keyframe=None):
         return Settled(self.push(image, keyframe))
 
+    def step(self, image, keyframe=None):  # a checked frame (``check_frame`` passes every image)
+        return self.submit(image, keyframe)
+
+    @property
+    def scale_frames_waiting(self):
+        return len(self.pending)
+
     def push(self, image, keyframe=None):
         image = np.asarray(image)
         if self.pages.in_phase1:
@@ -201,7 +208,7 @@ def test_trajectory_and_depth_are_continuous_across_restarts(overlap):
     assert long.window_index == (n - 6 - 1) // (6 - overlap) + 1 and oracle.sequences == long.window_index
     np.testing.assert_allclose(np.stack([r.c2w for r in out]), c2w, atol=1e-9)
     np.testing.assert_allclose(np.stack([r.depth for r in out]), depth, rtol=1e-9)
-    assert long.last_fit.scale_source == "depth" and long.last_fit.centre_rmse < 1e-9
+    assert long.window.last_fit.scale_source == "depth" and long.window.last_fit.centre_rmse < 1e-9
 
 
 @pytest.mark.parametrize("step,turn,kw", [
@@ -282,8 +289,8 @@ def replay_inner(model, images, long, log=()):
     frame saw)."""
     s0 = long.cfg.num_scale_frames
     session = StreamingSession(model, long.cfg)
-    push_all(session, [frame(images, i) for i in long.overlap_indices[:s0]])
-    push_all(session, [frame(images, i) for i in long.overlap_indices[s0:]], keyframe=True)
+    push_all(session, [frame(images, i) for i in long.window.overlap_indices[:s0]])
+    push_all(session, [frame(images, i) for i in long.window.overlap_indices[s0:]], keyframe=True)
     for event in log:
         if event[0] == "store":
             session.push(frame(images, event[1]), keyframe=True)
@@ -298,7 +305,7 @@ def replay_inner(model, images, long, log=()):
 def test_results_after_a_restart_are_the_aligned_replay(short_model, fixture_config, images):
     long = make_long(short_model, fixture_config)
     out = push_all(long, [frame(images, i) for i in range(9)])
-    assert long.window_index == 1 and long.overlap_indices == (4, 5) and long.window_start == 6
+    assert long.window_index == 1 and long.window.overlap_indices == (4, 5) and long.window.start == 6
 
     replay = StreamingSession(short_model, long.cfg)
     fed = push_all(replay, [frame(images, i) for i in (4, 5)])
@@ -308,7 +315,7 @@ def test_results_after_a_restart_are_the_aligned_replay(short_model, fixture_con
     fit = estimate_window_sim3(np.stack([out[i].c2w for i in (4, 5)]), np.stack([r.c2w for r in fed]),
                                np.stack([out[i].depth for i in (4, 5)]), np.stack([r.depth for r in fed]),
                                np.stack([out[i].confidence for i in (4, 5)]), np.stack([r.confidence for r in fed]))
-    sim = long.alignment
+    sim = long.window.alignment
     assert sim.scale == pytest.approx(fit.sim3.scale, rel=1e-6)
     np.testing.assert_allclose(sim.rot, fit.sim3.rot, atol=1e-6)
     for got, raw in zip(out[6:], again):
@@ -336,8 +343,8 @@ def test_service_sequence_equals_a_fresh_replay(short_model, fixture_config, ima
         if with_outputs:  # an attend-only probe changes no cache state
             (got,) = long.push(frame(images, nxt), keyframe=False)
             (want,) = replay.push(frame(images, nxt), keyframe=False)
-            np.testing.assert_allclose(got.c2w, long.alignment.apply_to_poses(want.c2w), atol=1e-5)
-            np.testing.assert_allclose(got.depth, want.depth * long.alignment.scale, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(got.c2w, long.window.alignment.apply_to_poses(want.c2w), atol=1e-5)
+            np.testing.assert_allclose(got.depth, want.depth * long.window.alignment.scale, rtol=1e-5, atol=1e-6)
         return with_outputs
 
     for step in range(40):
@@ -495,15 +502,14 @@ def script_results(long, frames, submit):
         if i == 10:
             rolled = long.rollback_last_frame()  # needs the results taken so far
     if submit:
-        assert all(p.done for p in pending)  # CPU: the steps ran at submit
-        out = [p.result() for p in reversed(pending)][::-1]
-        assert out[3] is pending[3].result()  # a second result() returns the same list
+        out = [long.results(p) for p in reversed(pending)][::-1]
+        assert out[3] is long.results(pending[3])  # asked again: the same list
     return out, rolled
 
 
 @pytest.mark.parametrize("policy", ["interval", "motion"])
 def test_submitted_frames_give_the_pushed_results(policy):
-    """LongStreamSession.submit + result() later is push(): same global indices, poses, depths
+    """LongStreamSession.submit + results() later is push(): same global indices, poses, depths
     and keyframes across restarts, whatever the order the results are taken in."""
     n = 24
     c2w, depth = trajectory(n, step=0.03, turn_deg=2.0)
@@ -513,7 +519,7 @@ def test_submitted_frames_give_the_pushed_results(policy):
         long = LongStreamSession(oracle, LongStreamConfig(window_frames=6, keyframe_policy=policy,
                                                           motion_min_translation=0.05))
         runs[submit], runs[submit, "rolled"] = script_results(long, oracle_images(n), submit)
-        runs[submit, "state"] = (long.window_index, long.frames_pushed, long.overlap_indices,
+        runs[submit, "state"] = (long.window_index, long.frames_pushed, long.window.overlap_indices,
                                  oracle.pages.state_signature())
     assert runs[True, "state"] == runs[False, "state"] and runs[True, "state"][0] >= 1  # restarted
     assert runs[True, "rolled"] == runs[False, "rolled"] == (10 if policy == "interval" else 8)
@@ -553,7 +559,7 @@ def test_results_submitted_before_a_reset_stay_with_the_old_sequence():
     pending = [long.submit(f) for f in oracle_images(n)[:4]]
     long.reset()
     assert long.frames_pushed == 0 and long.window_index == 0
-    old = [r for p in pending for r in p.result()]
+    old = [r for p in pending for r in long.results(p)]
     assert [r.frame_index for r in old] == [0, 1, 2, 3]
     with pytest.raises(SessionError, match="nothing to roll back"):
         long.rollback_last_frame()  # the old results were not recorded into the new sequence

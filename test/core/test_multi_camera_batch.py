@@ -32,21 +32,21 @@ def images(fixtures):
     return torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])
 
 
-def batched_cameras(model, fixture_config, n: int, **kw) -> CameraSessions:
+def batched_cameras(model, fixture_config, n: int, fused: bool | None = None, **kw) -> CameraSessions:
     return CameraSessions(model, {f"cam{i}": (cfg(fixture_config, **kw), None) for i in range(n)},
-                          steps=EagerStaticSteps())
+                          steps=EagerStaticSteps(), fused=fused)
 
 
-def collect(pending, name, sink) -> None:
+def collect(cams, pending, name, sink) -> None:
     if isinstance(pending, Exception):
         raise AssertionError(f"{name}: {type(pending).__name__}: {pending}")
-    sink[name] += pending.result()
+    sink[name] += cams.sessions[name].results(pending)
 
 
 def submit_round(cams, frames, sink, keyframes=None) -> None:
     """One ``submit_many`` call; every camera's results into ``sink`` (a failure is an AssertionError)."""
     for name, pending in cams.submit_many(frames, keyframes).items():
-        collect(pending, name, sink)
+        collect(cams, pending, name, sink)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -103,7 +103,7 @@ def test_a_bad_frame_in_a_batch_fails_alone_and_the_others_run(tiny_model, fixtu
     assert isinstance(out["cam1"], InvalidFrameError) and "size changed" in str(out["cam1"])
     assert (cams.inner["cam1"].frames_pushed, cams.inner["cam1"].stats()) == before
     for c in ("cam0", "cam2"):
-        collect(out[c], c, results)
+        collect(cams, out[c], c, results)
     submit_round(cams, {c: seqs[c][i] for c in cams.names for i in [10 if c == "cam1" else 11]}, results)
     for c in cams.names:
         n = 11 if c == "cam1" else 12
@@ -137,7 +137,7 @@ def test_reset_and_rollback_of_one_camera_between_batches(tiny_model, fixture_co
     results = {c: [] for c in cams.names}
     for i in range(10):
         submit_round(cams, {c: seqs[c][i] for c in cams.names}, results)
-    cams.sessions["cam1"].wait()
+    cams.inner["cam1"].wait()
     assert cams.sessions["cam1"].rollback_last_frame() == 9
     cams.sessions["cam0"].reset()
     for i in range(10, 12):
@@ -195,7 +195,7 @@ def test_submit_batch_refuses_mismatched_arguments(tiny_model, fixture_config, i
     inner = list(cams.inner.values())
     with pytest.raises(ValueError, match="appears twice"):
         submit_batch([inner[0], inner[0]], [images[0], images[1]])
-    with pytest.raises(ValueError, match="2 sessions, 1 images"):
+    with pytest.raises(ValueError, match="2 sessions, 1 frames"):
         submit_batch(inner, [images[0]])
     with pytest.raises(KeyError, match="unknown cameras"):
         cams.submit_many({"rear": images[0]})
@@ -257,7 +257,6 @@ def test_the_fused_path_of_a_batched_trunk_with_the_kernel_twins_equals_single_r
     """The aggregator's fused path over several cameras' frames (``FramewiseAttention``: per frame
     its rows of qkv and of the RoPE tables, its camera's destinations) with the PyTorch twins
     standing in for the Triton kernels, as on the GPU: per camera, the plain single-camera replay."""
-    import dataclasses
 
     from lingbot_map_ros.kernels import layer_norm, qk_rope, residual
     from lingbot_map_ros.kernels import mlp as mlp_kernels
@@ -279,10 +278,8 @@ def test_the_fused_path_of_a_batched_trunk_with_the_kernel_twins_equals_single_r
     from lingbot_map_ros.kernels.camera_attention import camera_attention_reference
 
     monkeypatch.setattr(pool_module, "camera_attention", camera_attention_reference)  # bias None: computed there
-    cams = batched_cameras(tiny_model, fixture_config, 3)
-    fused = dataclasses.replace(cams.inner["cam0"].step_options, fused=True)
-    for inner in cams.inner.values():  # one options object, as sessions sharing the first's have
-        inner.step_options = fused
+    cams = batched_cameras(tiny_model, fixture_config, 3, fused=True)  # the sessions share the first's options
+    assert all(inner.step_options.fused for inner in cams.inner.values())
     seqs = dict(zip(cams.names, sequences(images, 3)))
     results = {c: [] for c in cams.names}
     for i in range(12):

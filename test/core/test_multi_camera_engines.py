@@ -17,7 +17,7 @@ from lingbot_map_ros.runtime.scheduler import CameraScheduler
 from lingbot_map_ros.stream.multi import CameraSessions
 from lingbot_map_ros.stream.session import StreamingSession
 
-from engine_fakes import Log, Sink  # test/ is on sys.path (conftest.py)
+from engine_fakes import Log, Sink, drain  # test/ is on sys.path (conftest.py)
 from multi_camera_helpers import EagerStaticSteps
 
 WIDTH = 98
@@ -70,7 +70,7 @@ def test_two_cameras_in_turn_equal_their_single_camera_replays(model, pipeline):
     for k in range(5):  # both slots filled, then the scheduler takes them in turn
         submit(engines["a"], images["a"][k], 100.0 + k)
         submit(engines["b"], images["b"][k], 100.0 + k)
-        assert sched.run_until_idle() == 2
+        assert drain(sched) == 2
     for name in ("a", "b"):
         got = [f.T_map_cam for f in sinks[name].frames]
         assert [f.frame_index for f in sinks[name].frames] == [1, 2, 3, 4, 5]
@@ -87,17 +87,17 @@ def test_a_camera_waiting_for_a_keyframe_decision_does_not_hold_up_the_other(mod
     for k in range(4):
         submit(engines["a"], images["a"][k], 200.0 + k)
         submit(engines["b"], images["b"][k], 200.0 + k)
-        sched.run_until_idle()
+        drain(sched)
     # a: scale frames 1-2, frame 3 stored and held for a decision: frame 4 waits in its slot
     assert [f.frame_index for f in sinks["a"].frames] == [1, 2, 3]
     assert [f.frame_index for f in sinks["b"].frames] == [1, 2, 3, 4]  # b went on
     submit(engines["b"], images["b"][4], 204.0)
-    assert sched.run_until_idle() == 1 and sinks["b"].frames[-1].frame_index == 5
+    assert drain(sched) == 1 and sinks["b"].frames[-1].frame_index == 5
     decision = engines["a"].submit("keep", lambda: engines["a"].keyframes.commit_eviction(3))
-    sched.run_until_idle()  # the decision, then a's waiting frame
+    drain(sched)  # the decision, then a's waiting frame
     assert decision.error is None
     assert [f.frame_index for f in sinks["a"].frames] == [1, 2, 3, 4]
-    assert engines["a"].counters.snapshot().decisions_kept == 1
+    assert engines["a"].seq.counter_values().decisions_kept == 1
 
 
 def test_batched_steps_of_two_cameras_equal_their_single_camera_replays(model):
@@ -106,7 +106,7 @@ def test_batched_steps_of_two_cameras_equal_their_single_camera_replays(model):
     for k in range(6):
         submit(engines["a"], images["a"][k], 100.0 + k)
         submit(engines["b"], images["b"][k], 100.0 + k)
-        assert sched.run_until_idle() == 1  # one turn: both frames in one call
+        assert drain(sched) == 1  # one turn: both frames in one call
     for name in ("a", "b"):
         assert [f.frame_index for f in sinks[name].frames] == [1, 2, 3, 4, 5, 6]
         for f, expected in zip(sinks[name].frames, replay(model, images[name])):
@@ -122,7 +122,7 @@ def test_batching_leaves_a_held_camera_and_a_bad_frame_to_their_engines(model):
     for k in range(4):
         for c in "abc":
             submit(engines[c], images[c][k], 300.0 + k)
-        sched.run_until_idle()
+        drain(sched)
     # a holds frame 3 for a decision: its frame 4 waits; b and c went on together
     assert [f.frame_index for f in sinks["a"].frames] == [1, 2, 3]
     assert [f.frame_index for f in sinks["b"].frames] == [1, 2, 3, 4]
@@ -130,12 +130,12 @@ def test_batching_leaves_a_held_camera_and_a_bad_frame_to_their_engines(model):
     # a bad frame from c in the next batch: dropped by its engine, b's frame runs
     submit(engines["b"], images["b"][4], 304.0)
     submit(engines["c"], np.zeros((10, 10, 3), np.uint8), 304.0)
-    sched.run_until_idle()
+    drain(sched)
     assert [f.frame_index for f in sinks["b"].frames] == [1, 2, 3, 4, 5]
     assert [f.frame_index for f in sinks["c"].frames] == [1, 2, 3, 4]
-    assert engines["c"].counters.snapshot().frames_dropped_invalid == 1
+    assert engines["c"].seq.counter_values().frames_dropped_invalid == 1
     decision = engines["a"].submit("keep", lambda: engines["a"].keyframes.commit_eviction(3))
-    sched.run_until_idle()
+    drain(sched)
     assert decision.error is None
     assert [f.frame_index for f in sinks["a"].frames] == [1, 2, 3, 4]
     for name in ("b", "c"):

@@ -12,7 +12,7 @@ import pytest
 
 from lingbot_map_ros.config import ConfigError
 from lingbot_map_ros.geometry import optical_pose_to_map
-from lingbot_map_ros.journal import JOURNAL_NAME, JournaledSession
+from lingbot_map_ros.journal import JOURNAL_NAME, JournalRecorder
 from lingbot_map_ros.runtime.engine import InferenceEngine
 from lingbot_map_ros.runtime.frames import InputFrame
 from lingbot_map_ros.runtime.journaling import (COUNTERS_STATE, SessionError, open_camera_journal, save_sessions,
@@ -46,11 +46,12 @@ def session_of(model, settings):
     return LongStreamSession(StreamingSession(model, settings.stream), settings.long_stream)
 
 
-def engine_of(model, settings, session=None):
-    """An engine driven by a real scheduler thread, recording what it publishes."""
+def engine_of(model, settings, session=None, journal=None):
+    """An engine (``journal``: the session's recorder) driven by a real scheduler thread, recording
+    what it publishes."""
     session = session if session is not None else session_of(model, settings)
     sink, log = Sink(wants=()), Log()
-    engine = InferenceEngine(session, settings, sink, log, now=lambda: 1000.0)
+    engine = InferenceEngine(session, settings, sink, log, now=lambda: 1000.0, journal=journal)
     scheduler = CameraScheduler({"": engine})
     scheduler.start()
     return engine, scheduler, sink
@@ -62,29 +63,30 @@ def feed(engine: InferenceEngine, sink: Sink, ks) -> None:
     results are counted one by one, so "one more than before" can be met by the previous frame."""
     start = handled(engine)
     for n, k in enumerate(ks, 1):
-        first = engine.session.frames_pushed == 0 and not engine._collected
+        first = engine.session.frames_pushed == 0 and not engine.recovery.collected
         engine.submit_frame(InputFrame(rgb=FRAMES[k], stamp=1000 + k, stamp_s=1000.0 + k, camera_frame="cam"))
         deadline = time.monotonic() + 60
-        while not (engine._collected if first else handled(engine) >= start + n):
+        while not (engine.recovery.collected if first else handled(engine) >= start + n):
             assert time.monotonic() < deadline, f"frame {k} was not taken"
             time.sleep(0.005)
 
 
 def journaled_run(model, settings, ks, then=None) -> None:
-    """A journaled engine over frames ``ks`` (``then(wrapped)`` afterwards), then stopped and closed."""
-    wrapped, _ = open_camera_journal(session_of(model, settings), settings, "")
-    engine, scheduler, sink = engine_of(model, settings, wrapped)
+    """A journaled engine over frames ``ks`` (``then(journal)`` afterwards), then stopped and closed."""
+    session = session_of(model, settings)
+    journal, _ = open_camera_journal(session, settings, "")
+    engine, scheduler, sink = engine_of(model, settings, session, journal)
     try:
         feed(engine, sink, ks)
         if then is not None:
-            then(wrapped)
+            then(journal)
     finally:
         scheduler.stop()
-        wrapped.writer.close()
+        journal.writer.close()
 
 
 def handled(engine: InferenceEngine) -> int:
-    c = engine.counters.snapshot()
+    c = engine.seq.counter_values()
     return c.frames_processed + c.frames_dropped_invalid + c.frames_dropped_error
 
 
@@ -114,11 +116,11 @@ def test_state_directory_and_camera_batching_are_refused_together():
     resolve_settings({**BASE, "cameras": ["a", "b"], "state_directory": "/tmp/x"})
 
 
-def test_without_state_directory_the_session_is_not_wrapped(tiny_model, tmp_path):
+def test_without_state_directory_the_session_has_no_journal(tiny_model, tmp_path):
     settings = settings_of(tmp_path)
     session = session_of(tiny_model, settings)
-    same, resumed = open_camera_journal(session, settings, "")
-    assert same is session and resumed is None
+    journal, resumed = open_camera_journal(session, settings, "")
+    assert journal is None and resumed is None and session.events is None
 
 
 def test_engine_journals_resumes_with_progress_and_restores_counters(tiny_model, tmp_path, straight):
@@ -126,13 +128,14 @@ def test_engine_journals_resumes_with_progress_and_restores_counters(tiny_model,
     there is); a new engine on the same state directory resumes, says "resuming k of n" while it
     replays, takes the journaled counters, and continues exactly as the uninterrupted run."""
     settings = settings_of(tmp_path, state_directory=str(tmp_path / "state"))
-    wrapped, resumed = open_camera_journal(session_of(tiny_model, settings), settings, "")
-    assert isinstance(wrapped, JournaledSession) and resumed is None
-    engine, scheduler, sink = engine_of(tiny_model, settings, wrapped)
+    session = session_of(tiny_model, settings)
+    journal, resumed = open_camera_journal(session, settings, "")
+    assert isinstance(journal, JournalRecorder) and resumed is None and session.events is journal
+    engine, scheduler, sink = engine_of(tiny_model, settings, session, journal)
     try:
         feed(engine, sink, range(7))
         engine.heartbeat().wait(10)  # the counters are journaled with the heartbeat
-        assert wrapped.writer.flush(10)
+        assert journal.writer.flush(10)
     finally:
         scheduler.stop()
     first = poses(sink)
@@ -140,28 +143,28 @@ def test_engine_journals_resumes_with_progress_and_restores_counters(tiny_model,
         np.testing.assert_allclose(first[i], straight[i], atol=1e-5)
 
     progress = []
-    wrapped2, resumed2 = open_camera_journal(session_of(tiny_model, settings), settings, "",
-                                             progress=lambda k, n: progress.append((k, n)))
+    session2 = session_of(tiny_model, settings)
+    journal2, resumed2 = open_camera_journal(session2, settings, "", progress=lambda k, n: progress.append((k, n)))
     assert resumed2 is not None and resumed2.source == "journal" and resumed2.next_frame == 7
     assert progress and progress[-1][0] == progress[-1][1] == resumed2.frames
     assert resumed2.states[COUNTERS_STATE]["frames_processed"] == 7
-    engine2, scheduler2, sink2 = engine_of(tiny_model, settings, wrapped2)
+    engine2, scheduler2, sink2 = engine_of(tiny_model, settings, session2, journal2)
     try:
-        engine2.resumed_from(resumed2)
-        assert "resumed the journal" in engine2.state_text and "next frame is 8" in engine2.state_text
-        assert engine2.counters.snapshot().frames_processed == 7
+        engine2.commands.resumed_from(resumed2)
+        assert "resumed the journal" in engine2.seq.text and "next frame is 8" in engine2.seq.text
+        assert engine2.seq.counter_values().frames_processed == 7
         feed(engine2, sink2, range(7, 12))
         # ~/load_session while running: back to the journal's state (the run's own frames are replaced)
         saved = tmp_path / "out" / "s1"
-        save_sessions({"": wrapped2}, saved)
-        loaded = engine2.submit("load", lambda: engine2.load_session(saved))
+        save_sessions({"": journal2}, saved)
+        loaded = engine2.submit("load", lambda: engine2.commands.load_session(saved))
         assert loaded.wait(30) and loaded.error is None, loaded.error
         texts = [st.state_text for st, _ in sink2.statuses]
         assert any("loading the session: resuming" in t for t in texts)
-        assert engine2.resumed.next_frame == 12
+        assert engine2.commands.resumed.next_frame == 12
     finally:
         scheduler2.stop()
-        wrapped2.writer.close()
+        journal2.writer.close()
     got = poses(sink2)
     for i in range(8, 13):
         np.testing.assert_allclose(got[i], straight[i], atol=1e-4, err_msg=f"frame {i}")
@@ -171,27 +174,28 @@ def test_a_journal_of_another_width_is_set_aside_and_a_new_one_starts(tiny_model
     state = tmp_path / "state"
     journaled_run(tiny_model, settings_of(tmp_path, state_directory=str(state)), range(3))
     other = settings_of(tmp_path, state_directory=str(state), image_width=112)
-    wrapped2, resumed = open_camera_journal(session_of(tiny_model, other), other, "")
+    session2 = session_of(tiny_model, other)
+    journal2, resumed = open_camera_journal(session2, other, "")
     try:
         assert resumed is not None and resumed.frames == 0 and "image_width" in resumed.refused
         aside = Path(resumed.set_aside)
         assert aside.exists() and aside.name.startswith("journal.refused-")
-        assert wrapped2.frames_pushed == 0
+        assert session2.frames_pushed == 0
     finally:
-        wrapped2.writer.close()
+        journal2.writer.close()
 
 
 def test_load_session_at_start_sets_the_state_directory_journal_aside(tiny_model, tmp_path):
     state = tmp_path / "state"
     journaled_run(tiny_model, settings_of(tmp_path, state_directory=str(state)), range(4),
-                  then=lambda wrapped: save_sessions({"": wrapped}, tmp_path / "out" / "kept"))
+                  then=lambda journal: save_sessions({"": journal}, tmp_path / "out" / "kept"))
     with_load = settings_of(tmp_path, state_directory=str(state), load_session="kept")
-    wrapped2, resumed = open_camera_journal(session_of(tiny_model, with_load), with_load, "")
+    journal2, resumed = open_camera_journal(session_of(tiny_model, with_load), with_load, "")
     try:
         assert resumed.source == "session" and resumed.next_frame == 4
         assert [p.name for p in state.glob("journal.replaced-*.lbj")]  # the old journal kept, not resumed
     finally:
-        wrapped2.writer.close()
+        journal2.writer.close()
     # a load_session that is not there: the node must not start in another map than asked
     missing = settings_of(tmp_path, load_session="nowhere")
     with pytest.raises(SessionError, match="no saved session"):
@@ -203,70 +207,72 @@ def test_load_session_refusals_leave_the_state_alone(tiny_model, tmp_path):
     engine, scheduler, sink = engine_of(tiny_model, settings)  # no journal: sessions are off
     try:
         feed(engine, sink, range(3))
-        refused = engine.submit("load", lambda: engine.load_session(tmp_path))
+        refused = engine.submit("load", lambda: engine.commands.load_session(tmp_path))
         assert refused.wait(10) and isinstance(refused.error, SessionError)
         assert "state_directory" in str(refused.error)
         assert engine.session.frames_pushed == 3
     finally:
         scheduler.stop()
     with_dir = settings_of(tmp_path, state_directory=str(tmp_path / "s"))
-    wrapped, _ = open_camera_journal(session_of(tiny_model, with_dir), with_dir, "")
-    engine, scheduler, sink = engine_of(tiny_model, with_dir, wrapped)
+    session = session_of(tiny_model, with_dir)
+    journal, _ = open_camera_journal(session, with_dir, "")
+    engine, scheduler, sink = engine_of(tiny_model, with_dir, session, journal)
     try:
         feed(engine, sink, range(3))
         (tmp_path / "empty").mkdir()
-        refused = engine.submit("load", lambda: engine.load_session(tmp_path / "empty"))
+        refused = engine.submit("load", lambda: engine.commands.load_session(tmp_path / "empty"))
         assert refused.wait(10) and isinstance(refused.error, SessionError)
         junk = tmp_path / "junk"
         junk.mkdir()
         (junk / JOURNAL_NAME).write_bytes(b"not a journal at all")
-        refused = engine.submit("load", lambda: engine.load_session(junk))
+        refused = engine.submit("load", lambda: engine.commands.load_session(junk))
         assert refused.wait(10) and isinstance(refused.error, SessionError)
-        assert engine.session.frames_pushed == 3 and engine.resumed is None
+        assert engine.session.frames_pushed == 3 and engine.commands.resumed is None
     finally:
         scheduler.stop()
-        wrapped.writer.close()
+        journal.writer.close()
 
 
 def test_saved_session_folders_are_replaced_whole_and_refuse_what_is_not_theirs(tiny_model, tmp_path):
     settings = settings_of(tmp_path, state_directory=str(tmp_path / "s"))
-    wrapped, _ = open_camera_journal(session_of(tiny_model, settings), settings, "")
-    off = JournaledSession(session_of(tiny_model, settings), None, wrapped.identity, begin=False)
+    session = session_of(tiny_model, settings)
+    journal, _ = open_camera_journal(session, settings, "")
+    off = JournalRecorder(None, journal.identity, begin=False)
     try:
         with pytest.raises(SessionError, match="journaling is off"):
             save_sessions({"": off}, tmp_path / "x")
         dest = tmp_path / "out" / "a"
-        first = save_sessions({"": wrapped}, dest)
+        first = save_sessions({"": journal}, dest)
         assert first > 0 and (dest / JOURNAL_NAME).is_file()
-        assert save_sessions({"": wrapped}, dest) == first  # replaced, same content
+        assert save_sessions({"": journal}, dest) == first  # replaced, same content
         assert sorted(p.name for p in dest.parent.iterdir()) == ["a"]  # no temporary left
         other = tmp_path / "out" / "other"
         other.mkdir()
         (other / "notes.txt").write_text("mine")
         with pytest.raises(SessionError, match="other files"):
-            save_sessions({"": wrapped}, other)
+            save_sessions({"": journal}, other)
         assert (other / "notes.txt").read_text() == "mine"
         # several cameras: one folder each inside the session
-        both = save_sessions({"front": wrapped, "rear": wrapped}, tmp_path / "out" / "two")
+        both = save_sessions({"front": journal, "rear": journal}, tmp_path / "out" / "two")
         assert both == 2 * first and (tmp_path / "out" / "two" / "rear" / JOURNAL_NAME).is_file()
         if os.geteuid() != 0:  # root writes anywhere: the read-only case needs another user
             ro = tmp_path / "ro"
             ro.mkdir()
             ro.chmod(0o500)
             with pytest.raises(OSError):
-                save_sessions({"": wrapped}, ro / "s")
+                save_sessions({"": journal}, ro / "s")
         with pytest.raises(SessionError, match="outside output_directory"):
             session_folder("../../elsewhere", str(tmp_path / "out"))
         assert session_folder("", str(tmp_path / "out")).name.startswith("session-")
     finally:
-        wrapped.writer.close()
+        journal.writer.close()
 
 
 class PoisonOnce:
     """Wraps a session: ``arm()`` makes the next step's poses non-finite (the node's lost case)."""
 
     def __init__(self, session) -> None:
-        self._s, self._armed = session, False
+        self._s, self._armed, self._poisoned = session, False, []
 
     def __getattr__(self, name):
         return getattr(self._s, name)
@@ -274,20 +280,18 @@ class PoisonOnce:
     def arm(self) -> None:
         self._armed = True
 
-    def submit(self, image, keyframe=None):
-        pending, armed, self._armed = self._s.submit(image, keyframe), self._armed, False
-        if not armed:
-            return pending
+    def submit(self, image, keyframe=None, stamp=None, tag=None):
+        pending, armed, self._armed = self._s.submit(image, keyframe, stamp, tag), self._armed, False
+        if armed:
+            self._poisoned.append(pending)
+        return pending
 
-        class Poisoned:
-            done = property(lambda _: pending.done)
-
-            def result(_):
-                results = pending.result()
-                for r in results:
-                    r.c2w = np.full((4, 4), np.nan)
-                return results
-        return Poisoned()
+    def results(self, pending):
+        results = self._s.results(pending)
+        if any(p is pending for p in self._poisoned):
+            for r in results:
+                r.c2w = np.full((4, 4), np.nan)
+        return results
 
 
 def test_a_resume_after_a_lost_reset_keeps_the_map_offset(tmp_path):
@@ -304,44 +308,47 @@ def test_a_resume_after_a_lost_reset_keeps_the_map_offset(tmp_path):
 
     settings = settings_of(tmp_path, state_directory=str(tmp_path / "a"), on_lost="reset", keyframe_interval=1,
                            window_frames=320)
-    poison = PoisonOnce(session_of(tiny_model, settings))
-    wrapped, _ = open_camera_journal(poison, settings, "")
+    session = session_of(tiny_model, settings)
+    journal, _ = open_camera_journal(session, settings, "")
+    poison = PoisonOnce(session)
     sink, log = Sink(wants=()), Log()
-    engine = InferenceEngine(wrapped, settings, sink, log, now=lambda: 1000.0, camera_pose=camera_pose)
+    engine = InferenceEngine(poison, settings, sink, log, now=lambda: 1000.0, camera_pose=camera_pose, journal=journal)
     scheduler = CameraScheduler({"": engine})
     scheduler.start()
     try:
         feed(engine, sink, range(5))
         poison.arm()
         feed(engine, sink, [5])
-        assert engine.lost_resets == 1
+        assert engine.seq.tracking.lost_resets == 1
         feed(engine, sink, range(6, 10))
-        assert engine.output.offset is not None  # the new sequence sits in the old map
-        assert wrapped.writer.flush(10)
+        assert engine.seq.anchor.output.offset is not None  # the new sequence sits in the old map
+        assert journal.writer.flush(10)
         killed = tmp_path / "b"
         killed.mkdir()
         (killed / JOURNAL_NAME).write_bytes((tmp_path / "a" / JOURNAL_NAME).read_bytes())  # what a kill leaves
         feed(engine, sink, [10, 11])
     finally:
         scheduler.stop()
-        wrapped.writer.close()
+        journal.writer.close()
     straight = {o.frame_index: o.T_map_cam for o in sink.frames[-2:]}
 
     again = settings_of(tmp_path, state_directory=str(killed), on_lost="reset", keyframe_interval=1,
                         window_frames=320)
-    wrapped2, resumed = open_camera_journal(session_of(tiny_model, again), again, "")
+    session2 = session_of(tiny_model, again)
+    journal2, resumed = open_camera_journal(session2, again, "")
     sink2 = Sink(wants=())
-    engine2 = InferenceEngine(wrapped2, again, sink2, Log(), now=lambda: 1000.0, camera_pose=camera_pose)
-    engine2.resumed_from(resumed)
-    np.testing.assert_allclose(engine2.output.offset, engine.output.offset, atol=1e-9)
-    assert "continued from frame" in engine2.map_alignment
+    engine2 = InferenceEngine(session2, again, sink2, Log(), now=lambda: 1000.0, camera_pose=camera_pose,
+                              journal=journal2)
+    engine2.commands.resumed_from(resumed)
+    np.testing.assert_allclose(engine2.seq.anchor.output.offset, engine.seq.anchor.output.offset, atol=1e-9)
+    assert "continued from frame" in engine2.seq.anchor.map_alignment
     scheduler2 = CameraScheduler({"": engine2})
     scheduler2.start()
     try:
         feed(engine2, sink2, [10, 11])
     finally:
         scheduler2.stop()
-        wrapped2.writer.close()
+        journal2.writer.close()
     got = {o.frame_index: o.T_map_cam for o in sink2.frames}
     assert sorted(got) == sorted(straight)
     for i in straight:
@@ -374,7 +381,7 @@ def test_a_save_that_fails_halfway_keeps_the_old_session_and_leaves_no_temporary
 
 def map_of(engine: InferenceEngine):
     """(points, colours, stamps, poses) as ~/save_map would write them (taken on the inference thread)."""
-    taken = engine.submit("save", engine.save_snapshot)
+    taken = engine.submit("save", engine.commands.save_snapshot)
     assert taken.wait(30) and taken.error is None, taken.error
     snapshot = taken.result
     points, colors, poses = snapshot.output(30)
@@ -409,38 +416,41 @@ def test_the_saved_map_and_path_survive_a_resume_and_a_saved_session(tiny_model,
     resumed engine, fed frames 8.., saves the map and path of the uninterrupted run; so does a
     fresh engine started from a session saved at frame 7 (load_session, no state directory)."""
     settings = settings_of(tmp_path, accumulate_map=True, state_directory=str(tmp_path / "state"))
-    wrapped, _ = open_camera_journal(session_of(tiny_model, settings), settings, "")
-    engine, scheduler, sink = engine_of(tiny_model, settings, wrapped)
-    engine.resumed_from(None)  # as the node does at start
+    session = session_of(tiny_model, settings)
+    journal, _ = open_camera_journal(session, settings, "")
+    engine, scheduler, sink = engine_of(tiny_model, settings, session, journal)
+    engine.commands.resumed_from(None)  # as the node does at start
     try:
         feed(engine, sink, range(7))
-        assert engine.outputs.flush(10) and wrapped.writer.flush(10) and engine.map_journal.writer.flush(10)
-        saved = save_sessions({"": wrapped}, tmp_path / "out" / "kept", {"": engine.map_journal})
+        assert engine.outputs.flush(10) and journal.writer.flush(10) and engine.seq.map_journal.writer.flush(10)
+        saved = save_sessions({"": journal}, tmp_path / "out" / "kept", {"": engine.seq.map_journal})
         assert saved > 0 and (tmp_path / "out" / "kept" / "map.lbj").is_file()
     finally:
         scheduler.stop()
     assert (tmp_path / "state" / "map.lbj").is_file()
 
-    wrapped2, resumed2 = open_camera_journal(session_of(tiny_model, settings), settings, "")
-    engine2, scheduler2, sink2 = engine_of(tiny_model, settings, wrapped2)
+    session2 = session_of(tiny_model, settings)
+    journal2, resumed2 = open_camera_journal(session2, settings, "")
+    engine2, scheduler2, sink2 = engine_of(tiny_model, settings, session2, journal2)
     try:
-        engine2.resumed_from(resumed2)
-        restored = engine2.restored_map
+        engine2.commands.resumed_from(resumed2)
+        restored = engine2.seq.restored
         assert restored.note == "" and restored.poses == 7 and restored.points > 0
-        assert f"path {restored.poses} poses" in engine2.state_text
+        assert f"path {restored.poses} poses" in engine2.seq.text
         feed(engine2, sink2, range(7, len(FRAMES)))
         assert_same_map(map_of(engine2), straight_map, "resumed")
     finally:
         scheduler2.stop()
-        wrapped2.writer.close()
-        engine2.map_journal.close()
+        journal2.writer.close()
+        engine2.seq.map_journal.close()
 
     loader = settings_of(tmp_path, accumulate_map=True, load_session="kept")
-    wrapped3, resumed3 = open_camera_journal(session_of(tiny_model, loader), loader, "")
-    engine3, scheduler3, sink3 = engine_of(tiny_model, loader, wrapped3)
+    session3 = session_of(tiny_model, loader)
+    journal3, resumed3 = open_camera_journal(session3, loader, "")
+    engine3, scheduler3, sink3 = engine_of(tiny_model, loader, session3, journal3)
     try:
-        assert engine3.map_journal is None  # no state directory: loaded, not journaled
-        engine3.resumed_from(resumed3)
+        assert engine3.seq.map_journal is None  # no state directory: loaded, not journaled
+        engine3.commands.resumed_from(resumed3)
         feed(engine3, sink3, range(7, len(FRAMES)))
         assert_same_map(map_of(engine3), straight_map, "loaded session")
     finally:
@@ -449,25 +459,27 @@ def test_the_saved_map_and_path_survive_a_resume_and_a_saved_session(tiny_model,
 
 def test_journal_map_false_keeps_the_model_state_but_not_the_map(tiny_model, tmp_path):
     settings = settings_of(tmp_path, accumulate_map=True, journal_map=False, state_directory=str(tmp_path / "s"))
-    wrapped, _ = open_camera_journal(session_of(tiny_model, settings), settings, "")
-    engine, scheduler, sink = engine_of(tiny_model, settings, wrapped)
+    session = session_of(tiny_model, settings)
+    journal, _ = open_camera_journal(session, settings, "")
+    engine, scheduler, sink = engine_of(tiny_model, settings, session, journal)
     try:
-        assert engine.map_journal is None
+        assert engine.seq.map_journal is None
         feed(engine, sink, range(4))
-        assert wrapped.writer.flush(10)
+        assert journal.writer.flush(10)
     finally:
         scheduler.stop()
-        wrapped.writer.close()
+        journal.writer.close()
     assert not (tmp_path / "s" / "map.lbj").exists()
-    wrapped2, resumed2 = open_camera_journal(session_of(tiny_model, settings), settings, "")
-    engine2, scheduler2, _ = engine_of(tiny_model, settings, wrapped2)
+    session2 = session_of(tiny_model, settings)
+    journal2, resumed2 = open_camera_journal(session2, settings, "")
+    engine2, scheduler2, _ = engine_of(tiny_model, settings, session2, journal2)
     try:
-        engine2.resumed_from(resumed2)
-        assert resumed2.next_frame == 4 and len(engine2.trajectory) == 0
-        assert "map and path not restored: no map.lbj" in engine2.state_text
+        engine2.commands.resumed_from(resumed2)
+        assert resumed2.next_frame == 4 and len(engine2.seq.path) == 0
+        assert "map and path not restored: no map.lbj" in engine2.seq.text
     finally:
         scheduler2.stop()
-        wrapped2.writer.close()
+        journal2.writer.close()
 
 
 def test_journal_compression_reaches_both_journals_and_lz4_falls_back_when_missing(tiny_model, tmp_path,
@@ -483,12 +495,13 @@ def test_journal_compression_reaches_both_journals_and_lz4_falls_back_when_missi
         folder = tmp_path / f"{asked}_{have_lz4}"
         settings = settings_of(tmp_path, accumulate_map=True, state_directory=str(folder), journal_compression=asked)
         caplog.clear()
-        wrapped, _ = open_camera_journal(session_of(tiny_model, settings), settings, "")
-        engine, scheduler, _ = engine_of(tiny_model, settings, wrapped)
+        session = session_of(tiny_model, settings)
+        journal, _ = open_camera_journal(session, settings, "")
+        engine, scheduler, _ = engine_of(tiny_model, settings, session, journal)
         try:
-            assert wrapped.writer.compression == want and engine.map_journal.writer.compression == want
+            assert journal.writer.compression == want and engine.seq.map_journal.writer.compression == want
             assert ("the lz4 module is not installed" in caplog.text) == (not have_lz4), caplog.text
         finally:
             scheduler.stop()
-            wrapped.writer.close()
-            engine.map_journal.close()
+            journal.writer.close()
+            engine.seq.map_journal.close()

@@ -1,4 +1,5 @@
-"""Both sessions are a ``stream.Session``, and stream/ is the one door to the errors."""
+"""The session the node and the command line hold is a ``stream.Session``, windowed or one window
+(no LongStreamConfig), and stream/ is the one door to the errors."""
 from __future__ import annotations
 
 import inspect
@@ -8,7 +9,7 @@ import pytest
 from lingbot_map_ros import stream
 from lingbot_map_ros.config import LongStreamConfig, StreamConfig
 from lingbot_map_ros.stream.long_stream import LongStreamSession
-from lingbot_map_ros.stream.protocol import Pending, Session
+from lingbot_map_ros.stream.protocol import Session
 from lingbot_map_ros.stream.session import StreamingSession
 
 MEMBERS = [name for name in dir(Session) if not name.startswith("_")]
@@ -16,18 +17,19 @@ MEMBERS = [name for name in dir(Session) if not name.startswith("_")]
 
 @pytest.fixture(scope="module")
 def sessions(tiny_model, fixture_config):
-    plain = StreamingSession(tiny_model, StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa"))
-    return {"plain": plain, "long": LongStreamSession(plain, LongStreamConfig(window_frames=6))}
+    cfg = StreamConfig.from_dict(fixture_config).with_overrides(backend="sdpa")
+    return {"plain": LongStreamSession(StreamingSession(tiny_model, cfg)),
+            "long": LongStreamSession(StreamingSession(tiny_model, cfg), LongStreamConfig(window_frames=6))}
 
 
 def test_the_protocol_names_what_the_node_uses():
     assert sorted(MEMBERS) == sorted(["cfg", "device", "frames_pushed", "window_index", "deferred_eviction", "push",
-                                      "submit", "check_frame", "reset", "rollback_last_frame",
+                                      "submit", "results", "check_frame", "reset", "rollback_last_frame",
                                       "set_deferred_eviction", "commit_eviction", "stats"])
 
 
 @pytest.mark.parametrize("kind", ["plain", "long"])
-def test_both_sessions_satisfy_it_with_the_same_signatures(sessions, kind):
+def test_both_kinds_satisfy_it_with_the_same_signatures(sessions, kind):
     session = sessions[kind]
     assert isinstance(session, Session)
     for name in MEMBERS:
@@ -44,15 +46,15 @@ def test_both_sessions_satisfy_it_with_the_same_signatures(sessions, kind):
 
 
 @pytest.mark.parametrize("kind", ["plain", "long"])
-def test_submit_returns_a_pending(sessions, kind, fixtures):
+def test_submit_returns_what_results_takes(sessions, kind, fixtures):
     import numpy as np
 
     session = sessions[kind]
     session.reset()
     images = np.load(fixtures / "reference_kf1.npz")["images"]
     first, second = session.submit(images[0]), session.submit(images[1])
-    assert isinstance(first, Pending) and isinstance(second, Pending)
-    assert first.done and first.result() == [] and [r.frame_index for r in second.result()] == [0, 1]
+    assert [r.frame_index for r in session.results(second)] == [0, 1]  # the scale step, at the second frame
+    assert session.results(first) == []  # taken already (in submission order): the first frame's were none
     session.reset()
 
 

@@ -8,7 +8,6 @@ Agreement is measured per output as max |ours - reference| / max |reference| ove
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import traceback
 import warnings
@@ -44,12 +43,13 @@ def require(backend: str) -> None:
         pytest.skip("flashinfer is not installed (carry its wheels to the GPU machine, see GPU.md)")
 
 
-def make_session(backend: str, dtype: str, keyframe_interval: int, **overrides) -> StreamingSession:
+def make_session(backend: str, dtype: str, keyframe_interval: int, fused: bool | None = None,
+                 **overrides) -> StreamingSession:
     config = json.loads((FIXTURES / "config.json").read_text())
     model = load_model(ModelConfig.from_dict(config), FIXTURES / "weights.safetensors", device="cuda", dtype=dtype)
     cfg = StreamConfig.from_dict(config).with_overrides(keyframe_interval=keyframe_interval, backend=backend,
                                                         dtype=dtype, device="cuda", **overrides)
-    return StreamingSession(model, cfg)
+    return StreamingSession(model, cfg, fused=fused)
 
 
 def reference(keyframe_interval: int) -> dict[str, np.ndarray]:
@@ -145,8 +145,7 @@ def test_fused_kernels_match_the_pytorch_path(backend):
     runs = {}
     for fused in (True, False):
         # float32 depth head: its bf16 copy amplifies bf16 rounding differences on this tiny model
-        session = make_session(backend, "bf16", keyframe_interval=2, bf16_depth_head=False)
-        session.step_options = dataclasses.replace(session.step_options, fused=fused)  # before the first frame
+        session = make_session(backend, "bf16", keyframe_interval=2, fused=fused, bf16_depth_head=False)
         out = []
         for image in images:
             out += session.push(image)
@@ -197,7 +196,7 @@ def test_float32_heads_wait_in_host_memory_while_sessions_run_their_copies():
         return session, out
 
     with_copies, first = run(base)
-    assert with_copies.depth_head is not None
+    assert with_copies.step_options.depth_head is not None
     assert next(model.depth_head.parameters()).device.type == "cpu"
     if with_copies.camera_head is not None:  # the Triton kernels run here
         assert next(model.camera_head.parameters()).device.type == "cpu"

@@ -123,7 +123,7 @@ def test_batched_cameras_equal_per_camera_steps(setup):
     assert all(s.batched_steps > 0 for s in inner), [s.batched_steps for s in inner]
     batches = inner[0].batch_group.batches
     assert batches and all(b.graph is not None and b.replays > 0 for b in batches.values() if b.steps)
-    fused = inner[0].fused
+    fused = inner[0].step_options.fused
 
     config = json.loads((FIXTURES / "config.json").read_text())
     model32 = load_model(ModelConfig.from_dict(config), FIXTURES / "weights.safetensors", device="cuda",

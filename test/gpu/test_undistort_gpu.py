@@ -18,6 +18,7 @@ from lingbot_map_ros.robot.undistort import CameraModel, Undistorter
 from lingbot_map_ros.runtime.engine import InferenceEngine
 from lingbot_map_ros.runtime.frames import InputFrame
 from lingbot_map_ros.runtime.params import resolve_settings
+from lingbot_map_ros.stream.long_stream import LongStreamSession
 from lingbot_map_ros.stream.session import StreamingSession
 
 from engine_fakes import Log, Sink  # test/ is on sys.path (conftest.py)
@@ -85,9 +86,9 @@ class Recording:
     def __getattr__(self, name):
         return getattr(self._s, name)
 
-    def push(self, image, keyframe=None):
+    def submit(self, image, keyframe=None, stamp=None, tag=None):
         self.pushed.append(image)
-        return self._s.push(image, keyframe)
+        return self._s.submit(image, keyframe, stamp, tag)
 
 
 def test_engine_undistorts_on_the_cuda_session_device():
@@ -96,7 +97,7 @@ def test_engine_undistorts_on_the_cuda_session_device():
     settings = resolve_settings({"image_width": 98, "num_scale_frames": 2, "sliding_window": 3, "device": "cuda",
                                  "dtype": "fp32", "backend": "sdpa", "cuda_graphs": False, "accumulate_map": False})
     model = load_model(ModelConfig.preset("tiny"), None, device="cuda", seed=3)
-    session = Recording(StreamingSession(model, settings.stream))
+    session = Recording(LongStreamSession(StreamingSession(model, settings.stream)))  # one window
     sink = Sink(wants=())
     engine = InferenceEngine(session, settings, sink, Log(), now=lambda: 1000.0)
     cam = camera(640, 360)
@@ -105,7 +106,7 @@ def test_engine_undistorts_on_the_cuda_session_device():
                                        camera_frame="cam", camera=cam))
         while engine.run_once(0):
             pass
-    assert engine.frames_undistorted == 4 and len(sink.frames) == 4
+    assert engine.inputs.frames_undistorted == 4 and len(sink.frames) == 4
     assert all(isinstance(im, torch.Tensor) and im.device.type == "cuda" for im in session.pushed)
     check = StreamingSession(model, settings.stream)
     expected = [r for im in session.pushed for r in check.push(im.clone())]

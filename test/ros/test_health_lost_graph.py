@@ -183,4 +183,4 @@ def test_on_lost_reset_counts_and_continues_from_the_last_good_pose(run):
     # without the alignment the new sequence would start at its own origin: the check could fail
     assert np.linalg.norm(expected[:3, 3]) > 0.5
     assert any("map continued from the last good pose" in s.state_text for s in robot.statuses(13))
-    assert robot.statuses(15)[-1].lost_resets == 1 and "continued from frame" in node.node.engine.map_alignment
+    assert robot.statuses(15)[-1].lost_resets == 1 and "continued from frame" in node.node.engine.seq.anchor.map_alignment

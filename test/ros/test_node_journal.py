@@ -240,7 +240,7 @@ def call(client: GraphClient, srv, name: str, request):
 
 
 def received(node: InProcessNode) -> int:
-    return node.node.engine.counters.snapshot().frames_received
+    return node.node.engine.seq.counter_values().frames_received
 
 
 def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures, frames, straight, kills, tmp_path):
@@ -277,7 +277,7 @@ def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures,
     b = InProcessNode("lm_load", fixture_params(fixtures, {**common, "load_session": "kept"}), DOMAIN_ID).start()
     robot = Robot("lm_load", "/image")
     try:
-        assert b.node.engine.resumed is not None and b.node.engine.resumed.frames > 0
+        assert b.node.engine.commands.resumed is not None and b.node.engine.commands.resumed.frames > 0
         robot.ready(b)
         for k in range(save_at + 1, FRAMES):
             robot.send(k, frames[k], lambda k=k: k + 1 in robot.frames)
@@ -299,7 +299,7 @@ def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures,
         robot.ready(c)
         for k in (11, 12, 13):  # another scene start: these frames make a map of their own
             robot.send(k, frames[k], lambda k=k: received(c) > k - 11)
-        robot.client.wait(lambda: c.node.engine.counters.snapshot().frames_processed == 3, "3 frames processed")
+        robot.client.wait(lambda: c.node.engine.seq.counter_values().frames_processed == 3, "3 frames processed")
         pushed = c.node.engine.session.frames_pushed
         missing = call(robot.client, LoadSession, "/lm_svc/load_session", LoadSession.Request(directory="nope"))
         assert not missing.success and "no saved session" in missing.message
@@ -438,7 +438,7 @@ def test_a_full_disk_pauses_the_journal_and_inference_goes_on(fixtures, frames, 
             assert journal.writer.flush(10)
             assert last_index(state / JOURNAL_NAME) == 9
             # the map journal paused on the same full disk and is whole again too
-            map_journal = node.node.engine.map_journal
+            map_journal = node.node.engine.seq.map_journal
             assert map_journal.status().pauses >= 1
             robot.client.wait(lambda: map_journal.status().state == "ok", "the map journal to resume", 30.0)
             assert map_journal.writer.flush(10) and last_index(state / MAP_JOURNAL_NAME, MAP_KINDS) == 9

@@ -9,18 +9,19 @@ import numpy as np
 import pytest
 
 from lingbot_map_ros.robot.health import TrackingState
-from lingbot_map_ros.runtime.decisions import KeyframeDecisions
-from lingbot_map_ros.runtime.frame_output import FramePublisher
+from lingbot_map_ros.robot.map_offset import OutputTransform
+from lingbot_map_ros.runtime.engine import InferenceEngine
 from lingbot_map_ros.runtime.frames import InputFrame, State
 from lingbot_map_ros.runtime.journaling import ANCHOR_STATE, COUNTERS_STATE, JournalNotes, Resumed
 from lingbot_map_ros.runtime.keyframe_control import KeyframeControl
-from lingbot_map_ros.runtime.mapping import MapAccumulator, PoseEntry, Trajectory
+from lingbot_map_ros.runtime.mapping import PoseEntry
 from lingbot_map_ros.runtime.output_worker import OutputWorker
 from lingbot_map_ros.runtime.params import resolve_settings
+from lingbot_map_ros.runtime.sequence import Sequence
 from lingbot_map_ros.runtime.stamps import StampGate
-from lingbot_map_ros.runtime.status import HEARTBEAT_PERIOD, StatusReporter, Tracking
+from lingbot_map_ros.runtime.status import HEARTBEAT_PERIOD, StatusReporter
 from lingbot_map_ros.runtime.tracking import TrackingJudge
-from lingbot_map_ros.runtime.worker import Counters, CounterValues, RateMeter, Throttle
+from lingbot_map_ros.runtime.worker import CounterValues, Throttle, WorkQueue
 from lingbot_map_ros.stream import FrameMismatchError, SessionError
 
 from engine_fakes import Log, Sink
@@ -68,25 +69,66 @@ def settings_of(**kw):
     return resolve_settings({"image_width": 98, "device": "cpu", "publish_path": True, **kw})
 
 
+class FakeAnchor:
+    """Model units out (scale 1, no offset), never ready."""
+
+    source_name = "none"
+
+    def __init__(self) -> None:
+        self.output = OutputTransform()
+        self.good_frames, self.note = [], ""
+        self.restored = None
+        self.aligning = False
+
+    def update_scale(self, T, frame, r, window):
+        return 1.0, False
+
+    def good(self, index, frame, T_out, ready):
+        self.good_frames.append(index)
+
+    def take_note(self):
+        return ""
+
+    def status(self):
+        return 0.0, False
+
+    applied_scale = 1.0
+
+    def clear(self, keep_map_frame=False):
+        pass
+
+    def snapshot(self):
+        return {"at": id(self.output)}
+
+    def restore(self, state):
+        self.restored = state
+        self.output = OutputTransform(2.0)
+
+
+def sequence_of(settings, sink=None, log=None, anchor=None):
+    """A ``Sequence`` on a sink, a work queue and a running output thread."""
+    return Sequence(settings, sink or Sink(wants=()), WorkQueue(), OutputWorker(max_pending=2), anchor or FakeAnchor(),
+                    log or Log())
+
+
 def control_of(session, settings, clock=None):
     clock = clock or Clock()
-    counters, sink, log = Counters(), Sink(wants=()), Log()
-    decisions = KeyframeDecisions(counters)
+    sink, log = Sink(wants=()), Log()
+    seq = sequence_of(settings, sink, log)
     holder = {"settings": settings}
-    reporter = StatusReporter(sink, session, counters, lambda: decisions.hold is not None, Tracking, clock, clock)
-    trajectory = Trajectory(100)
+    reporter = StatusReporter(sink, session, seq, clock, clock)
     for i in range(session.pushed):
-        trajectory.append(PoseEntry(i, i, float(i), np.eye(4)))
-        decisions.stored(i + 1, np.eye(4))
-    accumulated = MapAccumulator(0.01, 10000)
-    for i in range(session.pushed):
-        accumulated.add(i, np.full((2, 3), float(i), np.float32), np.zeros((2, 3), np.uint8))
-    worker = OutputWorker(max_pending=2)  # not started: its operations run inline
-    control = KeyframeControl(session, decisions, lambda: holder["settings"], reporter, StampGate(), counters,
-                              trajectory, accumulated, worker, sink, log, Throttle(0.0, clock), clock)
-    return SimpleNamespace(control=control, decisions=decisions, counters=counters, sink=sink, log=log,
-                           reporter=reporter, trajectory=trajectory, map=accumulated, clock=clock,
-                           holder=holder)
+        seq.add_pose(PoseEntry(i, i, float(i), np.eye(4)))
+        seq.stored(i + 1, np.eye(4))
+        seq.add_points(i, np.full((2, 3), float(i), np.float32), np.zeros((2, 3), np.uint8))
+    control = KeyframeControl(session, seq, lambda: holder["settings"], reporter, StampGate(), log,
+                              Throttle(0.0, clock), clock)
+    return SimpleNamespace(control=control, decisions=seq.decisions, seq=seq, sink=sink, log=log, reporter=reporter,
+                           trajectory=seq.path, map=seq.map, clock=clock, holder=holder)
+
+
+def counts(p):
+    return p.seq.counter_values()
 
 
 def test_rollback_forgets_the_frame_from_path_and_map_and_answers_one_based():
@@ -94,6 +136,7 @@ def test_rollback_forgets_the_frame_from_path_and_map_and_answers_one_based():
     p = control_of(session, settings_of())
     assert p.control.rollback(5) == 5
     assert [e.frame_index for e in p.trajectory.entries()] == [0, 1, 2, 3]
+    assert p.seq.outputs.flush(5.0)  # the map's removal runs on the output thread, in order
     assert p.map.frames() == [0, 1, 2, 3]
     assert p.sink.paths[-1] == [0, 1, 2, 3]
     assert p.decisions.reference() is not None and p.decisions.last_stored == 0  # frame 5 is no reference
@@ -114,9 +157,9 @@ def test_commit_keeps_the_held_frame_and_counts_the_decision():
     p.decisions.start_hold(5, p.clock(), 1.0)
     with pytest.raises(SessionError, match="not the frame waiting"):
         p.control.commit_eviction(4)
-    assert session.commits == 0 and p.counters.snapshot().decisions_refused == 1
+    assert session.commits == 0 and counts(p).decisions_refused == 1
     assert p.control.commit_eviction(5) == 2
-    assert p.decisions.hold is None and p.counters.snapshot().decisions_kept == 1
+    assert p.decisions.hold is None and counts(p).decisions_kept == 1
     assert p.reporter.last_stats.pending_evictions == 0
 
 
@@ -129,7 +172,7 @@ def test_a_hold_past_its_deadline_gets_the_default(default):
     assert p.decisions.hold is not None  # not yet
     p.clock.t += 0.6
     p.control.check_hold_deadline()
-    assert p.decisions.hold is None and p.counters.snapshot().decisions_timed_out == 1
+    assert p.decisions.hold is None and counts(p).decisions_timed_out == 1
     assert session.pushed == (4 if default == "drop" else 5)
     assert session.commits == (0 if default == "drop" else 1)
     assert any(f"keyframe_decision_default={default}" in m for lvl, m in p.log.lines if lvl == "warning")
@@ -154,7 +197,7 @@ def test_the_deferral_deadline_commits_once_then_at_once_until_a_client_is_back(
     assert session.commits == 0
     p.clock.t += 1.5
     p.control.check_deferral_deadline()
-    assert session.commits == 1 and p.counters.snapshot().evictions_auto_committed == 1
+    assert session.commits == 1 and counts(p).evictions_auto_committed == 1
     session.pending = 1  # the next deferral: committed at once (the client is gone)
     p.control.note_pending()
     p.control.check_deferral_deadline()
@@ -169,14 +212,16 @@ def test_the_deferral_deadline_commits_once_then_at_once_until_a_client_is_back(
 def test_status_reporter_numbers_the_last_frame_and_knows_when_a_heartbeat_is_due():
     clock, sink = Clock(), Sink(wants=())
     session = FakeSession(pushed=3)
-    reporter = StatusReporter(sink, session, Counters(), lambda: True, lambda: Tracking("tracking"), clock, clock)
-    assert reporter.state == State.WAITING_FOR_IMAGES and reporter.due()
-    reporter.last_index = 7
-    reporter.set(State.TRACKING, "tracking")
+    seq = sequence_of(settings_of(), sink)
+    reporter = StatusReporter(sink, session, seq, clock, clock)
+    assert seq.state == State.WAITING_FOR_IMAGES and reporter.due()
+    seq.last_index = 7
+    seq.set_state(State.TRACKING, "tracking")
+    seq.decisions.start_hold(7, clock(), 1.0)
     reporter.publish("hello", "stamp")
     st, stamp = sink.statuses[-1]
     assert (st.state_text, st.frame_index, st.state, stamp) == ("hello", 7, int(State.TRACKING), "stamp")
-    assert st.decision_pending and st.tracking_state == "tracking" and st.stored_frames == 3
+    assert st.decision_pending and st.tracking_state == "initializing" and st.stored_frames == 3
     assert not reporter.due()
     clock.t += HEARTBEAT_PERIOD
     assert reporter.due()
@@ -184,6 +229,24 @@ def test_status_reporter_numbers_the_last_frame_and_knows_when_a_heartbeat_is_du
     assert sink.statuses[-1][0].frame_index == 2
     session.pushed = 9
     assert reporter.last_stats.resident_frames == 3 and reporter.refresh_stats().resident_frames == 9
+
+
+def test_the_sequence_counts_the_work_queue_intake_with_its_own_counters():
+    seq = sequence_of(settings_of())
+    queue = seq._queue
+    queue.put_frame("a")
+    queue.put_frame("b")  # replaces a: stale
+    queue.reject()
+    seq.count("frames_processed")
+    seq.count("frames_dropped_stale", 2)
+    c = seq.counter_values()
+    assert (c.frames_received, c.frames_dropped_stale, c.frames_dropped_invalid, c.frames_processed) == (3, 3, 1, 1)
+    seq.restore_counters({"frames_received": 10, "frames_processed": 4})  # a resume: the totals as journaled
+    c = seq.counter_values()
+    assert (c.frames_received, c.frames_dropped_stale, c.frames_processed) == (10, 0, 4)
+    queue.put_frame("c")
+    seq.reset_counters()
+    assert seq.counter_values() == CounterValues()
 
 
 def test_tracking_judge_logs_changes_and_counts_lost_resets_only_when_asked():
@@ -208,70 +271,38 @@ class FakeJournal:
         self.notes.append((name, data))
 
 
-class FakeAnchor:
-    def __init__(self) -> None:
-        self.output = object()
-        self.restored = None
-
-    def snapshot(self):
-        return {"at": id(self.output)}
-
-    def restore(self, state):
-        self.restored = state
-        self.output = object()
-
-
 def test_journal_notes_write_only_what_changed():
-    journal, counters, anchor = FakeJournal(), Counters(), FakeAnchor()
+    journal, anchor = FakeJournal(), FakeAnchor()
     notes = JournalNotes(journal)
-    notes.counters(counters)
-    notes.counters(counters)
-    counters.add("frames_received")
-    notes.counters(counters)
+    notes.counters(CounterValues())
+    notes.counters(CounterValues())
+    notes.counters(CounterValues(frames_received=1))
     notes.anchor(anchor)
     notes.anchor(anchor)
-    anchor.output = object()
+    anchor.output = OutputTransform(3.0)
     notes.anchor(anchor)
     assert [n for n, _ in journal.notes] == [COUNTERS_STATE, COUNTERS_STATE, ANCHOR_STATE, ANCHOR_STATE]
     assert journal.notes[1][1]["frames_received"] == 1
     silent = FakeJournal(writer=False)
-    JournalNotes(silent).counters(counters)
+    JournalNotes(silent).counters(CounterValues())
     JournalNotes(None).anchor(anchor)
     assert silent.notes == []
 
 
 def test_journal_notes_restore_counters_and_anchor_from_a_rebuilt_session():
-    journal, counters, anchor = FakeJournal(), Counters(), FakeAnchor()
+    journal, anchor = FakeJournal(), FakeAnchor()
+    seq = sequence_of(settings_of(), anchor=anchor)
     notes = JournalNotes(journal)
     journaled = dict(vars(CounterValues(frames_processed=3)))  # as JournalNotes.counters wrote them
     resumed = Resumed("journal", "p", 3, 3, 0.1, states={COUNTERS_STATE: journaled, ANCHOR_STATE: {"anchor": None}})
-    notes.restore(resumed, counters, anchor)
-    assert counters.snapshot().frames_processed == 3 and anchor.restored == {"anchor": None}
+    notes.restore(resumed, seq)
+    assert seq.counter_values().frames_processed == 3 and anchor.restored == {"anchor": None}
     assert [n for n, _ in journal.notes] == [ANCHOR_STATE]  # the restored anchor is noted; counters unchanged
-    notes.counters(counters)
+    notes.counters(seq.counter_values())
     assert [n for n, _ in journal.notes] == [ANCHOR_STATE]
-    counters.add("frames_processed")
-    notes.counters(counters)
+    seq.count("frames_processed")
+    notes.counters(seq.counter_values())
     assert [n for n, _ in journal.notes] == [ANCHOR_STATE, COUNTERS_STATE]
-
-
-class FakeAnchorForFrames:
-    """Model units out (scale 1, no offset), never ready."""
-
-    def __init__(self) -> None:
-        from lingbot_map_ros.robot.map_offset import OutputTransform
-
-        self.output = OutputTransform()
-        self.good_frames = []
-
-    def update_scale(self, T, frame, r, window):
-        return 1.0, False
-
-    def good(self, index, frame, T_out, ready):
-        self.good_frames.append(index)
-
-    def take_note(self):
-        return ""
 
 
 def frame_result(index, depth_value=1.0, keyframe=True):
@@ -280,64 +311,79 @@ def frame_result(index, depth_value=1.0, keyframe=True):
     depth = np.full((28, 42), depth_value, np.float32)
     return SimpleNamespace(frame_index=index, c2w=c2w, depth=depth, confidence=np.full((28, 42), 5.0, np.float32),
                            intrinsics=np.array([[40.0, 0, 21], [0, 40.0, 14], [0, 0, 1]]), size=(28, 42),
-                           is_keyframe=keyframe, timings={"model_ms": 3.0})
+                           is_keyframe=keyframe, timings={"model_ms": 3.0}, pose_enc=np.zeros(9),
+                           frame=np.zeros((28, 42, 3), np.uint8), colors=lambda index: np.zeros((len(index), 3),
+                                                                                               np.uint8))
 
 
-def publisher_of(wants=("frame",)):
-    from lingbot_map_ros.robot.intrinsics import FocalTracker
-    from lingbot_map_ros.runtime.clouds import CloudOutput
+class ScriptedSession(FakeSession):
+    """A session whose every step gives the next scripted results (one stored frame each)."""
 
-    clock, sink, log, counters = Clock(), Sink(wants=wants), Log(), Counters()
-    session = FakeSession(pushed=1)
-    decisions = KeyframeDecisions(counters)
-    tracking = TrackingJudge(settings_of(), log)
-    reporter = StatusReporter(sink, session, counters, lambda: False, Tracking, clock, clock)
-    throttle = Throttle(0.0, clock)
-    clouds = CloudOutput(sink, None, log, throttle)
-    trajectory = Trajectory(100)
-    pub = FramePublisher(session, sink, reporter, tracking, FakeAnchorForFrames(), decisions, trajectory, None,
-                         clouds, FocalTracker(), counters, RateMeter(clock=clock), log, throttle, clock)
-    return pub, SimpleNamespace(sink=sink, counters=counters, reporter=reporter, trajectory=trajectory,
-                                decisions=decisions, tracking=tracking)
+    def __init__(self, script) -> None:
+        super().__init__(pushed=0)
+        self.script, self.cfg = list(script), SimpleNamespace(num_scale_frames=1)
+
+    def submit(self, image, keyframe=None, stamp=None, tag=None):
+        self.pushed += 1
+        return self.script.pop(0)
+
+    def results(self, pending):
+        return pending
+
+
+def engine_of(script, wants=("frame",), **settings):
+    clock, sink, log = Clock(), Sink(wants=wants), Log()
+    engine = InferenceEngine(ScriptedSession(script), settings_of(**settings), sink, log, now=clock, monotonic=clock)
+    return engine, sink
 
 
 def input_frame(i):
-    return InputFrame(rgb=np.zeros((56, 84, 3), np.uint8), stamp=i, stamp_s=float(i), camera_frame="cam")
+    return InputFrame(rgb=np.zeros((28, 42, 3), np.uint8), stamp=i, stamp_s=float(i), camera_frame="cam")
 
 
-def test_frame_publisher_publishes_pose_path_status_and_motion_reference():
-    pub, p = publisher_of()
-    assert pub.publish(frame_result(0), input_frame(0), settings_of())
-    assert pub.publish(frame_result(1, keyframe=False), input_frame(1), settings_of(), hold=False)
-    assert [o.frame_index for o in p.sink.frames] == [1, 2]
-    assert [e.frame_index for e in p.trajectory.entries()] == [0, 1]
-    assert p.counters.snapshot().frames_processed == 2 and p.reporter.last_index == 2
-    assert p.reporter.state == State.TRACKING and p.sink.statuses[-1][0].frame_index == 2
-    assert p.decisions.last_stored == 1  # only the keyframe is a motion reference
-    assert pub.last_intrinsics[1:] == (42, 28)
+def run_frames(engine, n):
+    """``n`` frames through ``engine``, stamped after the ones before."""
+    for _ in range(n):
+        engine.submit_frame(input_frame(engine.seq.counter_values().frames_received + 1))
+        assert engine.run_once(0.0)
+    assert engine.outputs.flush(5.0)
 
 
-def test_frame_publisher_drops_the_outputs_of_a_non_finite_depth():
-    pub, p = publisher_of()
-    assert not pub.publish(frame_result(0, depth_value=np.nan), input_frame(0), settings_of())
-    assert p.sink.frames == [] and len(p.trajectory) == 0
-    assert p.counters.snapshot().frames_dropped_invalid == 1 and p.counters.snapshot().frames_processed == 0
-    assert p.tracking.state == TrackingState.LOST
-    assert p.sink.statuses[-1][0].state_text == "dropped: non-finite depth"
+def test_a_frame_goes_out_as_pose_path_status_and_motion_reference():
+    engine, sink = engine_of([[frame_result(0)], [frame_result(1, keyframe=False)]], image_width=42)
+    run_frames(engine, 2)
+    seq = engine.seq
+    assert [o.frame_index for o in sink.frames] == [1, 2]
+    assert [e.frame_index for e in seq.path.entries()] == [0, 1] and sink.paths[-1] == [0, 1]
+    assert seq.counter_values().frames_processed == 2 and seq.last_index == 2
+    assert seq.state == State.TRACKING and sink.statuses[-1][0].frame_index == 2
+    assert seq.decisions.last_stored == 1  # only the keyframe is a motion reference
+    assert engine.assembler.last_intrinsics[1:] == (42, 28)
 
 
-def test_frame_publisher_runs_before_clouds_after_the_pose_and_before_the_clouds():
-    """The engine's map bookkeeping of a stored frame (``before_clouds``) comes once the pose is out
-    (not during the pose's own work) and before the frame's clouds; at once when the outputs are
-    dropped, so a non-finite frame still gets it."""
-    pub, p = publisher_of(wants=("frame", "points"))
+def test_a_non_finite_depth_drops_the_outputs():
+    engine, sink = engine_of([[frame_result(0, depth_value=np.nan)]], image_width=42)
+    run_frames(engine, 1)
+    seq = engine.seq
+    assert sink.frames == [] and len(seq.path) == 0
+    assert seq.counter_values().frames_dropped_invalid == 1 and seq.counter_values().frames_processed == 0
+    assert seq.tracking.state == TrackingState.LOST
+    assert sink.statuses[-1][0].state_text == "dropped: non-finite depth"
+
+
+def test_the_map_keeps_a_stored_frame_apart_once_its_pose_is_out_and_before_its_clouds():
+    """The map's bookkeeping of a stored frame (``Sequence.protect_from``) is queued once the pose is
+    out (not during the pose's own work) and before the frame's clouds; at once when the outputs
+    are dropped, so a non-finite frame still gets it."""
+    engine, sink = engine_of([[frame_result(0)], [frame_result(1, depth_value=np.inf)]], wants=("frame", "points"),
+                             image_width=42)
     order = []
-    publish_frame = p.sink.publish_frame
-    p.sink.publish_frame = lambda out: (order.append("pose"), publish_frame(out))
-    pub.clouds.submit = lambda *args, **kwargs: order.append("clouds")  # queued to the output thread
-    assert pub.publish(frame_result(0), input_frame(0), settings_of(), before_clouds=lambda: order.append("protect"))
+    publish_frame, protect = sink.publish_frame, engine.seq.protect_from
+    sink.publish_frame = lambda out: (order.append("pose"), publish_frame(out))
+    engine.seq.protect_from = lambda i: (order.append("protect"), protect(i))
+    engine.clouds.submit = lambda *args, **kwargs: order.append("clouds")  # queued to the output thread
+    run_frames(engine, 1)
     assert order == ["pose", "protect", "clouds"]
     order.clear()
-    assert not pub.publish(frame_result(1, depth_value=np.inf), input_frame(1), settings_of(),
-                           before_clouds=lambda: order.append("protect"))
+    run_frames(engine, 1)
     assert order == ["protect"]

@@ -119,55 +119,36 @@ def test_a_full_window_is_refused_and_warned_about_once_per_window(caplog):
 
 
 # ------------------------------------------------------------------ KeyframeLedger
-class Pending:
-    def __init__(self, out, log):
-        self.out, self.log, self.detached = out, log, False
-
-    def take(self):
-        self.log.append(self)
-        return self.out
-
-    def detach(self):
-        self.detached = True
-
-
-def test_ledger_records_in_submission_order_up_to_the_one_asked_for():
-    ledger, taken = KeyframeLedger(2), []
-    pendings = [Pending([result(i, i != 1, x=float(i))], taken) for i in range(4)]
-    for p in pendings:
-        ledger.enqueue(p)
-    ledger.settle(until=pendings[1])
-    assert taken == pendings[:2] and [k.index for k in ledger.kept()] == [0]
+def test_ledger_keeps_the_last_overlap_keyframes_and_the_motion_poses():
+    ledger = KeyframeLedger(2)
+    outs = [[result(i, i != 1, x=float(i))] for i in range(4)]
+    for out in outs[:2]:
+        ledger.record(out)
+    assert [k.index for k in ledger.kept()] == [0]
     assert ledger.last_stored == 0 and ledger.latest_c2w[0, 3] == 1.0 and ledger.last_keyframe_c2w[0, 3] == 0.0
-    ledger.settle()
-    assert taken == pendings and [k.index for k in ledger.kept()] == [2, 3]  # the last overlap_frames
+    for out in outs[2:]:
+        ledger.record(out)
+    assert [k.index for k in ledger.kept()] == [2, 3]  # the last overlap_frames
     kept = ledger.kept()[-1]
-    assert kept.c2w.dtype == np.float64 and kept.depth is not pendings[3].out[0].depth  # private copies
+    assert kept.c2w.dtype == np.float64 and kept.depth is not outs[3][0].depth  # private copies
 
 
 def test_ledger_undo_restores_the_state_before_the_last_stored_frame_once():
     ledger = KeyframeLedger(2)
     for i, stored in enumerate([True, True, False, True, False]):
-        ledger.enqueue(Pending([result(i, stored, x=float(i))], []))
-    ledger.settle()
+        ledger.record([result(i, stored, x=float(i))])
     assert ledger.last_stored == 3 and [k.index for k in ledger.kept()] == [1, 3]
     ledger.undo()
     assert ledger.last_stored is None and [k.index for k in ledger.kept()] == [0, 1]
     assert ledger.last_keyframe_c2w[0, 3] == 1.0 and ledger.latest_c2w[0, 3] == 2.0
-    ledger.enqueue(Pending([result(5, True)], []))
-    ledger.settle()
+    ledger.record([result(5, True)])
     ledger.forget_undo()  # a restart: nothing before it rolls back
     assert ledger.last_stored is None and [k.index for k in ledger.kept()] == [1, 5]
 
 
-def test_ledger_clear_detaches_unsettled_frames_and_forgets_everything():
-    ledger, taken = KeyframeLedger(2), []
-    ledger.enqueue(Pending([result(0, True)], taken))
-    ledger.settle()
-    waiting = Pending([result(1, True)], taken)
-    ledger.enqueue(waiting)
+def test_ledger_clear_forgets_everything():
+    ledger = KeyframeLedger(2)
+    ledger.record([result(0, True)])
     ledger.clear()
-    assert waiting.detached and ledger.kept() == () and ledger.last_stored is None
+    assert ledger.kept() == () and ledger.last_stored is None
     assert ledger.last_keyframe_c2w is None and ledger.latest_c2w is None
-    ledger.settle()
-    assert taken == [taken[0]]  # the detached frame is not recorded

@@ -1,5 +1,6 @@
 """OutputWorker: order, bounded backlog (frame jobs skipped oldest first, operations never),
-flush, inline mode before start, errors contained. Bounded waits throughout."""
+flush, the thread starting with the first job (and again after a stop), errors contained. Bounded
+waits throughout."""
 from __future__ import annotations
 
 import threading
@@ -10,16 +11,18 @@ import pytest
 from lingbot_map_ros.runtime.output_worker import OutputWorker
 
 
-def test_inline_before_start_and_after_stop():
-    done = []
+def test_the_first_job_starts_the_thread_and_a_job_after_stop_starts_it_again():
+    done, threads = [], []
     w = OutputWorker()
-    w.frame_job(lambda: done.append("f1"))
+    assert w.flush(0) and w.pending() == 0  # nothing queued: nothing to wait for
+    w.frame_job(lambda: (done.append("f1"), threads.append(threading.current_thread().name)))
     w.op(lambda: done.append("op"))
-    assert done == ["f1", "op"] and w.flush(0) and w.pending() == 0
-    w.start()
+    assert w.flush(5.0) and done == ["f1", "op"] and w.pending() == 0
+    assert threads == ["lingbot_map_outputs"]  # not the caller's thread
     w.stop()
-    w.frame_job(lambda: done.append("f2"))
-    assert done[-1] == "f2"
+    w.frame_job(lambda: (done.append("f2"), threads.append(threading.current_thread().name)))
+    assert w.flush(5.0) and done[-1] == "f2" and threads[-1] == "lingbot_map_outputs"
+    w.stop()
 
 
 def test_order_skips_and_operations_kept():

@@ -2,6 +2,8 @@
 camera's frames, no busy waiting, shutdown. No model, no ROS."""
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import threading
 import time
 
@@ -9,6 +11,8 @@ import pytest
 
 from lingbot_map_ros.runtime.scheduler import CameraScheduler
 from lingbot_map_ros.runtime.worker import Command, WorkQueue
+
+from engine_fakes import drain  # test/ is on sys.path (conftest.py)
 
 
 class FakeOutputs:
@@ -178,22 +182,22 @@ def test_pending_commands_are_cancelled_at_stop_and_bad_arguments_refused():
 # ------------------------------------------------------------------ batched steps
 class BatchEngine(FakeEngine):
     """A FakeEngine with the batched-step halves: ``admit`` refuses frames named "bad";
-    ``complete`` logs the outcome it was handed."""
+    ``finish_step`` logs the outcome it was handed."""
 
     def __init__(self, name: str, log: list) -> None:
         super().__init__(name, log)
         self.held = False
         self.completed: list = []
 
-    def take_batch_frame(self):
+    def take_frame(self):
         return None if self.held else self.queue.take_frame()
 
     def admit(self, frame):
-        return None if frame[1] == "bad" else ("image", frame)
+        return None if frame[1] == "bad" else SimpleNamespace(frame=frame, image=("image", frame))
 
-    def complete(self, frame, outcome) -> None:
-        self.completed.append((frame, outcome))
-        self.log.append((self.name, frame))
+    def finish_step(self, admitted, outcome) -> None:
+        self.completed.append((admitted.frame, outcome))
+        self.log.append((self.name, admitted.frame))
 
 
 def batch_engines(*names: str):
@@ -212,7 +216,7 @@ def test_waiting_frames_of_several_cameras_go_in_one_call_and_each_gets_its_outc
     sched = CameraScheduler(cams, batch=batch)
     for c in ("a", "b", "c"):
         cams[c].submit_frame((c, 0))
-    assert sched.run_until_idle() == 1  # one turn served all three
+    assert drain(sched) == 1  # one turn served all three
     assert calls == [["a", "b", "c"]] and sched.batches == 1
     assert all(cams[c].completed == [((c, 0), f"result of {c}")] for c in cams)
     assert sched.served == {"a": 1, "b": 1, "c": 1}
@@ -232,7 +236,7 @@ def test_commands_held_cameras_and_refused_frames_stay_out_of_the_batch():
     # c's frame was taken but refused by its engine: b alone is submitted
     assert calls == [["b"]] and sched.batches == 0
     assert cams["a"].queue.pending_frame() and cams["c"].completed == []
-    sched.run_until_idle()
+    drain(sched)
     assert ran == ["a's command"] and ("a", ("a", 0)) in log
     cams["a"].held = True  # a keep/drop decision held: a's frame waits
     for c in ("a", "b", "c"):
@@ -250,7 +254,7 @@ def test_a_failing_batch_call_reaches_every_camera_as_its_outcome():
     sched = CameraScheduler(cams, batch=broken)
     cams["a"].submit_frame(("a", 0))
     cams["b"].submit_frame(("b", 0))
-    sched.run_until_idle()
+    drain(sched)
     for c in ("a", "b"):
         (frame, outcome), = cams[c].completed
         assert isinstance(outcome, RuntimeError) and "capture failed" in str(outcome)
@@ -269,19 +273,19 @@ def test_take_frame_leaves_a_frame_behind_a_command():
 
 
 class PipeEngine(BatchEngine):
-    """A BatchEngine with ``launch``: every launch and completion goes to the shared event log."""
+    """A BatchEngine with ``start_step``: every start and finish goes to the shared event log."""
 
     def __init__(self, name: str, log: list, events: list) -> None:
         super().__init__(name, log)
         self.events = events
 
-    def launch(self, image):
-        self.events.append(("launch", self.name, image[1][1]))
-        return f"pending {image[1]}"
+    def start_step(self, admitted):
+        self.events.append(("launch", self.name, admitted.frame[1]))
+        return f"pending {admitted.frame}"
 
-    def complete(self, frame, outcome) -> None:
-        self.events.append(("complete", self.name, frame[1]))
-        super().complete(frame, outcome)
+    def finish_step(self, admitted, outcome) -> None:
+        self.events.append(("complete", self.name, admitted.frame[1]))
+        super().finish_step(admitted, outcome)
 
     def run_once(self, timeout: float = 0.0) -> bool:
         item = self.queue.get(timeout, frames=not self.held)
@@ -306,7 +310,7 @@ def test_pipelined_each_step_completes_after_the_next_cameras_launch():
     sched = CameraScheduler(cams, pipeline=True)
     for c in ("a", "b", "c"):
         cams[c].submit_frame((c, 0))
-    assert sched.run_until_idle() == 3
+    assert drain(sched) == 3
     assert events == [("launch", "a", 0), ("launch", "b", 0), ("complete", "a", 0), ("launch", "c", 0),
                       ("complete", "b", 0), ("complete", "c", 0)]  # the last one: nobody else had work
     assert sched.overlapped == 2 and sched.served == {"a": 1, "b": 1, "c": 1}
@@ -320,14 +324,14 @@ def test_pipelined_a_cameras_own_step_completes_before_its_next_frame_or_command
     assert sched.run_turn() == "a" and events == [("launch", "a", 0)]  # in flight
     cams["a"].queue.put_command(Command("reset", lambda: None))
     cams["b"].submit_frame(("b", 0))
-    sched.run_until_idle()
+    drain(sched)
     # b's frame is launched while a's step runs; a's reset comes after a's own step completed
     assert events[1:] == [("launch", "b", 0), ("complete", "a", 0), ("command", "a", "reset"), ("complete", "b", 0)]
     events.clear()
     cams["a"].submit_frame(("a", 1))
     sched.run_turn()
     cams["a"].submit_frame(("a", 2))  # a's next frame: never launched while its previous step is in flight
-    sched.run_until_idle()
+    drain(sched)
     assert events == [("launch", "a", 1), ("complete", "a", 1), ("launch", "a", 2), ("complete", "a", 2)]
     for c in cams:  # every launched step completed exactly once, in its camera's order
         frames = [e[2] for e in events if e[1] == c]
@@ -340,14 +344,14 @@ def test_pipelined_one_camera_never_overlaps_itself_and_held_or_refused_frames_a
     for i in range(3):
         cams["a"].submit_frame(("a", i))
         sched.run_turn()
-    sched.run_until_idle()
+    drain(sched)
     assert events == [(kind, "a", i) for i in range(3) for kind in ("launch", "complete")]
     assert sched.overlapped == 0
     events.clear()
     cams["a"].held = True  # a keep/drop decision held: a's frame is not taken
     cams["a"].submit_frame(("a", 3))
     cams["b"].submit_frame(("b", "bad"))  # refused by b's engine: nothing launched
-    sched.run_until_idle()
+    drain(sched)
     assert events == [] and cams["a"].queue.pending_frame() and cams["b"].completed == []
     assert sched.served["b"] == 1  # taken and dropped, as without pipelining
 

@@ -1,16 +1,18 @@
-"""Several named cameras on one model (the parameter ``cameras``): one map and one pool.
+"""The node's cameras as one set: one map and one pool (``CameraSet``).
+
+Every node has a camera set: the one camera of a node without the parameter ``cameras`` (named
+"", today's names) is a set of one; with ``cameras`` each listed camera is a member.
 
 - One map: ``runtime.multi_map.MapAligner`` joins every camera's map to the first camera's
   ``map_frame`` through the TF extrinsics ``base_frame -> <camera frame>`` (read from the node's
   ``tf_tools.SharedTf``, and the odometry ``odom_frame -> base_frame`` between two cameras'
   stamps when ``odom_frame`` is set); a camera that cannot join (no ``base_frame``, an
-  extrinsic missing) publishes in ``<map_frame>_<camera>``. Each camera's outputs are placed
-  by an ``AlignedPlacer``; the other cameras' TF goes under the first camera's map.
-- One pool: the shared K/V storage's status (``stream.multi.CameraSessions.pool_status``),
-  read on the inference thread at most every ``POOL_REFRESH_S`` for ~/<c>/status and shown in
-  /diagnostics with the scheduler's pipelining and batching counters.
-
-The node builds one ``NamedCameras`` when ``cameras`` is set (none for the unnamed camera).
+  extrinsic missing) publishes in ``<map_frame>_<camera>``. The other cameras' TF goes under
+  the first camera's map. A set of one has nothing to join: its camera is ``map_frame``.
+- One pool: the shared K/V storage's status (``stream.multi.CameraSessions.pool_status``; none
+  for one camera, whose pool is its own), read on the inference thread at most every
+  ``POOL_REFRESH_S`` for ~/<c>/status and shown in /diagnostics with the scheduler's pipelining
+  and batching counters.
 """
 from __future__ import annotations
 
@@ -20,22 +22,22 @@ from typing import Callable
 
 from diagnostic_msgs.msg import DiagnosticStatus
 
-from ..robot.map_offset import OutputTransform
 from ..runtime.multi_map import MapAligner, base_motion_from_odometry, own_map_frame
 from ..runtime.params import NodeSettings
 from ..runtime.scheduler import CameraScheduler
 from ..stream.multi import CameraSessions, PoolStatus
-from .camera_channel import AlignedPlacer, CameraChannel, diag
+from .common import diag
 from .tf_tools import SharedTf
 
 POOL_REFRESH_S = 0.5  # s; the shared pool's status is read at most this often
 
 
-def make_aligner(settings: NodeSettings, tf: SharedTf, log) -> MapAligner:
+def make_aligner(settings: NodeSettings, names: list[str], tf: SharedTf, log) -> MapAligner:
     """The cameras' ``MapAligner``: extrinsics (and odometry) from ``tf``, started at once when
-    ``base_frame`` is set (the URDF's static transforms arrive while the model loads)."""
+    ``base_frame`` is set and there are cameras to join (the URDF's static transforms arrive while
+    the model loads)."""
     s = settings
-    lookup = tf if s.base_frame else None
+    lookup = tf if s.base_frame and len(names) > 1 else None
     if lookup is not None:
         lookup.start()
     base_motion = None
@@ -45,7 +47,7 @@ def make_aligner(settings: NodeSettings, tf: SharedTf, log) -> MapAligner:
             b = lookup.matrix(s.odom_frame, s.base_frame, t_cam)
             return None if a is None or b is None else base_motion_from_odometry(a, b)
     extrinsic = (lambda frame: lookup.matrix(s.base_frame, frame)) if lookup is not None else (lambda frame: None)
-    return MapAligner(s.cameras, s.map_frame, s.base_frame, extrinsic, base_motion,
+    return MapAligner(names, s.map_frame, s.base_frame, extrinsic, base_motion,
                       scale_frames=s.stream.num_scale_frames, warn=log.warning, info=log.info)
 
 
@@ -65,7 +67,7 @@ class PoolMonitor:
 
     def status(self) -> PoolStatus | None:
         """The pool's status, cached (inference thread): it may show the pool as it was up to
-        ``POOL_REFRESH_S`` ago; None before the storage exists."""
+        ``POOL_REFRESH_S`` ago; None before the storage exists, and for one camera (no shared pool)."""
         now = time.monotonic()
         cached = self._status
         stale = cached is None or cached.capacity_tokens == 0 or now - self._at >= POOL_REFRESH_S
@@ -98,31 +100,18 @@ class PoolMonitor:
                     f"{pool.nbytes / 2**20:.1f} MiB", values)
 
 
-class NamedCameras:
-    """The named cameras' one map and one pool (see the module docstring).
+class CameraSet:
+    """The node's cameras (``names``: [""] for the node's one camera) as one map and one pool (see
+    the module docstring)."""
 
-    ``channels`` is the node's camera -> ``CameraChannel`` map, filled as the channels are made:
-    a placer reads a camera's ``engine.output`` through it when it places an output."""
-
-    def __init__(self, settings: NodeSettings, tf: SharedTf, channels: dict[str, CameraChannel], log) -> None:
+    def __init__(self, settings: NodeSettings, names: list[str], tf: SharedTf, log) -> None:
         self.settings = settings  # the start-up values it uses (cameras, frames, scale_source) are read-only
+        self.names = list(names)
         self._tf = tf
-        self._channels = channels
         self._log = log
-        self.reference = settings.cameras[0]  # defines map_frame
-        self.aligner = make_aligner(settings, tf, log)
+        self.reference = self.names[0]  # defines map_frame
+        self.aligner = make_aligner(settings, self.names, tf, log)
         self.pool = PoolMonitor(log.warning)
-
-    def _output_of(self, camera: str) -> Callable[[], OutputTransform]:
-        """() -> how ``camera``'s engine publishes now (``engine.output``; identity before it exists)."""
-        def output() -> OutputTransform:
-            channel = self._channels.get(camera)
-            return channel.engine.output if channel is not None and channel.engine is not None else OutputTransform()
-        return output
-
-    def placer(self, camera: str) -> AlignedPlacer:
-        """Where ``camera``'s outputs go: its map joined to the reference camera's."""
-        return AlignedPlacer(self.aligner, camera, self._output_of(camera), self._output_of(self.reference))
 
     def tf_settings(self, camera: str, settings: NodeSettings) -> NodeSettings:
         """The settings ``camera`` publishes TF with: the reference camera's own; the others' camera
@@ -132,6 +121,11 @@ class NamedCameras:
     def announce(self) -> None:
         """Start-up lines: how the scheduler runs the cameras, how their maps are joined."""
         s, log = self.settings, self._log
+        if self.reference == "":  # the node's one camera
+            if s.camera_batching:
+                log.warning("camera_batching is true but cameras is empty: with one camera there is nothing to "
+                            "batch (the parameter has no effect)")
+            return
         if s.camera_batching:
             log.info("camera_batching: the waiting frames of several cameras run in one batched "
                      "step where their CUDA graphs allow (bf16, FlashInfer), else in turn")

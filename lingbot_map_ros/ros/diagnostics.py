@@ -1,0 +1,106 @@
+"""A camera's /diagnostics entries: input, output, tracking, scale, cache, intrinsics (built on the
+node's timer thread from values the inference thread replaces as a whole)."""
+from __future__ import annotations
+
+import statistics
+
+from diagnostic_msgs.msg import DiagnosticStatus
+
+from lingbot_map_ros.msg import Status
+
+from .camera_channel import ARRIVAL_WINDOW, CameraChannel
+from .common import diag
+
+
+def input_diag(channel: CameraChannel, label: str) -> DiagnosticStatus:
+    """"<label>: input": WARN while no image came within input_timeout."""
+    s, e = channel.settings, channel.engine
+    c = e.seq.counter_values()
+    quiet = e.seconds_since_input()
+    topic = channel.image_sub.topic_name
+    if quiet is None or quiet > s.input_timeout:
+        level = DiagnosticStatus.WARN
+        message = f"no image on {topic} " + ("yet" if quiet is None else f"for {quiet:.1f} s")
+    else:
+        level, message = DiagnosticStatus.OK, f"receiving images on {topic}"
+    ages = channel.arrival_age_s
+    values = {"topic": topic, "input rate (Hz)": f"{e.input_rate.rate():.2f}",
+              "seconds since last image": "never" if quiet is None else f"{quiet:.1f}",
+              "frames received": c.frames_received, "frames dropped (invalid)": c.frames_dropped_invalid,
+              "frames undistorted": e.inputs.frames_undistorted,
+              f"image age on arrival, median of the last {ARRIVAL_WINDOW} (ms)":
+                  f"{1e3 * statistics.median(ages):.1f}" if ages else "n/a"}
+    info, intrinsics = channel.camera_info, e.assembler.last_intrinsics
+    if info is not None and info.k[0] > 0 and intrinsics is not None:
+        K, width, _ = intrinsics
+        values["camera_info fx (input px)"] = f"{info.k[0]:.1f}"
+        values["estimated fx (input px)"] = f"{K[0, 0] * info.width / width:.1f}" if info.width else "n/a"
+    return diag(f"{label}: input", level, message, values)
+
+
+def state_diags(channel: CameraChannel, label: str) -> list[DiagnosticStatus]:
+    """"<label>: output", "tracking", "scale", "cache" and "intrinsics"."""
+    e = channel.engine
+    seq = e.seq
+    c = seq.counter_values()
+    out_level = DiagnosticStatus.ERROR if int(seq.state) == Status.STATE_ERROR else DiagnosticStatus.OK
+    statuses = [diag(f"{label}: output", out_level, seq.text, {
+        "state": seq.state.name, "output rate (Hz)": f"{e.output_rate.rate():.2f}",
+        "frames processed": c.frames_processed, "frames dropped (stale)": c.frames_dropped_stale,
+        "frames dropped (error)": c.frames_dropped_error, "clouds skipped (output thread behind)": e.clouds.skipped,
+        "output thread queue": e.outputs.pending()})]
+    statuses.append(tracking_diag(channel, label))
+    statuses.append(scale_diag(channel, label))
+    stats = e.reporter.last_stats
+    if stats is None:
+        statuses.append(diag(f"{label}: cache", DiagnosticStatus.OK, "not allocated yet (no frame)", {}))
+    else:
+        used = stats.scale_pages + stats.window_pages
+        total = used + stats.free_pages
+        cache_level = DiagnosticStatus.WARN if stats.free_pages == 0 and stats.deferred else DiagnosticStatus.OK
+        statuses.append(diag(f"{label}: cache", cache_level, f"{used}/{total} pages in use", {
+            "occupancy (%)": f"{100.0 * used / max(total, 1):.1f}", "stored frames": stats.resident_frames,
+            "scale pages": stats.scale_pages, "window pages": stats.window_pages, "free pages": stats.free_pages,
+            "pending evictions": stats.pending_evictions, "deferred eviction": stats.deferred}))
+    statuses.append(intrinsics_diag(channel, label))
+    return statuses
+
+
+def intrinsics_diag(channel: CameraChannel, label: str) -> DiagnosticStatus:
+    """"<label>: intrinsics": the model's median focal lengths vs camera_info's K (input pixels), WARN
+    beyond ``robot.intrinsics.WARN_FRACTION``."""
+    info, focal = channel.camera_info, channel.engine.seq.focal
+    if info is None:
+        return diag(f"{label}: intrinsics", DiagnosticStatus.OK, "no camera_info received: nothing to compare", {})
+    if len(focal) == 0:
+        return diag(f"{label}: intrinsics", DiagnosticStatus.OK, "no frame processed yet", {})
+    comparison = focal.compare(info.k, (info.width, info.height))
+    return diag(f"{label}: intrinsics", DiagnosticStatus.WARN if comparison.warn else DiagnosticStatus.OK,
+                comparison.message(), comparison.values())
+
+
+def tracking_diag(channel: CameraChannel, label: str) -> DiagnosticStatus:
+    """"<label>: tracking": OK tracking/initializing, WARN degraded, ERROR lost."""
+    e = channel.engine
+    tracking, anchor = e.seq.tracking, e.seq.anchor
+    state = tracking.health.state.value
+    level = {"degraded": DiagnosticStatus.WARN, "lost": DiagnosticStatus.ERROR}.get(state, DiagnosticStatus.OK)
+    reasons = ", ".join(tracking.reasons)
+    return diag(f"{label}: tracking", level, state + (f" ({reasons})" if reasons else ""), {
+        "state": state, "reasons": reasons or "none", "on_lost": e.settings.on_lost,
+        "lost resets": tracking.lost_resets, "map frame anchored to": anchor.map_alignment})
+
+
+def scale_diag(channel: CameraChannel, label: str) -> DiagnosticStatus:
+    """"<label>: scale": OK when none/fixed/converged, WARN while an estimate has not converged."""
+    e = channel.engine
+    anchor = e.seq.anchor
+    kind, src = e.settings.scale_source, anchor.scale_source
+    if src is None:
+        return diag(f"{label}: scale", DiagnosticStatus.OK, "model units (scale_source none)", {"source": kind})
+    level = DiagnosticStatus.OK if src.converged else DiagnosticStatus.WARN
+    message = f"{anchor.applied_scale:.4f} m per model unit" if src.converged else "not converged: model units"
+    return diag(f"{label}: scale", level, message, dict(src.as_status()))
+
+
+__all__ = ["input_diag", "state_diags", "intrinsics_diag", "tracking_diag", "scale_diag"]
