@@ -129,8 +129,8 @@ def test_library_log_records_of_mixed_severity_reach_the_node_logger():
 
     from rclpy.logging import get_logger
 
-    from lingbot_map_ros.ros.node import _ForwardToRos
+    from lingbot_map_ros.ros.startup import ForwardToRos
 
-    handler = _ForwardToRos(get_logger("lingbot_map_test_forward"))
+    handler = ForwardToRos(get_logger("lingbot_map_test_forward"))
     for level in (logging.WARNING, logging.INFO, logging.ERROR, logging.DEBUG, logging.WARNING):
         handler.emit(logging.LogRecord("lingbot_map_ros.x", level, __file__, 1, "message %d", (level,), None))

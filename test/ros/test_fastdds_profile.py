@@ -90,10 +90,10 @@ def test_without_the_profile_segments_are_the_small_default():
     ({"RMW_IMPLEMENTATION": "rmw_fastrtps_cpp"}, True),
 ])
 def test_the_node_knows_when_fast_dds_runs_without_a_profile(monkeypatch, env, expected):
-    from lingbot_map_ros.ros.node import _fastdds_without_profile
+    from lingbot_map_ros.ros.startup import fastdds_without_profile
 
     for name in ("FASTDDS_DEFAULT_PROFILES_FILE", "FASTRTPS_DEFAULT_PROFILES_FILE", "RMW_IMPLEMENTATION"):
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
-    assert _fastdds_without_profile() is expected
+    assert fastdds_without_profile() is expected

@@ -60,7 +60,7 @@ def stamp_of(k: int) -> Time:
 
 
 class Poison:
-    """The node's session, with the results of the next ``count`` pushes given non-finite poses
+    """The node's session, with the next ``count`` results that are not empty given non-finite poses
     (c2w and pose_enc NaN), as a diverging model would."""
 
     def __init__(self, session) -> None:
@@ -75,8 +75,8 @@ class Poison:
         with self._lock:
             self.count = count
 
-    def push(self, image, keyframe=None):
-        results = self._s.push(image, keyframe)
+    def results(self, pending):
+        results = self._s.results(pending)
         with self._lock:
             poison = bool(results) and self.count > 0
             self.count -= int(poison)
@@ -113,7 +113,7 @@ class Robot(GraphClient):
         """Odometry for frame k into the node's TF buffer, then the image; waits for its status."""
         self.tf.sendTransform(transform_stamped(odom_base(k), Header(stamp=stamp_of(k), frame_id="odom"), "base_link"))
         deadline = time.monotonic() + TIMEOUT
-        while node.node.outputs.tf.camera_pose(stamp_of(k), CAMERA) is None:
+        while node.node.channels[""].outputs.tf.camera_pose(stamp_of(k), CAMERA) is None:
             assert time.monotonic() < deadline, f"odometry of frame {k} never reached the node's TF buffer"
             time.sleep(0.02)
         msg = image_msg(rgb, stamp_of(k), CAMERA)
@@ -133,7 +133,7 @@ def last_state(robot: Robot, k: int) -> str:
 def run(fixtures):
     """Frames 0-9 with on_lost continue (NaN at 6), then on_lost reset, frames 10-15 (NaN at 12)."""
     node = InProcessNode(NODE, fixture_params(fixtures, PARAMS), DOMAIN_ID)
-    session = node.node.engine.session = Poison(node.node.engine.session)  # before any image
+    session = node.node.channels[""].engine.session = Poison(node.node.channels[""].engine.session)  # before any image
     node.start()
     robot = Robot()
     try:
@@ -183,4 +183,4 @@ def test_on_lost_reset_counts_and_continues_from_the_last_good_pose(run):
     # without the alignment the new sequence would start at its own origin: the check could fail
     assert np.linalg.norm(expected[:3, 3]) > 0.5
     assert any("map continued from the last good pose" in s.state_text for s in robot.statuses(13))
-    assert robot.statuses(15)[-1].lost_resets == 1 and "continued from frame" in node.node.engine.seq.anchor.map_alignment
+    assert robot.statuses(15)[-1].lost_resets == 1 and "continued from frame" in node.node.channels[""].engine.seq.anchor.map_alignment

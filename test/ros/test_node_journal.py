@@ -240,7 +240,7 @@ def call(client: GraphClient, srv, name: str, request):
 
 
 def received(node: InProcessNode) -> int:
-    return node.node.engine.seq.counter_values().frames_received
+    return node.node.channels[""].engine.seq.counter_values().frames_received
 
 
 def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures, frames, straight, kills, tmp_path):
@@ -277,7 +277,7 @@ def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures,
     b = InProcessNode("lm_load", fixture_params(fixtures, {**common, "load_session": "kept"}), DOMAIN_ID).start()
     robot = Robot("lm_load", "/image")
     try:
-        assert b.node.engine.commands.resumed is not None and b.node.engine.commands.resumed.frames > 0
+        assert b.node.channels[""].engine.commands.resumed is not None and b.node.channels[""].engine.commands.resumed.frames > 0
         robot.ready(b)
         for k in range(save_at + 1, FRAMES):
             robot.send(k, frames[k], lambda k=k: k + 1 in robot.frames)
@@ -299,11 +299,11 @@ def test_save_session_then_a_fresh_node_loads_it_and_continues_the_map(fixtures,
         robot.ready(c)
         for k in (11, 12, 13):  # another scene start: these frames make a map of their own
             robot.send(k, frames[k], lambda k=k: received(c) > k - 11)
-        robot.client.wait(lambda: c.node.engine.seq.counter_values().frames_processed == 3, "3 frames processed")
-        pushed = c.node.engine.session.frames_pushed
+        robot.client.wait(lambda: c.node.channels[""].engine.seq.counter_values().frames_processed == 3, "3 frames processed")
+        pushed = c.node.channels[""].engine.session.frames_pushed
         missing = call(robot.client, LoadSession, "/lm_svc/load_session", LoadSession.Request(directory="nope"))
         assert not missing.success and "no saved session" in missing.message
-        assert c.node.engine.session.frames_pushed == pushed and pushed > 0  # state unchanged by the refusal
+        assert c.node.channels[""].engine.session.frames_pushed == pushed and pushed > 0  # state unchanged by the refusal
         loaded = call(robot.client, LoadSession, "/lm_svc/load_session", LoadSession.Request(directory="kept"))
         assert loaded.success, loaded.message
         assert loaded.next_frame == save_at + 2 and loaded.frames_replayed > 0
@@ -338,7 +338,7 @@ def test_two_cameras_save_and_load_one_session(fixtures, frames, straight, tmp_p
                 for c, robot in robots.items():
                     engine = node.node.channels[c].engine
                     robot.send(k, views[c][k], lambda k=k, e=engine, r=robot:
-                               (e.counters.snapshot().frames_received > 0 and not r.frames and k == ks[0]
+                               (e.seq.counter_values().frames_received > 0 and not r.frames and k == ks[0]
                                 and e.session.frames_pushed == 0) or k + 1 in r.frames)
             return {c: dict(r.frames) for c, r in robots.items()}
         finally:
@@ -395,9 +395,10 @@ def test_the_journal_diagnostics_warn_while_paused_and_after_a_set_aside():
     def engine(state: str, reason: str = "", resumed=None):
         status = JournalStatus(state, reason, "/s/journal.lbj", 5, 100, 2 << 20, 1 << 20, 0, int(bool(reason)), 1)
         writer = SimpleNamespace(status=lambda: status)
-        return SimpleNamespace(journal=SimpleNamespace(writer=writer), resumed=resumed)
+        return SimpleNamespace(journal=SimpleNamespace(writer=writer), commands=SimpleNamespace(resumed=resumed),
+                               seq=SimpleNamespace(map_journal=None, restored=None))
 
-    assert journal_diag("n", SimpleNamespace(journal=None, resumed=None)) is None
+    assert journal_diag("n", SimpleNamespace(journal=None, commands=SimpleNamespace(resumed=None))) is None
     ok = journal_diag("n", engine("ok"))
     assert ok.level == DiagnosticStatus.OK and ok.name == "n: journal" and ok.message.startswith("ok: 5 records")
     paused = journal_diag("n", engine("paused", "[Errno 28] No space left on device"))
@@ -421,7 +422,7 @@ def test_a_full_disk_pauses_the_journal_and_inference_goes_on(fixtures, frames, 
                                                                  "output_directory": str(tmp_path / "out")}),
                              DOMAIN_ID).start()
         robot = Robot("lm_full", "/image")
-        journal = node.node.engine.journal
+        journal = node.node.channels[""].engine.journal
 
         def entry():
             return next(s for s in node.node._diagnostics("").status if s.name.endswith(": journal"))
@@ -438,7 +439,7 @@ def test_a_full_disk_pauses_the_journal_and_inference_goes_on(fixtures, frames, 
             assert journal.writer.flush(10)
             assert last_index(state / JOURNAL_NAME) == 9
             # the map journal paused on the same full disk and is whole again too
-            map_journal = node.node.engine.seq.map_journal
+            map_journal = node.node.channels[""].engine.seq.map_journal
             assert map_journal.status().pauses >= 1
             robot.client.wait(lambda: map_journal.status().state == "ok", "the map journal to resume", 30.0)
             assert map_journal.writer.flush(10) and last_index(state / MAP_JOURNAL_NAME, MAP_KINDS) == 9

@@ -235,7 +235,7 @@ def test_node_probe_runs_the_real_node_with_a_simulated_step(e2e):
     assert measured["node_ms"]["model"]["median"] >= 20.0  # the simulated step, not a model
     assert "SIMULATED model" in (out / "node.log").read_text()
     probe = json.loads(report.read_text())
-    assert probe["calls_ms"]["push"]["n"] >= 10 and probe["calls_ms"]["push"]["median"] >= 20.0
+    assert probe["calls_ms"]["submit"]["n"] >= 10 and probe["calls_ms"]["submit"]["median"] >= 20.0  # the step ran in it
     assert probe["calls_ms"]["image age at the callback (stamp -> executor)"]["n"] >= 10
     waits = probe["gil_wait_ms"]
     assert waits["n"] > 0 and sum(waits["histogram"].values()) == waits["n"]

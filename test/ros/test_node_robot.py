@@ -94,7 +94,7 @@ def test_parameter_services_list_get_describe_and_validate_sets(robot):
 
     ok = client.set_parameter(NODE, "conf_threshold", 2.0)
     assert ok.successful, ok.reason
-    assert node.node.settings.conf_threshold == 2.0 and node.node.engine.settings.conf_threshold == 2.0
+    assert node.node.settings.conf_threshold == 2.0 and node.node.channels[""].engine.settings.conf_threshold == 2.0
     refused = client.set_parameter(NODE, "device", "cuda")
     assert not refused.successful and "read-only" in refused.reason
     refused = client.set_parameter(NODE, "point_stride", 0)
