@@ -6,7 +6,7 @@ measurement ``Z = (R_Z, t_Z, s_Z)`` becomes the rigid ``(R_Z, u·t_Z)`` with ``u
 a between factor (``t_Z`` is in node i's units) and ``u = m`` for a unary one (map units); its
 relative scale ``s_Z`` is dropped (the frozen node scales replace it). Its 7×7 tangent covariance
 (ω, t, λ) maps to 6×6 (ω, v) by the first-order change of the retraction: a perturbation
-``Z·Exp(ω, t, λ)`` moves the translation by ``s_Z·R_Z·t + λ·t_Z``, so ``v = u·(s_Z·t + λ·R_Zᵀ·t_Z)``.
+``Z·Exp(ω, t, λ)`` moves the translation by ``s_Z·R_Z·t`` (whatever λ), so ``v = u·s_Z·t``; λ drops.
 """
 from __future__ import annotations
 
@@ -23,7 +23,6 @@ def sim3_to_se3_jacobian(measurement: Sim3, unit: float) -> np.ndarray:
     jac = np.zeros((6, 7))
     jac[0:3, 0:3] = np.eye(3)
     jac[3:6, 3:6] = unit * measurement.scale * np.eye(3)
-    jac[3:6, 6] = unit * (measurement.rotation.T @ measurement.translation)
     return jac
 
 

@@ -29,7 +29,6 @@ from .sim3 import Sim3, check_covariance, check_finite
 
 HEALTH_WEIGHTS = {"tracking": 1.0, "degraded": 0.1, "initializing": 0.01, "lost": 0.001}
 
-GIMBAL_COS = 1e-6  # |cos pitch| below this: the roll/pitch/yaw covariance is degenerate
 
 
 @dataclass(frozen=True)
@@ -86,48 +85,39 @@ def health_weight(state: str) -> float:
         raise ValueError(f"unknown tracking state {state!r}; known: {sorted(HEALTH_WEIGHTS)}") from None
 
 
-def euler_rate_matrix(rot: np.ndarray) -> np.ndarray:
-    """[3, 3] E with ``δθ_world = E · (δroll, δpitch, δyaw)`` for ``R = Rz(yaw)·Ry(pitch)·Rx(roll)``
-    (ROS's fixed-axis roll, pitch, yaw); refused near pitch = ±90° where E is singular."""
-    pitch = math.asin(max(-1.0, min(1.0, -float(rot[2, 0]))))
-    if abs(math.cos(pitch)) < GIMBAL_COS:
-        raise ValueError("pose pitch is ±90°: a roll/pitch/yaw covariance is degenerate there (gimbal lock)")
-    yaw = math.atan2(float(rot[1, 0]), float(rot[0, 0]))
-    cy, sy, cp, sp = math.cos(yaw), math.sin(yaw), math.cos(pitch), math.sin(pitch)
-    rz = np.array([[cy, -sy, 0.0], [sy, cy, 0.0], [0.0, 0.0, 1.0]])
-    ry = np.array([[cp, 0.0, sp], [0.0, 1.0, 0.0], [-sp, 0.0, cp]])
-    return np.column_stack([rz @ ry @ np.array([1.0, 0.0, 0.0]), rz @ np.array([0.0, 1.0, 0.0]),
-                            np.array([0.0, 0.0, 1.0])])
-
-
 def ros_to_tangent_jacobian(pose: Sim3, with_scale: bool) -> np.ndarray:
     """J with ``ξ_gtsam = J · δ_ros`` at ``pose``.
 
-    ``δ_ros`` = (δx, δy, δz, δroll, δpitch, δyaw) [+ δlog s]: position change along the world
-    axes, and roll/pitch/yaw changes of the world-frame fixed-axis angles (geometry_msgs
-    PoseWithCovariance, its covariance read in the parent frame, the frame of the pose), plus
-    the log-scale change in Sim(3). ``ξ_gtsam`` = (ω, u) [+ λ], the right perturbation of
-    Pose3 / Similarity3. Shapes [6, 6], or [7, 7] with ``with_scale``.
+    ``δ_ros`` = (δx, δy, δz, δrx, δry, δrz) [+ δlog s]: the position change along the world axes
+    and a small rotation about the world's fixed X, Y, Z axes (``R' = Exp(δr)·R``), as
+    geometry_msgs/PoseWithCovariance describes its covariance ("fixed-axis representation ...
+    rotation about X axis, ..."), both in the pose's parent frame; plus the log-scale change in
+    Sim(3). ``ξ_gtsam`` = (ω, u) [+ λ], the right perturbation of Pose3 / Similarity3:
+    ``ω = Rᵀ·δr``, ``u = Rᵀ·δt / s``, ``λ = δlog s`` (GTSAM's ``X·Exp(0, u, λ)`` moves the centre
+    by ``s·R·u`` whatever λ). Shapes [6, 6], or [7, 7] with ``with_scale``.
+
+    The rotation block is the world-axis reading: it equals a roll/pitch/yaw-increment reading at
+    zero attitude, differs from it elsewhere, and has no gimbal lock (the model's optical world
+    has its "yaw" about y, where roll/pitch/yaw would lock at a 90° turn).
     """
     rot_t = pose.rotation.T
     dim = 7 if with_scale else 6
     jac = np.zeros((dim, dim))
-    jac[0:3, 3:6] = rot_t @ euler_rate_matrix(pose.rotation)
+    jac[0:3, 3:6] = rot_t
     jac[3:6, 0:3] = rot_t / pose.scale if with_scale else rot_t
     if with_scale:
-        jac[3:6, 6] = -(rot_t @ pose.translation) / pose.scale
         jac[6, 6] = 1.0
     return jac
 
 
 def ros_covariance_to_tangent(pose: Sim3, covariance, log_scale_sigma: float | None = None) -> np.ndarray:
-    """A ROS 6×6 pose covariance (x, y, z, roll, pitch, yaw; row-major 36 values or [6, 6]) at
+    """A ROS 6×6 pose covariance (x, y, z, rx, ry, rz; row-major 36 values or [6, 6]) at
     ``pose`` → GTSAM's tangent covariance: [6, 6] Pose3 when ``log_scale_sigma`` is None, else
     [7, 7] Similarity3 with that sigma on the log-scale (independent of the rest)."""
     cov = check_finite(covariance, "pose covariance")
     if cov.shape == (36,):
         cov = cov.reshape(6, 6)
-    cov = check_covariance(cov, "pose covariance (x y z roll pitch yaw)", 6)
+    cov = check_covariance(cov, "pose covariance (x y z rx ry rz)", 6)
     with_scale = log_scale_sigma is not None
     if with_scale:
         if not (math.isfinite(log_scale_sigma) and log_scale_sigma > 0):
@@ -143,7 +133,7 @@ def ros_covariance_to_tangent(pose: Sim3, covariance, log_scale_sigma: float | N
 
 def tangent_covariance_to_ros(pose: Sim3, covariance) -> np.ndarray:
     """Inverse of ``ros_covariance_to_tangent``: GTSAM's [6, 6] or [7, 7] tangent covariance at
-    ``pose`` → the ROS [6, 6] (x, y, z, roll, pitch, yaw) covariance (the scale part dropped)."""
+    ``pose`` → the ROS [6, 6] (x, y, z, rx, ry, rz) covariance (the scale part dropped)."""
     cov = check_finite(covariance, "tangent covariance")
     if cov.shape not in ((6, 6), (7, 7)):
         raise ValueError(f"tangent covariance must be [6, 6] or [7, 7], got {cov.shape}")

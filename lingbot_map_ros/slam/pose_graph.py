@@ -196,7 +196,8 @@ class PoseGraph:
     def add_prior(self, index: int, pose, covariance, robust: bool = False,
                   log_scale_sigma: float | None = None) -> None:
         """Absolute camera-to-map ``pose`` (``Sim3`` or rigid [4, 4], map units) of ``index`` with a
-        ROS covariance (6×6 or 36 values, x y z roll pitch yaw, in the map frame); in sim3 mode the
+        ROS covariance (6×6 or 36 values: x y z, then rotations about the map's fixed x y z axes;
+        ``noise.ros_to_tangent_jacobian``); in sim3 mode the
         log-scale gets ``log_scale_sigma`` (default ``PoseGraphConfig.prior_log_scale_sigma``)."""
         key = self._known(index)
         value = pose if isinstance(pose, Sim3) else Sim3.from_pose(pose, 1.0, f"prior pose of keyframe {key}")
