@@ -114,6 +114,7 @@ class PoseGraph:
         self._grounded: set[int] = set()  # roots of components with a unary factor
         self._newest: int | None = None
         self._last_solve_s = 0.0
+        self._last_iterations = 0
 
     # ------------------------------------------------------------------ queries
     @property
@@ -129,6 +130,11 @@ class PoseGraph:
     def last_solve_seconds(self) -> float:
         """Wall time of the last ``update`` or ``batch_solve`` (0 before the first)."""
         return self._last_solve_s
+
+    @property
+    def last_iterations(self) -> int:
+        """iSAM2 iterations of the last ``update`` (1, more after a loop; 0 after ``batch_solve``)."""
+        return self._last_iterations
 
     def edge_counts(self) -> dict[str, int]:
         """Number of factors of each kind (``records.KINDS``)."""
@@ -218,8 +224,7 @@ class PoseGraph:
         start = time.perf_counter()
         self._isam.update(self._pending_graph, self._pending_values)
         self._pending_graph, self._pending_values = bridge.new_graph(), bridge.new_values()
-        if self._pending_loops:
-            self._iterate_loop(sorted(self._pending_loops))
+        self._last_iterations = 1 + (self._iterate_loop(sorted(self._pending_loops)) if self._pending_loops else 0)
         self._pending_loops, self._estimate = set(), None
         self._last_solve_s = time.perf_counter() - start
         LOG.debug("pose graph update: %d keyframes, %.2f ms", self.node_count, 1e3 * self._last_solve_s)
@@ -241,6 +246,7 @@ class PoseGraph:
         self._isam.update(self._all, result)
         self._pending_graph, self._pending_values = bridge.new_graph(), bridge.new_values()
         self._pending_loops, self._estimate = set(), result
+        self._last_iterations = 0
         self._last_solve_s = time.perf_counter() - start
         return self._last_solve_s
 
@@ -352,16 +358,18 @@ class PoseGraph:
                 if ri in self._grounded:
                     self._grounded.add(rj)
 
-    def _iterate_loop(self, ends: list[int]) -> None:
-        """Extra iSAM2 iterations until no loop end moves more than ``loop_tolerance``."""
+    def _iterate_loop(self, ends: list[int]) -> int:
+        """Extra iSAM2 iterations until no loop end moves more than ``loop_tolerance``; returns
+        how many ran."""
         before = [self._isam_value(k) for k in ends]
-        for _ in range(self.config.iterations_after_loop):
+        for done in range(1, self.config.iterations_after_loop + 1):
             self._isam.update()
             after = [self._isam_value(k) for k in ends]
             moved = max(float(np.linalg.norm(a.localCoordinates(b))) for a, b in zip(before, after))
             if moved < self.config.loop_tolerance:
-                break
+                return done
             before = after
+        return self.config.iterations_after_loop
 
     def _isam_value(self, key: int):
         if self._sim3:
