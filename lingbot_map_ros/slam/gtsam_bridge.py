@@ -74,6 +74,9 @@ def isam2(relinearize_threshold: float, relinearize_skip: int):
     params = gtsam.ISAM2Params()
     params.setRelinearizeThreshold(relinearize_threshold)
     params.relinearizeSkip = relinearize_skip
+    # check for relinearisation only the variables of the cliques an update touches (else every
+    # variable, every update: O(N) per keyframe)
+    params.enablePartialRelinearizationCheck = True
     return gtsam.ISAM2(params)
 
 

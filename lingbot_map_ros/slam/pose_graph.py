@@ -150,11 +150,14 @@ class PoseGraph:
         key = self._known(index)
         if self._pending_values.exists(key):
             return bridge.value_at(self._pending_values, key, self._sim3)
-        return bridge.value_at(self._current(), key, self._sim3)
+        if self._estimate is not None:
+            return bridge.value_at(self._estimate, key, self._sim3)
+        return bridge.from_gtsam(self._isam_value(key), self._sim3)  # one variable, not all
 
     def poses(self) -> tuple[np.ndarray, np.ndarray]:
         """(indices [N] int64, Sim(3) matrices [N, 4, 4] ``[[s·R, t], [0, 1]]``) of every keyframe."""
         keys = list(self._odom)
+        self._current()
         return np.array(keys, dtype=np.int64), np.array([self.pose(k).matrix() for k in keys]).reshape(-1, 4, 4)
 
     def correction(self, index: int | None = None) -> Sim3:
@@ -293,6 +296,7 @@ class PoseGraph:
 
     # ------------------------------------------------------------------ internals
     def _current(self):
+        """iSAM2's whole estimate (all keyframes: O(N), kept until the next update)."""
         if self._estimate is None:
             self._estimate = self._isam.calculateEstimate()
         return self._estimate
