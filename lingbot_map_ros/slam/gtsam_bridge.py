@@ -45,6 +45,14 @@ def value_at(values, key: int, sim3: bool) -> Sim3:
     return from_gtsam(values.atSimilarity3(key) if sim3 else values.atPose3(key), sim3)
 
 
+def matrix_at(values, key: int, sim3: bool):
+    """[4, 4] ``[[s·R, t], [0, 1]]`` of ``key`` without building a checked ``Sim3`` (bulk reads)."""
+    if not sim3:
+        return values.atPose3(key).matrix()
+    mat = values.atSimilarity3(key).matrix()  # [[R, t/s], [0, 1/s]]
+    return mat / mat[3, 3]
+
+
 def noise_model(record: FactorRecord, kernel: str, param: float):
     """Gaussian noise of ``record.covariance``, wrapped in the robust kernel when ``record.robust``."""
     gtsam = gtsam_module()

@@ -157,8 +157,10 @@ class PoseGraph:
     def poses(self) -> tuple[np.ndarray, np.ndarray]:
         """(indices [N] int64, Sim(3) matrices [N, 4, 4] ``[[s·R, t], [0, 1]]``) of every keyframe."""
         keys = list(self._odom)
-        self._current()
-        return np.array(keys, dtype=np.int64), np.array([self.pose(k).matrix() for k in keys]).reshape(-1, 4, 4)
+        estimate = self._current()
+        mats = [bridge.matrix_at(self._pending_values if self._pending_values.exists(k) else estimate, k, self._sim3)
+                for k in keys]
+        return np.array(keys, dtype=np.int64), np.array(mats).reshape(-1, 4, 4)
 
     def correction(self, index: int | None = None) -> Sim3:
         """``T_map_odom = T_map_kf · inv(T_odom_kf)`` at keyframe ``index`` (default the newest);
