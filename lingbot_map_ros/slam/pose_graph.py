@@ -213,7 +213,10 @@ class PoseGraph:
         key = self._known(index)
         value = pose if isinstance(pose, Sim3) else Sim3.from_pose(pose, 1.0, f"prior pose of keyframe {key}")
         self._check_scale(value, f"prior pose of keyframe {key}")
-        sigma = (log_scale_sigma or self.config.prior_log_scale_sigma) if self._sim3 else None
+        if not self._sim3 and log_scale_sigma is not None:
+            raise ValueError(f"prior of keyframe {key}: an se3 graph has no scale to give log_scale_sigma for")
+        sigma = (self.config.prior_log_scale_sigma if log_scale_sigma is None else log_scale_sigma) \
+            if self._sim3 else None
         self._add(FactorRecord("prior", key, -1, value, ros_covariance_to_tangent(value, covariance, sigma),
                                robust=bool(robust)))
 

@@ -343,6 +343,11 @@ def test_pose_graph_refuses_bad_prior_covariance():
     graph = small_graph()
     with pytest.raises(ValueError, match="not positive definite"):
         graph.add_prior(1, np.eye(4), np.diag([1.0, 1.0, 1.0, 1.0, 0.0, 1.0]))
+    with pytest.raises(ValueError, match="log_scale_sigma must be finite and > 0"):
+        graph.add_prior(1, np.eye(4), np.eye(6), log_scale_sigma=0.0)
+    with pytest.raises(ValueError, match="no scale"):
+        small_graph(mode="se3").add_prior(1, np.eye(4), np.eye(6), log_scale_sigma=0.1)
+    assert graph.edge_counts() == {"anchor": 1}
 
 
 def test_pose_graph_refuses_an_unanchored_update_and_keeps_its_input():
