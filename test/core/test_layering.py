@@ -26,7 +26,7 @@ TIERS: tuple[tuple[str, ...], ...] = (
     ("runtime",),  # the node's logic without ROS: engine, scheduler, queues, map memory, parameters
     # metric scale, tracking health, undistortion: used by the node, uses stream's maths;
     # the keyframe journal: records and rebuilds sessions
-    ("robot", "journal"),
+    ("robot", "journal", "slam"),
     ("stream",),
     ("io",),
     ("cache", "model"),
@@ -158,7 +158,7 @@ def test_only_the_node_layers_import_ros():
     assert not bad, "ROS imports below the node layers:\n" + "\n".join(bad)
 
 
-ROS_FREE = ("runtime", "robot", "journal", "stream", "io", "cache", "model", "kernels", "geometry", "config")
+ROS_FREE = ("runtime", "robot", "journal", "slam", "stream", "io", "cache", "model", "kernels", "geometry", "config")
 
 
 def test_the_ros_free_folders_are_named_and_exist():

@@ -32,6 +32,8 @@ NOT_LISTED = {
     "av": ("av", "offline replay of videos only: setup.py extra offline"),
     "huggingface_hub": ("huggingface_hub", "optional checkpoint ids: setup.py extra hub"),
     "cv2": (None, "optional: video files in image_folder_publisher (it says so when missing)"),
+    "gtsam": ("gtsam", "loop-closure pose graph (lingbot_map_ros/slam, imported lazily): pip wheel, setup.py "
+                       "extra slam; rosdep's gtsam key is the C++ library without the Python wrapper"),
 }
 # in package.xml without a Python import in lingbot_map_ros/ or launch/: what needs each
 NOT_IMPORTED = {
