@@ -65,6 +65,8 @@ class ReplayFlags:
     has_topic: bool  # --topic given
     threads: int | None  # --threads
     checkpoint: str | None
+    path_rate: float  # --bag-path-rate (the node's default when not given): path messages a second of input time
+    path_length: int  # --bag-path-length: poses in a path message
 
 
 @dataclass(frozen=True)
@@ -295,7 +297,7 @@ def check_flags(flags: list[str], origin: str) -> ReplayFlags:
     given = vars(args)
     defaults = vars(parser.parse_args(["--images", sentinel]))
     for dest, owner in OWNED.items():
-        if given[dest] != defaults[dest] or (dest == "images" and given[dest] != sentinel):
+        if given[dest] != defaults[dest]:  # (ours comes first: a later --images replaces it)
             raise UsageError(f"{origin}: --{dest.replace('_', '-')} is set by the fleet ({owner}); leave it out "
                              "of the replay flags")
     if given["device"] != defaults["device"]:
@@ -314,8 +316,12 @@ def _replay_flags(given: dict[str, Any], origin: str) -> ReplayFlags:
     for flag in ("max_frames", "chunk_frames", "threads"):
         if given[flag] is not None and given[flag] < 1:
             raise UsageError(f"{origin}: --{flag.replace('_', '-')} must be at least 1, got {given[flag]}")
+    from .replay_args import or_node_default
+
     return ReplayFlags(given["max_frames"], every, given["chunk_frames"], given["topic"] is not None,
-                       given["threads"], given["checkpoint"])
+                       given["threads"], given["checkpoint"],
+                       float(or_node_default(given["bag_path_rate"], "path_publish_rate")),
+                       int(or_node_default(given["bag_path_length"], "path_max_length")))
 
 
 def pick_topic(bag: Path) -> str:
