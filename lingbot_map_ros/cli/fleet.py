@@ -207,7 +207,7 @@ def _resources(ray, args: argparse.Namespace) -> tuple[float, float]:
 
 def _settled(item: FleetInput, folder: Path, print_: dict) -> InputResult | None:
     """The result of an input that needs no task: it cannot run, it is complete (``result.json``
-    of the same fingerprint ``print_``), or its folder holds another run's complete outputs."""
+    of the same fingerprint ``print_``, every output there), or its folder holds another run's outputs."""
     if item.problem:
         return failed(item, item.problem)
     done = read_json(folder / RESULT_NAME)
@@ -218,6 +218,10 @@ def _settled(item: FleetInput, folder: Path, print_: dict) -> InputResult | None
         differ = sorted(k for k in set(theirs) | set(print_) if theirs.get(k) != print_.get(k))
         return failed(item, f"{folder} holds the outputs of another run ({', '.join(differ)} differ); choose "
                             "another --output-root, or delete that folder to replay this input again")
+    missing = [folder / OUTPUTS[o][1] for o in print_["outputs"] if not os.path.lexists(folder / OUTPUTS[o][1])]
+    if missing:
+        return failed(item, f"{folder / RESULT_NAME} says the input is complete, but {missing[0]} is missing; delete "
+                            f"{folder} to replay this input again")
     fields = {k: done[k] for k in ("frames", "fps", "seconds", "attempts", "resumed_from", "dropped") if k in done}
     return InputResult(item.name, str(item.source), "skipped", **fields, outputs=tuple(done.get("outputs", ())))
 

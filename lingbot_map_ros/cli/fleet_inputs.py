@@ -65,6 +65,7 @@ class ReplayFlags:
     has_topic: bool  # --topic given
     threads: int | None  # --threads
     checkpoint: str | None
+    model_config: str | None  # --model-config
     path_rate: float  # --bag-path-rate (the node's default when not given): path messages a second of input time
     path_length: int  # --bag-path-length: poses in a path message
 
@@ -320,6 +321,7 @@ def _replay_flags(given: dict[str, Any], origin: str) -> ReplayFlags:
 
     return ReplayFlags(given["max_frames"], every, given["chunk_frames"], given["topic"] is not None,
                        given["threads"], given["checkpoint"],
+                       None if given["model_config"] is None else str(given["model_config"]),
                        float(or_node_default(given["bag_path_rate"], "path_publish_rate")),
                        int(or_node_default(given["bag_path_length"], "path_max_length")))
 

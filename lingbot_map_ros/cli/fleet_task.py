@@ -93,15 +93,18 @@ class InputResult:
 
 
 def fingerprint(item: FleetInput, outputs: tuple[str, ...]) -> dict[str, Any]:
-    """What an input's outputs depend on: the input, its replay flags, the outputs, and the
-    checkpoint file's size and modification time (a checkpoint replaced in place)."""
-    checkpoint = check_flags(list(item.flags), item.origin).checkpoint
-    identity = None
-    if checkpoint and os.path.isfile(checkpoint):
-        st = os.stat(checkpoint)
-        identity = [os.path.realpath(checkpoint), st.st_size, st.st_mtime_ns]
+    """What an input's outputs depend on: the input, its replay flags, the outputs, and the size and
+    modification time of the checkpoint and model configuration files (one replaced in place)."""
+    flags = check_flags(list(item.flags), item.origin)
     return {"input": str(item.source), "kind": item.kind, "flags": list(item.flags), "outputs": sorted(outputs),
-            "checkpoint": identity}
+            "checkpoint": _file_identity(flags.checkpoint), "model_config": _file_identity(flags.model_config)}
+
+
+def _file_identity(path: str | None) -> list | None:
+    if not path or not os.path.isfile(path):
+        return None  # random weights, the released configuration, or a hub id
+    st = os.stat(path)
+    return [os.path.realpath(path), st.st_size, st.st_mtime_ns]
 
 
 def read_json(path: Path) -> dict[str, Any] | None:

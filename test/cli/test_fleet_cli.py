@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from lingbot_map_ros.cli.fleet import main
-from lingbot_map_ros.cli.fleet_inputs import CommonFlags, UsageError, collect, read_manifest
+from lingbot_map_ros.cli.fleet_inputs import CommonFlags, collect, make_input, read_manifest
+from lingbot_map_ros.cli.fleet_task import fingerprint
 
 PROG = "lingbot-map-fleet"
 
@@ -142,6 +143,23 @@ def test_fleet_a_missing_input_fails_alone_and_needs_no_ray(tree, capsys, monkey
     assert "gone" in out and "failed" in out and f"no such file or folder: {tree / 'gone.mcap'}" in out
     summary = json.loads((tree / "o" / "fleet-summary.json").read_text())
     assert summary["counts"] == {"ok": 0, "skipped": 0, "failed": 1}
+
+
+def test_fleet_complete_inputs_are_skipped_without_ray_and_checked(tree, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # every input settled: Ray is not needed
+    item = make_input(tree / "a/walk", None, None, CommonFlags.split(["--stride", "2"]), [], "test")
+    folder = tree / "o" / "walk"
+    folder.mkdir(parents=True)
+    done = {"status": "ok", "frames": 7, "fps": 3.5, "fingerprint": fingerprint(item, ("trajectory",))}
+    (folder / "result.json").write_text(json.dumps(done))
+    argv = [str(tree / "a/walk"), "-o", str(tree / "o"), "--outputs", "trajectory", "--", "--stride", "2"]
+    assert main(argv) == 1  # its trajectory is gone
+    assert f"but {folder / 'trajectory.tum'} is missing" in capsys.readouterr().out
+    (folder / "trajectory.tum").write_text("# timestamp tx ty tz qx qy qz qw\n")
+    assert main(argv) == 0
+    assert json.loads((tree / "o" / "fleet-summary.json").read_text())["inputs"][0]["status"] == "skipped"
+    assert main([*argv[:-2], "--stride", "3"]) == 1  # other flags: that folder is another run's
+    assert "holds the outputs of another run (flags differ)" in capsys.readouterr().out
 
 
 def test_fleet_package_imports_without_ray():
