@@ -172,13 +172,12 @@ def _ray_instance(ray, args: argparse.Namespace):
     if ray.is_initialized():
         yield
         return
-    quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
     try:
         if args.address:
-            ray.init(address=args.address, **quiet)
-        else:
+            ray.init(address=args.address, log_to_driver=False, logging_level=logging.WARNING)
+        else:  # a private instance on the loopback interface: Ray's notices about clusters are not for it
             ray.init(address="local", num_cpus=args.num_cpus, num_gpus=args.num_gpus, include_dashboard=False,
-                     **quiet)
+                     log_to_driver=False, logging_level=logging.ERROR)
     except Exception as exc:  # noqa: BLE001 - Ray raises many kinds; the first line says what went wrong
         what = f"join the Ray cluster at {args.address}" if args.address else "start a local Ray instance"
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
