@@ -63,11 +63,14 @@ def finish(output: str, parts: list[Path], folder: Path, chunk_frames: int, path
 
 def _move(source: Path, final: Path) -> list[Path]:
     """Rename one segment's output into place (with the npz, its depth chunks' folder first)."""
+    chunks, final_chunks = (p.with_name(p.stem + ".chunks") for p in (source, final))
+    with_chunks = source.suffix == ".npz"
+    if not os.path.lexists(source) and os.path.lexists(final):  # moved by an attempt killed before it said so
+        return [final] + ([final_chunks] if with_chunks and final_chunks.is_dir() else [])
     written = [final]
-    chunks = source.with_name(source.stem + ".chunks")
-    if source.suffix == ".npz" and chunks.is_dir():
-        _replace_folder(chunks, final.with_name(final.stem + ".chunks"))
-        written.append(final.with_name(final.stem + ".chunks"))
+    if with_chunks and chunks.is_dir():
+        _replace_folder(chunks, final_chunks)
+        written.append(final_chunks)
     if source.is_dir():
         _replace_folder(source, final)
     else:

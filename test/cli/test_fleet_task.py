@@ -105,3 +105,25 @@ def test_fleet_task_refusals_leave_what_is_there(fixtures, tiny, tmp_path):
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
         result = run_input(plan)
     assert result.status == "failed" and "another lingbot-map-fleet run is working on" in result.reason
+
+
+def test_fleet_task_finishes_again_when_it_died_while_finishing(fixtures, tiny, tmp_path, monkeypatch):
+    from lingbot_map_ros.cli import fleet_task
+
+    reference = single_replay("--images", fixtures / "frames", [*tiny, *MODEL], tmp_path / "single")
+    plan = plan_for(fixtures / "frames", [*tiny, *MODEL], tmp_path / "out", segment=100)  # one segment: moved
+    real = fleet_task.write_json
+
+    def dies_before_the_result(path: Path, data: dict) -> None:
+        if path.name == "result.json":
+            raise OSError(5, "Input/output error")  # as a kill after the outputs went into place
+        real(path, data)
+
+    monkeypatch.setattr(fleet_task, "write_json", dies_before_the_result)
+    first = run_input(plan)
+    assert first.status == "failed" and "Input/output error" in first.reason
+    assert (plan.folder / "trajectory.tum").is_file() and not (plan.folder / "result.json").exists()
+    monkeypatch.setattr(fleet_task, "write_json", real)
+    again = run_input(plan)
+    assert again.status == "ok" and again.frames == 12 and again.attempts == 2 and again.resumed_from == 12
+    assert_same_outputs(plan.folder, reference)
