@@ -131,27 +131,46 @@ def wait_for(condition, timeout_s: float, what: str, every_s: float = 0.05):
 @contextlib.contextmanager
 def local_ray(num_cpus: int = 2):
     """A local Ray instance on the loopback interface, in a temp folder under /tmp; shut down at the
-    end, its processes gone (waited for, bounded)."""
-    psutil = pytest.importorskip("psutil")
+    end, its processes gone (waited for, bounded; checked where psutil is installed)."""
     before = os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray's switch: the node's address is 127.0.0.1
     ray = pytest.importorskip("ray", reason="the fleet tests need Ray: pip install ray (scripts/bootstrap.sh does)")
     temp = Path(tempfile.mkdtemp(prefix="rayf-", dir="/tmp"))
+    earlier = set(_children())
     ray.init(address="local", num_cpus=num_cpus, include_dashboard=False, _temp_dir=str(temp), log_to_driver=False,
-             object_store_memory=100 << 20, logging_level=logging.WARNING)
+             object_store_memory=100 << 20, logging_level=logging.ERROR)
     try:
         assert ray.nodes()[0]["NodeManagerAddress"] == "127.0.0.1"  # loopback only
         yield ray
     finally:
         ray.shutdown()
-        children = psutil.Process().children(recursive=True)
-        _, alive = psutil.wait_procs(children, timeout=15)
-        for p in alive:  # only this test process's own children are left to end
-            with contextlib.suppress(psutil.Error):
-                p.kill()
+        alive = _children_left(earlier)
         shutil.rmtree(temp, ignore_errors=True)
         if before is None:
             os.environ.pop("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", None)
         else:
             os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = before
-        assert not alive, f"Ray left processes behind: {[p.pid for p in alive]}"
+        assert not alive, f"Ray left processes behind: {alive}"
+
+
+def _children() -> list:
+    """This process's children (psutil processes); [] without psutil."""
+    try:
+        import psutil
+    except ImportError:
+        return []
+    return psutil.Process().children(recursive=True)
+
+
+def _children_left(earlier: set) -> list[int]:
+    """The children started since ``earlier`` (Ray's) still alive 15 s after its shutdown (then ended)."""
+    started = [p for p in _children() if p not in earlier]
+    if not started:
+        return []
+    import psutil
+
+    _, alive = psutil.wait_procs(started, timeout=15)
+    for p in alive:
+        with contextlib.suppress(psutil.Error):
+            p.kill()
+    return [p.pid for p in alive]

@@ -1,8 +1,8 @@
 """lingbot-map-fleet on a local Ray (2 CPUs, the tiny model): three inputs (a folder, a sqlite3
-bag, an MCAP bag) give what three single replays give; bad inputs fail alone with their
-reason; a second run skips what is complete; a worker killed mid-input (SIGKILL) is retried
-and resumes from its journal; an input whose task could not finish is resumed by the next
-run of the command."""
+bag, an MCAP bag) give what three single replays give; bad inputs (no image topic, not a
+video, missing) fail alone with their reason; a second run skips what is complete; a worker
+killed mid-input (SIGKILL) is retried and resumes from its journal; an input whose task could
+not finish is resumed by the next run of the command."""
 from __future__ import annotations
 
 import json
@@ -39,7 +39,9 @@ def inputs(fixtures, tmp_path_factory) -> dict[str, Path]:
     write_image_bag(d / "yard", frames, storage="sqlite3", kind="raw", topic=TOPIC)
     write_image_bag(d / "hall", frames[:10], storage="mcap", kind="compressed", topic=TOPIC)
     _write_chatter_bag(d / "chatter")
-    return {"walk": d / "walk", "yard": d / "yard", "hall": d / "hall", "chatter": d / "chatter"}
+    (d / "broken.mp4").write_bytes(bytes(range(256)) * 8)  # not a video
+    return {"walk": d / "walk", "yard": d / "yard", "hall": d / "hall", "chatter": d / "chatter",
+            "broken": d / "broken.mp4"}
 
 
 def _write_chatter_bag(path: Path) -> None:
@@ -61,7 +63,7 @@ def test_fleet_three_inputs_equal_single_replays_bad_inputs_fail_alone_and_a_rer
                                       ("hall", "--bag", ["--topic", TOPIC]))}
     capsys.readouterr()
     root = tmp_path / "out"
-    argv = [inputs["walk"], inputs["yard"], inputs["hall"], inputs["chatter"], tmp_path / "missing.mcap",
+    argv = [*(inputs[n] for n in ("walk", "yard", "hall", "chatter", "broken")), tmp_path / "missing.mcap",
             "-o", root, "--cpus-per-task", "1", "--segment-frames", "6", "--outputs", ALL_OUTPUTS,
             "--", *flags, "--topic", TOPIC]
     assert fleet(*argv) == 1
@@ -72,10 +74,11 @@ def test_fleet_three_inputs_equal_single_replays_bad_inputs_fail_alone_and_a_rer
         assert not (root / name / ".fleet").exists()
     summary = json.loads((root / "fleet-summary.json").read_text())
     status = {r["name"]: r for r in summary["inputs"]}
-    assert summary["counts"] == {"ok": 3, "skipped": 0, "failed": 2}
+    assert summary["counts"] == {"ok": 3, "skipped": 0, "failed": 3}
     assert [status[n]["frames"] for n in ("walk", "yard", "hall")] == [12, 12, 10]
     assert "has no topic /camera/image" in status["chatter"]["reason"]
     assert "it has no image topics" in status["chatter"]["reason"]
+    assert status["broken"]["reason"].startswith(f"cannot read video {inputs['broken']}: InvalidDataError")
     assert status["missing"]["reason"] == f"no such file or folder: {tmp_path / 'missing.mcap'}"
     assert all(f" {status[n]['status']}" in table for n in status) and "no such file or folder" in table
 
@@ -83,7 +86,7 @@ def test_fleet_three_inputs_equal_single_replays_bad_inputs_fail_alone_and_a_rer
     assert fleet(*argv) == 1  # the bad inputs still fail
     again = {r["name"]: r["status"] for r in json.loads((root / "fleet-summary.json").read_text())["inputs"]}
     assert again == {"walk": "skipped", "yard": "skipped", "hall": "skipped", "chatter": "failed",
-                     "missing": "failed"}
+                     "broken": "failed", "missing": "failed"}
     assert {p: p.stat().st_mtime_ns for p in root.glob("*/*") if p.is_file()} == before
 
 
