@@ -126,6 +126,9 @@ def run_input(plan: TaskPlan) -> InputResult:
     """Replay one input into ``plan.folder`` (see the module docstring); never raises for the
     input's own problems: they come back as a failed result with the reason."""
     log_to_current_stderr()
+    done = read_json(plan.folder / RESULT_NAME)
+    if done is not None and done.get("status") == "ok" and done.get("fingerprint") == plan.fingerprint:
+        return InputResult(**{**_result_fields(done), "status": "skipped"})  # completed since the command started
     work = plan.folder / WORK
     try:
         work.mkdir(parents=True, exist_ok=True)
@@ -167,9 +170,6 @@ class _Task:
         self._start_frames = 0
 
     def run(self) -> InputResult:
-        done = read_json(self.plan.folder / RESULT_NAME)
-        if done is not None and done.get("status") == "ok" and done.get("fingerprint") == self.plan.fingerprint:
-            return InputResult(**{**_result_fields(done), "status": "skipped"})
         refused = self._load_state()
         if refused:
             return failed(self.plan.item, refused)

@@ -41,7 +41,7 @@ def test_fleet_task_segments_share_one_model_and_equal_a_single_replay(fixtures,
     assert list(chunks) == list(np.load(reference / "predictions.npz")["depth_chunks"])  # rows 0, 4 | 8
     assert (folder / "session" / "journal.lbj").is_file() and not (folder / ".fleet").exists()
     again = run_input(plan_for(fixtures / "frames", flags, tmp_path / "out", segment=3))
-    assert again.status == "skipped" and again.frames == 11
+    assert again.status == "skipped" and again.frames == 11 and not (folder / ".fleet").exists()
 
 
 def _one_topic_bag(path: Path, frames: list[Path]) -> None:
