@@ -196,6 +196,10 @@ class _Task:
     def _load_state(self) -> str:
         """Read (or start) the state file; the reason when this input's work cannot be continued."""
         state = read_json(self.work / STATE_NAME)
+        other = state is not None and (state.get("fingerprint") != self.plan.fingerprint
+                                       or state.get("device") != self.plan.device)
+        if other and not state.get("segments"):
+            state = None  # another run's, but nothing of it finished (a failed first segment): start again
         if state is None:
             existing = [self.plan.folder / OUTPUTS[o][1] for o in self.plan.outputs]
             existing = [p for p in existing + [self.plan.folder / SESSION_NAME] if os.path.lexists(p)]
@@ -204,7 +208,7 @@ class _Task:
                         "its own outputs (move it away, or choose another --output-root)")
             state = {"fingerprint": self.plan.fingerprint, "device": self.plan.device, "attempts": 0,
                      "segments": [], "complete": False}
-        elif state.get("fingerprint") != self.plan.fingerprint or state.get("device") != self.plan.device:
+        elif other:
             return (f"{self.work} holds an unfinished run of other flags, outputs or device ({state.get('device')}); "
                     f"delete {self.work} to replay this input from its start")
         self.state = state

@@ -94,8 +94,8 @@ def test_fleet_task_refusals_leave_what_is_there(fixtures, tiny, tmp_path):
 
     work = folder / ".fleet"
     work.mkdir(parents=True)
-    other = {"fingerprint": {"flags": ["--stride", "2"]}, "device": "cpu", "attempts": 1, "segments": [],
-             "complete": False}
+    other = {"fingerprint": {"flags": ["--stride", "2"]}, "device": "cpu", "attempts": 1,
+             "segments": [{"frames": 4, "dropped": 0, "seconds": 1.0}], "complete": False}
     (work / "state.json").write_text(json.dumps(other))
     result = run_input(plan)
     assert result.status == "failed" and "holds an unfinished run of other flags" in result.reason
@@ -127,3 +127,12 @@ def test_fleet_task_finishes_again_when_it_died_while_finishing(fixtures, tiny, 
     again = run_input(plan)
     assert again.status == "ok" and again.frames == 12 and again.attempts == 2 and again.resumed_from == 12
     assert_same_outputs(plan.folder, reference)
+
+
+def test_fleet_task_failed_before_any_segment_starts_again_with_other_flags(fixtures, tiny, tmp_path):
+    bad = run_input(plan_for(fixtures / "frames", [*tiny, *MODEL, "--start", "100"], tmp_path / "out",
+                             outputs=("trajectory",)))
+    assert bad.status == "failed" and "no image of" in bad.reason and "lies in the selected range" in bad.reason
+    assert (tmp_path / "out/frames/.fleet/replay.log").read_text().count("lingbot-map-replay: error:") == 1
+    fixed = run_input(plan_for(fixtures / "frames", [*tiny, *MODEL], tmp_path / "out", outputs=("trajectory",)))
+    assert fixed.status == "ok" and fixed.frames == 12 and fixed.attempts == 1
