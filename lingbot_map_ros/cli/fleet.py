@@ -204,20 +204,20 @@ def _resources(ray, args: argparse.Namespace) -> tuple[float, float]:
     return gpus, cpus
 
 
-def _settled(item: FleetInput, folder: Path, print_: dict) -> InputResult | None:
+def _settled(item: FleetInput, folder: Path, fp: dict) -> InputResult | None:
     """The result of an input that needs no task: it cannot run, it is complete (``result.json``
-    of the same fingerprint ``print_``, every output there), or its folder holds another run's outputs."""
+    of the same fingerprint ``fp``, every output there), or its folder holds another run's outputs."""
     if item.problem:
         return failed(item, item.problem)
     done = read_json(folder / RESULT_NAME)
     if done is None or done.get("status") != "ok":
         return None
-    if done.get("fingerprint") != print_:
+    if done.get("fingerprint") != fp:
         theirs = done.get("fingerprint") or {}
-        differ = sorted(k for k in set(theirs) | set(print_) if theirs.get(k) != print_.get(k))
+        differ = sorted(k for k in set(theirs) | set(fp) if theirs.get(k) != fp.get(k))
         return failed(item, f"{folder} holds the outputs of another run ({', '.join(differ)} differ); choose "
                             "another --output-root, or delete that folder to replay this input again")
-    missing = [folder / OUTPUTS[o][1] for o in print_["outputs"] if not os.path.lexists(folder / OUTPUTS[o][1])]
+    missing = [folder / OUTPUTS[o][1] for o in fp["outputs"] if not os.path.lexists(folder / OUTPUTS[o][1])]
     if missing:
         return failed(item, f"{folder / RESULT_NAME} says the input is complete, but {missing[0]} is missing; delete "
                             f"{folder} to replay this input again")
@@ -231,10 +231,10 @@ def _run(args, items: list[FleetInput], root: Path, outputs, display: Display, e
     results: dict[str, InputResult] = {}
     todo = []
     for item in items:
-        print_ = fingerprint(item, outputs)
-        settled = _settled(item, root / item.name, print_)
+        fp = fingerprint(item, outputs)
+        settled = _settled(item, root / item.name, fp)
         if settled is None:
-            todo.append((item, print_))
+            todo.append((item, fp))
         else:
             results[item.name] = settled
             display.ended_input(settled)
@@ -245,13 +245,15 @@ def _run(args, items: list[FleetInput], root: Path, outputs, display: Display, e
             extra.update(gpus_per_task=gpus, cpus_per_task=cpus)
             run_id = uuid.uuid4().hex
             plans = [TaskPlan(item, root / item.name, outputs, args.segment_frames, "cuda" if gpus > 0 else "cpu",
-                              max(1, int(cpus)), run_id, print_) for item, print_ in todo]
+                              max(1, int(cpus)), run_id, fp) for item, fp in todo]
             results.update(_wait(ray, plans, args.max_retries, gpus, cpus, display))
     return [results[item.name] for item in items]
 
 
 def _wait(ray, plans: list[TaskPlan], retries: int, gpus: float, cpus: float,
           display: Display) -> dict[str, InputResult]:
+    """One Ray task per plan (``gpus`` and ``cpus`` each, restarted up to ``retries`` times when its
+    worker dies); their results by input name. Ctrl-C cancels them (their journals stay)."""
     task = ray.remote(run_input)
     pending = {}
     results = {}
