@@ -167,3 +167,17 @@ def test_fleet_package_imports_without_ray():
             "lingbot_map_ros.cli.fleet_merge; print('ok')")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+def test_fleet_only_the_fleet_command_imports_ray():
+    import ast
+
+    package = Path(__file__).resolve().parents[2] / "lingbot_map_ros"
+    importers = set()
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+            if any(n == "ray" or n.startswith("ray.") for n in names):
+                importers.add(path.relative_to(package).as_posix())
+    assert importers == {"cli/fleet.py"}
