@@ -275,22 +275,24 @@ def _row_flags(value: Any, origin: str) -> list[str]:
 
 # ----------------------------------------------------------------------------- replay flags
 
+class _FlagError(Exception):
+    """argparse's complaint about replay flags (instead of its exit)."""
+
+
+def _raise_flag_error(message: str):
+    raise _FlagError(message)
+
+
 def check_flags(flags: list[str], origin: str) -> ReplayFlags:
     """Parse ``flags`` with the replay's parser; refuse bad ones and those the fleet sets itself."""
     from .replay_args import build_parser
 
-    class _Refused(Exception):
-        pass
-
-    def refuse(message: str):
-        raise _Refused(message)
-
     parser = build_parser()
-    parser.error = refuse  # one line instead of argparse's exit
+    parser.error = _raise_flag_error  # this parser says what is wrong in one line instead of exiting
     sentinel = "\0fleet-input"
     try:
         args = parser.parse_args(["--images", sentinel, *flags])
-    except _Refused as exc:
+    except _FlagError as exc:
         if "not allowed with argument --images" in str(exc):
             raise UsageError(f"{origin}: the input is set by the fleet (a path, or a manifest row); leave --images, "
                              "--bag and --video out of the replay flags") from None
