@@ -18,12 +18,15 @@ model_loads = 0  # models loaded by tasks of this process (the tests check that 
 
 
 def replay_main(argv: list[str], observer, capture: ReplayLog) -> int:
-    """The replay's ``main(argv)`` with its stderr in ``capture``."""
+    """The replay's ``main(argv)`` with its stderr in ``capture``; its exit status (argparse's too)."""
     from .replay import main
 
     capture.begin()
     with contextlib.redirect_stderr(capture):
-        return main(argv, observer)
+        try:
+            return main(argv, observer)
+        except SystemExit as exc:  # argparse's exit on a bad flag (its error line is in the capture)
+            return exc.code if isinstance(exc.code, int) else 2
 
 
 class ReplayLog:
