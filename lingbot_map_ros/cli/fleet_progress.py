@@ -71,10 +71,11 @@ class Display:
             if progress is None or progress.get("run_id") != run_id:
                 continue  # queued, or starting
             bar = self.bars.get(name)
-            if bar is None:
+            if bar is None:  # the first line below the overall bar that no running input holds
+                taken = {abs(b.pos) for b in self.bars.values()}  # (tqdm keeps a given position negated)
+                line = next(n for n in range(1, len(self.bars) + 2) if n not in taken)
                 bar = self.bars[name] = self.tqdm(total=progress.get("expected"), desc=name, unit="frame",
-                                                  file=self.stream, position=len(self.bars) + 1, leave=False,
-                                                  dynamic_ncols=True)
+                                                  file=self.stream, position=line, leave=False, dynamic_ncols=True)
             bar.total = progress.get("expected")
             bar.update(int(progress["frames"]) - bar.n)
             bar.set_postfix_str(f"{progress['stage']}, attempt {progress['attempt']}", refresh=True)

@@ -3,6 +3,7 @@ globs, CSV and YAML; every refusal is one line naming the problem (exit status 2
 anything runs; a missing input fails alone."""
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
@@ -181,3 +182,37 @@ def test_fleet_only_the_fleet_command_imports_ray():
             if any(n == "ray" or n.startswith("ray.") for n in names):
                 importers.add(path.relative_to(package).as_posix())
     assert importers == {"cli/fleet.py"}
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_fleet_progress_is_bars_on_a_terminal_and_lines_elsewhere(tmp_path):
+    from lingbot_map_ros.cli.fleet_progress import Display
+    from lingbot_map_ros.cli.fleet_task import InputResult
+
+    done = InputResult("a", "/a", "ok", 10, 2.0, resumed_from=4, attempts=2)
+    log, quiet = io.StringIO(), io.StringIO()
+    for stream, is_quiet in ((log, False), (quiet, True)):
+        display = Display(2, is_quiet, stream)
+        display.ended_input(done)
+        display.close()
+    assert log.getvalue() == f"{PROG}: [1/2] a: ok, 10 frames, 2.0 FPS, resumed at frame 4, 2 attempts\n"
+    assert quiet.getvalue() == ""
+
+    for name, frames in (("a", 3), ("b", 5), ("c", 1)):
+        (tmp_path / name / ".fleet").mkdir(parents=True)
+        progress = {"run_id": "r", "frames": frames, "expected": 10, "stage": "running", "attempt": 1}
+        (tmp_path / name / ".fleet" / "progress.json").write_text(json.dumps(progress))
+    terminal = _Terminal()
+    display = Display(3, False, terminal)
+    display.running({"a": tmp_path / "a", "b": tmp_path / "b"}, "r")
+    assert {n: (b.n, abs(b.pos)) for n, b in display.bars.items()} == {"a": (3, 1), "b": (5, 2)}
+    display.ended_input(done)
+    display.running({"b": tmp_path / "b", "c": tmp_path / "c"}, "other run")  # stale progress: no bar
+    display.running({"b": tmp_path / "b", "c": tmp_path / "c"}, "r")
+    assert {n: (b.n, abs(b.pos)) for n, b in display.bars.items()} == {"b": (5, 2), "c": (1, 1)}
+    display.close()
+    assert f"{PROG}: [1/3] a: ok" in terminal.getvalue() and "inputs:" in terminal.getvalue()
