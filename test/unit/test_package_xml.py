@@ -31,6 +31,7 @@ NOT_LISTED = {
     "rosbags": ("rosbags", "offline replay only: setup.py extra offline"),
     "av": ("av", "offline replay of videos only: setup.py extra offline"),
     "huggingface_hub": ("huggingface_hub", "optional checkpoint ids: setup.py extra hub"),
+    "ray": ("ray", "lingbot-map-fleet only (many recordings on a Ray cluster): setup.py extra fleet"),
     "cv2": (None, "optional: video files in image_folder_publisher (it says so when missing)"),
     "gtsam": ("gtsam", "loop-closure pose graph (lingbot_map_ros/slam, imported lazily): pip wheel, setup.py "
                        "extra slam; rosdep's gtsam key is the C++ library without the Python wrapper"),
