@@ -7,7 +7,7 @@ with it every pose; here it runs beside inference, so poses go out as soon as th
 model has them.
 
 Jobs run in submission order, on the worker's thread (started by ``start`` or by the first
-job). Frame jobs (a frame's clouds) may be skipped when the worker falls behind: at most
+job; it ends after ``IDLE_EXIT_S`` without a job, and the next job starts it again). Frame jobs (a frame's clouds) may be skipped when the worker falls behind: at most
 ``max_pending`` wait, and a new one pushes out the oldest (``on_skip`` counts it).
 Operations (map clear, rollback removal, protection) are never skipped, so the map sees
 adds and removals in the order the inference thread issued them. ``flush`` waits until
@@ -20,6 +20,7 @@ from collections import deque
 from typing import Callable
 
 Job = Callable[[], None]
+IDLE_EXIT_S = 2.0  # the thread ends after this long without a job (a camera that went quiet holds none)
 
 
 class OutputWorker:
@@ -86,13 +87,17 @@ class OutputWorker:
             self._stop = True
             self._cv.notify_all()
         thread.join(timeout)
-        self._thread = None
+        with self._cv:
+            if self._thread is thread:
+                self._thread = None
 
     def _loop(self) -> None:
         while True:
             with self._cv:
-                self._cv.wait_for(lambda: self._jobs or self._stop)
-                if not self._jobs:  # stopping and drained
+                self._cv.wait_for(lambda: self._jobs or self._stop, IDLE_EXIT_S)
+                if not self._jobs:  # stopping and drained, or idle: the next job starts a thread again
+                    if self._thread is threading.current_thread():
+                        self._thread = None
                     return
                 _, job = self._jobs.popleft()
                 self._busy = True

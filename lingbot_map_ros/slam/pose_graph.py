@@ -110,31 +110,15 @@ class PoseGraph:
         self._estimate = None  # iSAM2's estimate (gtsam Values), computed on demand
         self._odom: dict[int, Sim3] = {}  # insertion order = keyframe order
         self._factors: list[FactorRecord] = []
-        self._root: dict[int, int] = {}  # union-find over the edges
-        self._grounded: set[int] = set()  # roots of components with a unary factor
-        self._newest: int | None = None
-        self._last_solve_s = 0.0
-        self._last_iterations = 0
+        self._parts = _Components()  # which keyframes the edges connect, and which parts are held
+        self.newest: int | None = None  # index of the last keyframe added (None while empty)
+        self.last_solve_seconds = 0.0  # wall time of the last ``update`` or ``batch_solve`` (0 before the first)
+        self.last_iterations = 0  # iSAM2 iterations of the last ``update`` (more after a loop; 0 after a batch)
 
     # ------------------------------------------------------------------ queries
     @property
     def node_count(self) -> int:
         return len(self._odom)
-
-    @property
-    def newest(self) -> int | None:
-        """Index of the last keyframe added (None while empty)."""
-        return self._newest
-
-    @property
-    def last_solve_seconds(self) -> float:
-        """Wall time of the last ``update`` or ``batch_solve`` (0 before the first)."""
-        return self._last_solve_s
-
-    @property
-    def last_iterations(self) -> int:
-        """iSAM2 iterations of the last ``update`` (1, more after a loop; 0 after ``batch_solve``)."""
-        return self._last_iterations
 
     def edge_counts(self) -> dict[str, int]:
         """Number of factors of each kind (``records.KINDS``)."""
@@ -166,9 +150,9 @@ class PoseGraph:
         """``T_map_odom = T_map_kf · inv(T_odom_kf)`` at keyframe ``index`` (default the newest);
         identity while the graph is empty."""
         if index is None:
-            if self._newest is None:
+            if self.newest is None:
                 return Sim3.identity()
-            index = self._newest
+            index = self.newest
         return self.pose(index) @ self.odom_pose(index).inverse()
 
     # ------------------------------------------------------------------ building
@@ -180,7 +164,7 @@ class PoseGraph:
         odom = pose if isinstance(pose, Sim3) else Sim3.from_pose(pose, scale, f"pose of keyframe {index}")
         if isinstance(pose, Sim3) and scale != 1.0:
             raise ValueError(f"keyframe {index}: pass the scale inside the Sim3, not also as scale={scale}")
-        self._check_scale(odom, f"pose of keyframe {index}")
+        _check_scale(self._sim3, odom, f"pose of keyframe {index}")
         initial = self.correction() @ odom
         self._insert_node(index, odom, initial)
         if self.config.anchor and len(self._odom) == 1:
@@ -212,7 +196,7 @@ class PoseGraph:
         log-scale gets ``log_scale_sigma`` (default ``PoseGraphConfig.prior_log_scale_sigma``)."""
         key = self._known(index)
         value = pose if isinstance(pose, Sim3) else Sim3.from_pose(pose, 1.0, f"prior pose of keyframe {key}")
-        self._check_scale(value, f"prior pose of keyframe {key}")
+        _check_scale(self._sim3, value, f"prior pose of keyframe {key}")
         if not self._sim3 and log_scale_sigma is not None:
             raise ValueError(f"prior of keyframe {key}: an se3 graph has no scale to give log_scale_sigma for")
         sigma = (self.config.prior_log_scale_sigma if log_scale_sigma is None else log_scale_sigma) \
@@ -225,23 +209,23 @@ class PoseGraph:
         """Run iSAM2 on what was added since the last call (1 iteration, 1 + ``iterations_after_loop``
         when a loop was added); returns the wall time in seconds. A keyframe not connected to an
         anchor or prior is refused (ValueError) and nothing is applied."""
-        loose = self._unanchored()
+        loose = self._parts.ungrounded(int(k) for k in self._pending_values.keys())
         if loose:
             raise ValueError(f"keyframes {loose[:10]} are connected to no anchor or prior: add their "
                              "odometry or a prior first (nothing was applied)")
         start = time.perf_counter()
         self._isam.update(self._pending_graph, self._pending_values)
         self._pending_graph, self._pending_values = bridge.new_graph(), bridge.new_values()
-        self._last_iterations = 1 + (self._iterate_loop(sorted(self._pending_loops)) if self._pending_loops else 0)
+        self.last_iterations = 1 + (self._iterate_loop(sorted(self._pending_loops)) if self._pending_loops else 0)
         self._pending_loops, self._estimate = set(), None
-        self._last_solve_s = time.perf_counter() - start
-        LOG.debug("pose graph update: %d keyframes, %.2f ms", self.node_count, 1e3 * self._last_solve_s)
-        return self._last_solve_s
+        self.last_solve_seconds = time.perf_counter() - start
+        LOG.debug("pose graph update: %d keyframes, %.2f ms", self.node_count, 1e3 * self.last_solve_seconds)
+        return self.last_solve_seconds
 
     def batch_solve(self) -> float:
         """Re-solve the whole graph with Levenberg–Marquardt from the current estimate, then restart
         iSAM2 from the result; returns the wall time in seconds."""
-        loose = self._unanchored()
+        loose = self._parts.ungrounded(int(k) for k in self._pending_values.keys())
         if loose:
             raise ValueError(f"keyframes {loose[:10]} are connected to no anchor or prior")
         start = time.perf_counter()
@@ -254,9 +238,9 @@ class PoseGraph:
         self._isam.update(self._all, result)
         self._pending_graph, self._pending_values = bridge.new_graph(), bridge.new_values()
         self._pending_loops, self._estimate = set(), result
-        self._last_iterations = 0
-        self._last_solve_s = time.perf_counter() - start
-        return self._last_solve_s
+        self.last_iterations = 0
+        self.last_solve_seconds = time.perf_counter() - start
+        return self.last_solve_seconds
 
     # ------------------------------------------------------------------ serialisation
     def to_arrays(self) -> dict[str, np.ndarray]:
@@ -318,15 +302,11 @@ class PoseGraph:
             raise ValueError(f"duplicate keyframe {int(index)}: already in the graph")
         return int(index)
 
-    def _check_scale(self, value: Sim3, what: str) -> None:
-        if not self._sim3 and abs(value.scale - 1.0) > 1e-12:
-            raise ValueError(f"{what} has scale {value.scale:.9g}; an se3 graph takes scale 1 only")
-
     def _insert_node(self, index: int, odom: Sim3, initial: Sim3) -> None:
         self._odom[index] = odom
-        self._root[index] = index
+        self._parts.add(index)
         self._pending_values.insert(index, bridge.to_gtsam(initial, self._sim3))
-        self._newest = index
+        self.newest = index
 
     def _between(self, kind, i, j, rel, sigmas, covariance, robust: bool) -> None:
         i, j = self._known(i), self._known(j)
@@ -336,17 +316,9 @@ class PoseGraph:
             rel = relative(self._odom[i], self._odom[j])
         elif not isinstance(rel, Sim3):
             raise ValueError(f"{kind} ({i}, {j}): relative_pose must be a Sim3, got {type(rel).__name__}")
-        self._check_scale(rel, f"{kind} ({i}, {j}) relative pose")
-        cov = self._covariance(sigmas, covariance, f"{kind} ({i}, {j})")
+        _check_scale(self._sim3, rel, f"{kind} ({i}, {j}) relative pose")
+        cov = _covariance(self.config.dim, sigmas, covariance, f"{kind} ({i}, {j})")
         self._add(FactorRecord(kind, i, j, rel, cov, robust=robust))
-
-    def _covariance(self, sigmas, covariance, what: str) -> np.ndarray:
-        dim = self.config.dim
-        if (sigmas is None) == (covariance is None):
-            raise ValueError(f"{what}: give exactly one of sigmas [{dim}] or covariance [{dim}, {dim}]")
-        if sigmas is not None:
-            return np.diag(check_sigmas(sigmas, f"{what} sigmas", dim) ** 2)
-        return check_covariance(covariance, f"{what} covariance", dim)
 
     def _add(self, record: FactorRecord) -> None:
         if record.covariance.shape[0] != self.config.dim:
@@ -359,13 +331,9 @@ class PoseGraph:
         if record.kind == "loop":
             self._pending_loops |= {record.i, record.j}
         if record.j < 0:
-            self._grounded.add(self._find(record.i))
+            self._parts.ground(record.i)
         else:
-            ri, rj = self._find(record.i), self._find(record.j)
-            if ri != rj:
-                self._root[ri] = rj
-                if ri in self._grounded:
-                    self._grounded.add(rj)
+            self._parts.join(record.i, record.j)
 
     def _iterate_loop(self, ends: list[int]) -> int:
         """Extra iSAM2 iterations until no loop end moves more than ``loop_tolerance``; returns
@@ -385,6 +353,45 @@ class PoseGraph:
             return self._isam.calculateEstimateSimilarity3(key)
         return self._isam.calculateEstimatePose3(key)
 
+
+
+def _check_scale(sim3: bool, value: Sim3, what: str) -> None:
+    if not sim3 and abs(value.scale - 1.0) > 1e-12:
+        raise ValueError(f"{what} has scale {value.scale:.9g}; an se3 graph takes scale 1 only")
+
+
+def _covariance(dim: int, sigmas, covariance, what: str) -> np.ndarray:
+    if (sigmas is None) == (covariance is None):
+        raise ValueError(f"{what}: give exactly one of sigmas [{dim}] or covariance [{dim}, {dim}]")
+    if sigmas is not None:
+        return np.diag(check_sigmas(sigmas, f"{what} sigmas", dim) ** 2)
+    return check_covariance(covariance, f"{what} covariance", dim)
+
+
+class _Components:
+    """Union-find over the keyframes the edges connect, and which connected parts hold a unary
+    factor (an anchor or a prior): a part without one floats and needs one before a solve."""
+
+    def __init__(self) -> None:
+        self._root: dict[int, int] = {}
+        self._grounded: set[int] = set()  # roots of grounded parts
+
+    def add(self, key: int) -> None:
+        self._root[key] = key
+
+    def ground(self, key: int) -> None:
+        self._grounded.add(self._find(key))
+
+    def join(self, a: int, b: int) -> None:
+        ra, rb = self._find(a), self._find(b)
+        if ra != rb:
+            self._root[ra] = rb
+            if ra in self._grounded:
+                self._grounded.add(rb)
+
+    def ungrounded(self, keys) -> list[int]:
+        return [k for k in keys if self._find(k) not in self._grounded]
+
     def _find(self, key: int) -> int:
         root = key
         while self._root[root] != root:
@@ -392,7 +399,3 @@ class PoseGraph:
         while self._root[key] != root:  # path compression
             self._root[key], key = root, self._root[key]
         return root
-
-    def _unanchored(self) -> list[int]:
-        keys = [int(k) for k in self._pending_values.keys()]
-        return [k for k in keys if self._find(k) not in self._grounded]

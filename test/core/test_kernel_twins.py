@@ -309,7 +309,7 @@ def test_session_falls_back_when_the_kernels_fail_their_self_check(fixture_confi
     monkeypatch.setattr(kernels, "self_check", lambda *a: None)
     passed = StreamingSession(model, cfg)
     assert passed.step_options.fused and passed.step_options.camera_head is not None and backends[-1]["fused_merge"] is True
-    assert not StreamingSession(model, cfg.with_overrides(fused_kernels=False)).fused
+    assert not StreamingSession(model, cfg.with_overrides(fused_kernels=False)).step_options.fused
     monkeypatch.undo()
     images = torch.from_numpy(np.load(fixtures / "reference_kf1.npz")["images"])
     assert len(failed.push(images[0]) + failed.push(images[1])) == 2  # the PyTorch path runs

@@ -43,6 +43,9 @@ ENVIRONMENT_READS: dict[str, str] = {
 # environment, with those, to the node and publisher processes it starts. Nothing reads them back.
 ENVIRONMENT_WRITES: dict[str, tuple[str, ...]] = {
     "lingbot_map_ros/cli/demo.py": ("ROS_DOMAIN_ID", "ROS_AUTOMATIC_DISCOVERY_RANGE"),
+    # lingbot-map-fleet's private local Ray instance: Ray's own switch (read when ray is imported)
+    # that puts its node on the loopback address; a cluster given with --address is left alone
+    "lingbot_map_ros/cli/fleet.py": ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER",),
 }
 ENVIRONMENT_COPIES = ("lingbot_map_ros/cli/demo.py",)  # the child processes' environment
 

@@ -272,13 +272,14 @@ def test_shutdown_joins_our_threads_and_names_one_that_hangs():
         start = time.monotonic()
         left = _join_threads([unnamed], timeout=1.0)
         took = time.monotonic() - start
-        assert left == ["lingbot_map_stuck"]
+        mine = {"lingbot_map_slow", "lingbot_map_stuck"}  # other tests' idle output threads may still be ending
+        assert [name for name in left if name in mine] == ["lingbot_map_stuck"]
         assert not slow.is_alive() and not unnamed.is_alive()
         assert took < 5.0  # bounded by the timeout, not by the stuck thread
     finally:
         release.set()
         stuck.join(5)
-    assert _join_threads([], timeout=1.0) == []
+    assert not [name for name in _join_threads([], timeout=1.0) if name in mine]
 
 
 def test_discard_frame_empties_the_slot_and_keeps_the_commands():
