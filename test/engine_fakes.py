@@ -22,7 +22,7 @@ class Sink:
         assert match, "clouds of a frame whose pose was not published"
         self.frames[match[-1]] = out
 
-    def publish_path(self, entries, transform=None):
+    def publish_path(self, entries, transform=None, corrections=None):
         self.paths.append([e.frame_index for e in entries])
 
     def publish_status(self, status, stamp):

@@ -32,6 +32,7 @@ from std_msgs.msg import Header
 from lingbot_map_ros.msg import FrameInfo, Status
 
 from ..robot.map_offset import OutputTransform
+from ..runtime.corrections import Corrections
 from ..runtime.frames import FrameOutput, FrameSummary, StatusFields
 from ..runtime.mapping import PoseEntry
 from ..runtime.multi_map import MapAligner, Placement, transform_points, unpublished
@@ -75,9 +76,9 @@ class RosOutputs:
         self._tf_mode = tf_settings.tf_mode  # this camera's own (kept across parameter sets)
         self.latest_stamp = TimeMsg()
         self._path_lock = threading.Lock()
-        self._path: tuple[list[PoseEntry], OutputTransform] = ([], OutputTransform())
+        self._path: tuple[list[PoseEntry], OutputTransform, Corrections] = ([], OutputTransform(), Corrections())
         self._path_dirty = False
-        self._path_made: tuple[OutputTransform, int] | None = None  # what the cached pose messages were made for
+        self._path_made: tuple | None = None  # what the cached pose messages were made for
         self._placed_lock = threading.Lock()
         self._placed: OrderedDict[int, Placement] = OrderedDict()
 
@@ -103,8 +104,8 @@ class RosOutputs:
         save snapshot's)."""
         return self.aligner.placement(self.camera, cam_output=cam_output)
 
-    def _place(self, out: FrameOutput) -> tuple[str, np.ndarray]:
-        """(frame id, T_frame_cam) of a frame's pose; remembers the placement for its clouds."""
+    def _place(self, out: FrameOutput) -> Placement:
+        """Where a frame's pose goes; remembers the placement for its clouds."""
         self.aligner.observe(self.camera, out.frame_index, out.stamp_s, out.camera_frame,
                              unpublished(out.T_map_cam, out.transform), out.transform)
         placed = self.aligner.placement(self.camera)
@@ -114,8 +115,7 @@ class RosOutputs:
                 self._placed.popitem(last=False)
         if self.tf.settings.map_frame != placed.frame:  # TF's parent follows the camera's map frame
             self.tf.settings = replace(self.tf.settings, map_frame=placed.frame)
-        T = out.T_map_cam if placed.transform is None else placed.transform @ out.T_map_cam
-        return placed.frame, T
+        return placed
 
     def _placed_for(self, out: FrameOutput) -> Placement:
         with self._placed_lock:
@@ -126,8 +126,9 @@ class RosOutputs:
     def publish_frame(self, out: FrameOutput) -> None:
         s = self.settings
         self.latest_stamp = out.stamp
-        frame_id, T_map_cam = self._place(out)
-        in_map = Header(stamp=out.stamp, frame_id=frame_id)
+        placed = self._place(out)
+        T_map_cam = _placed(placed, out.T_map_cam)
+        in_map = Header(stamp=out.stamp, frame_id=placed.frame)
         if self.pose is not None:
             self.pose.publish(PoseStamped(header=in_map, pose=pose_to_msg(T_map_cam)))
         if self.odometry is not None:
@@ -136,7 +137,9 @@ class RosOutputs:
                 msg.pose.covariance = [float(v) for v in out.covariance]
             self.odometry.publish(msg)
         if s.publish_tf and not self._tf_waits_for_scale(out):
-            self.tf.publish(T_map_cam, out.stamp, out.camera_frame)
+            # loop closure: odom -> camera is the stream's own pose, map -> odom the correction
+            T_front = None if out.T_front is None else _placed(placed, out.T_front)
+            self.tf.publish(T_map_cam, out.stamp, out.camera_frame, T_front)
 
     def _tf_waits_for_scale(self, out: FrameOutput) -> bool:
         """map_to_odom with scale_wait_for_convergence: no TF until the estimated scale converged
@@ -168,24 +171,27 @@ class RosOutputs:
             self.depth.publish(depth_to_image_msg(out.depth, in_camera))
             self.depth_info.publish(camera_info_msg(out.intrinsics, width, height, in_camera))
 
-    def publish_path(self, entries: list[PoseEntry], transform: OutputTransform | None = None) -> None:
-        """Hand over the current path (model units) and how it leaves (``transform``: scale, map
-        offset); ``flush_path`` (a timer) publishes it at path_publish_rate."""
+    def publish_path(self, entries: list[PoseEntry], transform: OutputTransform | None = None,
+                     corrections: Corrections | None = None) -> None:
+        """Hand over the current path (model units, the stream's poses) and how it leaves
+        (``transform``: scale, map offset; ``corrections``: loop closure's); ``flush_path`` (a timer)
+        publishes it at path_publish_rate."""
         with self._path_lock:
-            self._path, self._path_dirty = (entries, transform or OutputTransform()), True
+            self._path = (entries, transform or OutputTransform(), corrections or Corrections())
+            self._path_dirty = True
 
     def flush_path(self) -> None:
         with self._path_lock:
             if self.path is None or not self._path_dirty:
                 return
-            (entries, output), self._path_dirty = self._path, False
+            (entries, output, corrections), self._path_dirty = self._path, False
         placed = self.placement()
-        made = (output, placed.version)
+        made = (output, placed.version, corrections.version)
         rebuild = made != self._path_made
         self._path_made = made
         for e in entries:
             if e.message is None or rebuild:
-                T = e.T_map_cam if output.identity else output.pose(e.T_map_cam)
+                T = output.pose(corrections.pose(e.frame_index, e.T_map_cam))
                 if placed.transform is not None:
                     T = placed.transform @ T
                 e.message = PoseStamped(header=Header(stamp=e.stamp, frame_id=placed.frame), pose=pose_to_msg(T))
@@ -215,6 +221,11 @@ class RosOutputs:
             points = points.astype(np.float32)
         header = Header(stamp=self.latest_stamp if stamp is None else stamp, frame_id=placed.frame)
         (publisher or self.map_points).publish(make_pointcloud2(points, colors, None, header))
+
+
+def _placed(placed: Placement, T: np.ndarray) -> np.ndarray:
+    """A pose [4, 4] of the camera's own map frame in the placement's frame."""
+    return T if placed.transform is None else placed.transform @ T
 
 
 __all__ = ["RosOutputs", "PLACED_FRAMES"]

@@ -23,7 +23,10 @@ with the image's stamp:
   ``T_map_base = T_map_cam · T_cam_base``.
 - ``map_to_camera`` (no robot): ``map -> camera_tf_frame`` with ``T_map_cam`` itself.
   The child defaults to ``<camera optical frame>_lingbot``: the camera frame keeps its
-  own parent (a URDF's), it is never given a second one.
+  own parent (a URDF's), it is never given a second one. With loop closure (REP 105), two
+  transforms instead: ``odom_frame -> camera_tf_frame`` is the stream's own pose (continuous)
+  and ``map -> odom_frame`` the correction (``T_map_cam · inv(T_odom_cam)``), which jumps when a
+  loop closes.
 - ``auto``: ``base_frame`` empty -> ``map_to_camera``. ``base_frame`` set ->
   ``map_to_odom`` as soon as ``odom_frame -> base_frame`` is in TF; until then (after a
   grace of ``AUTO_ODOM_GRACE_S`` from the first frame with the extrinsic known)
@@ -294,9 +297,10 @@ class TfOutput:
         return self.shared.send
 
     # -------------------------------------------------------------- public
-    def publish(self, T_map_cam: np.ndarray, stamp: Any, camera_frame: str) -> bool:
+    def publish(self, T_map_cam: np.ndarray, stamp: Any, camera_frame: str, T_front: np.ndarray | None = None) -> bool:
         """Publish the TF of one frame (``T_map_cam`` [4, 4], the image's stamp and optical
-        frame). Returns whether a transform was sent."""
+        frame; ``T_front``: the stream's own pose when loop closure corrects it, see the module
+        docstring). Returns whether a transform was sent."""
         s = self.settings
         if not s.publish_tf:
             return False
@@ -317,17 +321,27 @@ class TfOutput:
             if mode is None:
                 return False
             edge = edge_for(mode, s, camera_frame)
+            loop_edges = mode == "map_to_camera" and T_front is not None
+            if loop_edges:  # map -> odom (the correction) -> camera (the stream's pose)
+                edge = TfEdge(mode, s.odom_frame, edge.child, False, False)
+                if not self._child_free(TfEdge(mode, s.map_frame, s.odom_frame, False, False)):
+                    return False
             if not self._child_free(edge):
                 return False
             T_odom_base = self._odometry(s, stamp) if edge.needs_odom else None
         except LookupFailed as exc:
             self._throttle.emit(self._warn, str(exc), kind=exc.kind)
             return False
-        T = compose(mode, T_map_cam, T_cam_base, T_odom_base)
         from std_msgs.msg import Header
 
         from .conversions import transform_stamped
 
+        if loop_edges:
+            T_map_odom = np.asarray(T_map_cam, np.float64) @ invert_rigid(np.asarray(T_front, np.float64))
+            self._send(transform_stamped(T_map_odom, Header(stamp=stamp, frame_id=s.map_frame), s.odom_frame))
+            self._send(transform_stamped(T_front, Header(stamp=stamp, frame_id=edge.parent), edge.child))
+            return True
+        T = compose(mode, T_map_cam, T_cam_base, T_odom_base)
         self._send(transform_stamped(T, Header(stamp=stamp, frame_id=edge.parent), edge.child))
         return True
 

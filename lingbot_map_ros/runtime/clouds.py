@@ -25,11 +25,12 @@ CONFIDENCE_SAMPLE = 4  # ~/frame's confidence statistics read every 4th pixel (0
 
 
 def frame_clouds(r: FrameResult, pose: FrameOutput, need_points: bool, need_depth: bool, conf_threshold: float,
-                 point_stride: int, transform: OutputTransform | None = None
+                 point_stride: int, transform: OutputTransform | None = None, correction=None
                  ) -> tuple[FrameOutput, tuple[np.ndarray, np.ndarray] | None]:
     """(``pose`` with its clouds, (points [N, 3] float32 in the sequence's map frame and model units,
     colours [N, 3] uint8) for the map, or None without points). ``transform``: the frame's scale
-    and map offset (default: the frame's scale alone)."""
+    and map offset (default: the frame's scale alone); ``correction``: loop closure's for this
+    frame (a ``slam.Sim3``, applied to the published points only; None: none)."""
     points = colors = conf = depth = None
     for_map = None
     if need_points:
@@ -41,6 +42,8 @@ def frame_clouds(r: FrameResult, pose: FrameOutput, need_points: bool, need_dept
         points = points_to_map(pts.astype(np.float32))
         conf = r.confidence.reshape(-1)[index].astype(np.float32)
         for_map = (points, colors)
+        if correction is not None:
+            points = correction.apply(points).astype(np.float32)
         points = (transform or OutputTransform(pose.scale)).points(points)
     if need_depth:
         depth = np.where(r.depth > 0, r.depth, np.nan).astype(np.float32)
@@ -65,16 +68,18 @@ class CloudOutput:
         worker.on_skip, worker.on_error = self._skipped, self._failed
 
     def submit(self, r: FrameResult, pose: FrameOutput, need_points: bool, need_depth: bool, conf_threshold: float,
-               point_stride: int, transform: OutputTransform | None = None) -> None:
+               point_stride: int, transform: OutputTransform | None = None, correction=None) -> None:
         """Queue the clouds of a frame whose pose went out (inference thread; values, not settings)."""
         self.worker.frame_job(lambda: self.publish(r, pose, need_points, need_depth, conf_threshold, point_stride,
-                                                   transform))
+                                                   transform, correction))
 
     def publish(self, r: FrameResult, pose: FrameOutput, need_points: bool, need_depth: bool, conf_threshold: float,
-                point_stride: int, transform: OutputTransform | None = None) -> None:
+                point_stride: int, transform: OutputTransform | None = None, correction=None) -> None:
         """Output thread: the frame's point cloud (~/points, map) and depth image; ``transform`` = the
-        frame's scale and map offset (the map keeps the sequence's own frame and units)."""
-        out, for_map = frame_clouds(r, pose, need_points, need_depth, conf_threshold, point_stride, transform)
+        frame's scale and map offset, ``correction`` loop closure's (the map keeps the sequence's own
+        frame and units)."""
+        out, for_map = frame_clouds(r, pose, need_points, need_depth, conf_threshold, point_stride, transform,
+                                    correction)
         acc = self.seq.map
         if for_map is not None and acc is not None:
             self.seq.add_points(r.frame_index, *for_map)  # model units (transformed at publication and save)

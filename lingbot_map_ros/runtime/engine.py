@@ -52,6 +52,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..journal import JournalRecorder
+from ..slam.noise import HEALTH_WEIGHTS
 from ..stream import FrameResult, InvalidFrameError, Session
 from .anchor import Lookup, MapAnchor
 from .clouds import CloudOutput
@@ -59,7 +60,12 @@ from .commands import CameraCommands
 from .frame_output import FrameAssembler, finite_maps
 from .frames import InputFrame, Logger, Sink, State
 from .journaling import JournalNotes
+from .corrections import Corrections
+from .frame_output import stream_pose
 from .keyframe_control import KeyframeControl
+from .loop_closure import KeyframeIn, LoopCloser, loop_config
+from .loop_keyframes import depth_thumbnail
+from .loop_verify import ModelSideRunner, SideRunner
 from .model_input import ModelInput, gpu_device
 from .output_worker import OutputWorker
 from .params import NodeSettings
@@ -86,12 +92,14 @@ class InferenceEngine:
     journaled by ``journal`` when given). ``odom_position`` / ``camera_pose``: (image stamp,
     camera optical frame) -> the camera centre [3] / ``T_odom_cam`` [4, 4] in odom_frame (metres),
     or None when TF lacks it; never waiting (``anchor.MapAnchor``). ``make_stamp``: nanoseconds
-    -> the sink's stamp (a resumed frame's)."""
+    -> the sink's stamp (a resumed frame's). ``side``: what runs the model to verify a loop
+    (``loop_closure`` on; default a side session on ``session``'s model)."""
 
     def __init__(self, session: Session, settings: NodeSettings, sink: Sink, log: Logger,
                  now: Callable[[], float], monotonic: Callable[[], float] = time.monotonic,
                  odom_position: Lookup | None = None, camera_pose: Lookup | None = None,
-                 make_stamp: Callable[[int], Any] = int, journal: JournalRecorder | None = None) -> None:
+                 make_stamp: Callable[[int], Any] = int, journal: JournalRecorder | None = None,
+                 side: SideRunner | None = None) -> None:
         self.session, self.journal = session, journal
         self.settings = settings  # in force on the inference thread; replaced through ``configure``
         self.sink, self.log, self.now, self.monotonic = sink, log, now, monotonic
@@ -117,6 +125,10 @@ class InferenceEngine:
         self.recovery = Recovery(session, self.seq, self.reporter, self.stamps, self.notes, self._collected, log,
                                  self.throttle, lambda: self.settings)
         self.commands = CameraCommands(self, make_stamp, RESTORE_FLUSH_S)
+        self.loop: LoopCloser | None = None
+        if settings.loop_closure:
+            self.loop = self.seq.loop = LoopCloser(loop_config(settings), side or ModelSideRunner(session.inner),
+                                                   self._corrected)
 
     # ------------------------------------------------------------------ producer side (any thread)
     def submit_frame(self, frame: InputFrame) -> None:
@@ -153,6 +165,8 @@ class InferenceEngine:
         ``CameraScheduler.stop`` calls it once its inference thread has left."""
         self.queue.close()
         self.outputs.stop(timeout)
+        if self.loop is not None:
+            self.loop.stop(timeout)
 
     # ------------------------------------------------------------------ the loop (inference thread)
     def run_once(self, timeout: float = 0.0) -> bool:
@@ -175,6 +189,15 @@ class InferenceEngine:
         if admitted is not None:
             self.finish_step(admitted, self.start_step(admitted))
         return True
+
+    def run_idle(self) -> bool:
+        """Work that waits for the inference thread to have nothing else to do (a loop candidate's
+        verification by the model); True when some ran. The scheduler calls it when idle."""
+        return self.loop is not None and self.loop.run_idle()
+
+    def _corrected(self, corrections: Corrections) -> None:
+        """Loop closure re-solved its graph (loop thread): applied to the sequence between two frames."""
+        self.submit("loop correction", lambda: self.seq.correct(corrections))
 
     def take_frame(self) -> InputFrame | None:
         """The waiting frame, taken, when this camera's next item is a frame that may run now (no
@@ -332,12 +355,18 @@ class InferenceEngine:
         if sink.wants("frame"):
             sink.publish_frame_info(self.assembler.summary(r, out, hold, self.now()), out.pose)
         if r.is_keyframe:
-            seq.stored(out.pose.frame_index, out.pose.T_map_cam)
+            seq.stored(out.pose.frame_index, stream_pose(out.pose))
         t2 = time.perf_counter()
         need_points = r.depth is not None and (seq.map is not None or sink.wants("points"))
         need_depth = r.depth is not None and sink.wants("depth")
+        correction = None if seq.corrections.identity else seq.corrections.at(r.frame_index)
         if need_points or need_depth:
-            self.clouds.submit(r, out.pose, need_points, need_depth, s.conf_threshold, s.point_stride, out.transform)
+            self.clouds.submit(r, out.pose, need_points, need_depth, s.conf_threshold, s.point_stride, out.transform,
+                               correction)
+        if self.loop is not None and r.is_keyframe and r.depth is not None:
+            depth, K = depth_thumbnail(r.depth, r.confidence, r.intrinsics, s.conf_threshold)
+            self.loop.keyframe(KeyframeIn(r.frame_index, frame.stamp_s, out.entry.T_map_cam, np.array(r.frame), depth,
+                                          K, HEALTH_WEIGHTS.get(seq.tracking.state.value, 0.01)))
         seq.count("frames_processed")
         self.output_rate.tick()
         seq.set_state(State.TRACKING, "tracking")

@@ -54,7 +54,7 @@ class FrameAssembler:
         judged and the scale estimated with it (their own state), nothing else changes."""
         t0 = time.perf_counter()
         seq = self.seq
-        T_map_cam = optical_pose_to_map(r.c2w)
+        T_map_cam = optical_pose_to_map(r.c2w)  # the stream's (front end); the path keeps it
         h, w = r.size
         self.last_intrinsics = (r.intrinsics, w, h)
         seq.focal.add(r.intrinsics, (w, h), (frame.rgb.shape[1], frame.rgb.shape[0]))
@@ -62,26 +62,30 @@ class FrameAssembler:
         seq.tracking.judge(confidence.valid, r.c2w)
         scale, ready = seq.anchor.update_scale(T_map_cam, frame, r, self.session.window_index)
         transform = seq.anchor.output  # scale and map offset of this frame's outputs
-        T_out = transform.pose(T_map_cam)
+        corrections = seq.corrections  # loop closure's (identity without)
+        T_out = transform.pose(corrections.pose(r.frame_index, T_map_cam))
+        T_front = None if corrections.identity else transform.pose(T_map_cam)
         index = r.frame_index + 1
         if seq.tracking.state == TrackingState.TRACKING:
             seq.anchor.good(index, frame, T_out, ready)
         pose = FrameOutput(index, frame.stamp, frame.stamp_s, frame.camera_frame, r.is_keyframe, T_out,
                            r.intrinsics, None, None, None, None,
                            covariance=seq.tracking.health.covariance(scale).ravel(), scale=scale, scale_ready=ready,
-                           transform=transform)
+                           transform=transform, T_front=T_front)
         entry = PoseEntry(r.frame_index, frame.stamp, frame.stamp_s, T_map_cam)
         return Assembled(entry, pose, transform, confidence, time.perf_counter() - t0)
 
     def summary(self, r: FrameResult, out: Assembled, hold: bool, now: float) -> FrameSummary:
         """~/frame: what a keyframe client needs about this frame (msg/FrameInfo.msg): its motion
-        since the last stored frame (read before this frame is noted as stored), its confidence."""
+        since the last stored frame (read before this frame is noted as stored; the stream's own
+        poses, so that a loop correction is no motion), its confidence."""
         ref = self.seq.decisions.reference()
         pose = out.pose
+        T = stream_pose(pose)
         translation = rotation = 0.0
         if ref is not None:
-            translation = float(np.linalg.norm(pose.T_map_cam[:3, 3] - ref[:3, 3]))
-            rotation = float(rotation_angle_deg(ref[:3, :3], pose.T_map_cam[:3, :3]))
+            translation = float(np.linalg.norm(T[:3, 3] - ref[:3, 3]))
+            rotation = float(rotation_angle_deg(ref[:3, :3], T[:3, :3]))
         mean, median, valid = out.confidence.summary()
         stats = self.session.stats()
         return FrameSummary(
@@ -93,4 +97,9 @@ class FrameAssembler:
             latency_ms=max(0.0, (now - pose.stamp_s) * 1e3))
 
 
-__all__ = ["FrameAssembler", "Assembled", "finite_maps"]
+def stream_pose(pose: FrameOutput) -> np.ndarray:
+    """The frame's pose as the stream gave it (scaled and offset, without loop closure's correction)."""
+    return pose.T_map_cam if pose.T_front is None else pose.T_front
+
+
+__all__ = ["FrameAssembler", "Assembled", "finite_maps", "stream_pose"]

@@ -68,6 +68,9 @@ class FrameOutput:
     scale: float = 1.0  # metres per model unit applied to T_map_cam, points and depth (1 = model units)
     scale_ready: bool = True  # False while an estimated scale has not converged (TF may wait, see node)
     transform: OutputTransform = field(default_factory=OutputTransform)  # scale + map offset it went through
+    # the stream's own pose, through ``transform`` but without loop closure's correction (REP 105's
+    # odom -> camera); None: no correction applies (it equals T_map_cam)
+    T_front: np.ndarray | None = None
 
 
 @dataclass
@@ -114,6 +117,13 @@ class StatusFields:
     scale_source: str = "none"
     scale_spread: float = 0.0
     scale_converged: bool = False
+    loop_closure: bool = False
+    localization: str = ""
+    loop_keyframes: int = 0
+    loop_candidates: int = 0
+    loop_accepted: int = 0
+    loop_rejected: int = 0
+    loop_optimisation_ms: float = 0.0
 
 
 @dataclass
@@ -140,7 +150,8 @@ class Sink(Protocol):
 
     def publish_frame(self, out: FrameOutput) -> None: ...
     def publish_clouds(self, out: FrameOutput) -> None: ...  # points and depth of an already published frame
-    def publish_path(self, entries: list[PoseEntry], transform: OutputTransform | None = None) -> None: ...
+    def publish_path(self, entries: list[PoseEntry], transform: OutputTransform | None = None,
+                     corrections: Any = None) -> None: ...  # corrections: runtime.corrections.Corrections
     def publish_status(self, status: StatusFields, stamp: Any) -> None: ...
     def publish_frame_info(self, info: FrameSummary, out: FrameOutput) -> None: ...
     def configure(self, settings: Any) -> None: ...  # new settings (a parameter set), on the inference thread

@@ -241,6 +241,25 @@ PARAMETERS: tuple[Param, ...] = (
           "<camera optical frame>_lingbot (never the camera frame itself, which the URDF may parent)"),
     Param("camera_frame", "", "Optical frame of the camera; empty = the image header's frame_id "
           "(camera_optical_frame when that is empty too)"),
+    # -- loop closure (runtime/loop_closure.py, docs/loop_closure.md)
+    Param("loop_closure", False, "Find places seen before (outside the model's window), verify each with the "
+          "model, and correct the path, the map and map -> odom with a pose graph (GTSAM). Off by default: its "
+          "accuracy with the released weights is not measured yet (docs/loop_closure.md)"),
+    Param("loop_min_similarity", 0.85, "Loop closure: cosine similarity of two keyframes' place descriptors "
+          "that makes the older one a candidate", limits=(0.5, 1.0, 0.0)),
+    Param("loop_min_separation", 100, "Loop closure: a candidate is at least this many frames older than the "
+          "keyframe (keep it above window_frames: the model's window closes its own loops)",
+          limits=(1, 10_000_000, 1)),
+    Param("loop_max_keyframes", 5000, "Loop closure: keyframes kept for places, verification and the map (about "
+          "60 KB each in memory; the oldest goes first)", limits=(10, 10_000_000, 1)),
+    Param("loop_min_inlier_ratio", 0.8, "Loop closure: share of the candidate's depth that must reproject "
+          "onto the current keyframe's within loop_depth_tolerance", limits=(0.0, 1.0, 0.0)),
+    Param("loop_depth_tolerance", 0.05, "Loop closure: relative depth error of a reprojected point that still "
+          "counts as an inlier", limits=(0.001, 1.0, 0.0)),
+    Param("loop_min_overlap", 0.3, "Loop closure: share of the candidate's confident points that must land in "
+          "the current keyframe's view", limits=(0.0, 1.0, 0.0)),
+    Param("loop_robust_kernel", "cauchy", "Loop closure: robust kernel of loop edges (one false loop must not "
+          "bend the map)", choices=("cauchy", "huber", "dcs", "none")),
     # -- several cameras (one model, one K/V pool; see ros/camera_channel.py)
     Param("cameras", [], "Names of the cameras served by this node (string array); empty = one camera on "
           "`image`/`camera_info` with outputs directly under the node. Each name c subscribes c/image (or "

@@ -96,6 +96,14 @@ class NodeSettings:
     health_max_rotation_deg: float = health_default("health_max_rotation_deg")
     health_translation_std: float = health_default("health_translation_std")
     health_rotation_std_deg: float = health_default("health_rotation_std_deg")
+    loop_closure: bool = False  # runtime/loop_closure.py
+    loop_min_similarity: float = 0.85
+    loop_min_separation: int = 100
+    loop_max_keyframes: int = 5000
+    loop_min_inlier_ratio: float = 0.8
+    loop_depth_tolerance: float = 0.05
+    loop_min_overlap: float = 0.3
+    loop_robust_kernel: str = "cauchy"
     cameras: tuple[str, ...] = ()  # empty = one camera, today's names
     camera_batching: bool = False  # several cameras: batched steps (runtime.scheduler)
     camera_pipelining: bool = True  # several cameras: pipelined steps (runtime.scheduler)
@@ -186,7 +194,9 @@ _PLAIN_FIELDS = ("gpu_memory_check", "gpu_memory_budget_gib", "camera_batching",
                  "publish_depth", "output_directory", "state_directory", "journal_map", "journal_compression", "load_session", "publish_tf", "tf_mode", "map_frame", "odom_frame",
                  "base_frame", "camera_frame", "camera_tf_frame", "deferred_eviction_timeout",
                  "keyframe_decision_timeout", "keyframe_decision_default", "time_jump_threshold", "on_time_jump",
-                 "on_lost", "undistort", "scale_source", "metric_scale", "scale_wait_for_convergence", "deferred_eviction") + tuple(HEALTH_PARAMETERS)
+                 "on_lost", "undistort", "scale_source", "metric_scale", "scale_wait_for_convergence", "deferred_eviction",
+                 "loop_closure", "loop_min_similarity", "loop_min_separation", "loop_max_keyframes",
+                 "loop_min_inlier_ratio", "loop_depth_tolerance", "loop_min_overlap", "loop_robust_kernel") + tuple(HEALTH_PARAMETERS)
 
 
 def cuda_is_available() -> bool:

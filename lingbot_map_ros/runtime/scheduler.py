@@ -12,9 +12,11 @@ scheduler is that thread:
   another camera's items: nobody starves, and a command of camera B (a service call)
   waits for at most one step of each other camera.
 - No busy loop: every queue sets one shared ``threading.Event`` when an item arrives
-  (``WorkQueue.add_listener``). When a full pass finds no work the thread waits on it,
-  at most ``idle_wait`` seconds, so the engines' own deadlines (a keyframe decision
-  hold, which ``run_once`` checks) are still honoured without an item arriving.
+  (``WorkQueue.add_listener``). When a full pass finds no work the thread first gives each
+  engine its idle work (``run_idle``: a loop candidate's verification by the model, which
+  waits until the stream leaves time), then waits on the event, at most ``idle_wait``
+  seconds, so the engines' own deadlines (a keyframe decision hold, which ``run_once``
+  checks) are still honoured without an item arriving.
 - Stale frames: a camera's slot holds one frame; a newer one replaces it and the
   engine counts the old one in its own ``frames_dropped_stale``. The scheduler counts
   per camera the items it ran (``served``).
@@ -63,6 +65,7 @@ class Engine(Protocol):
     outputs: OutputThread
 
     def run_once(self, timeout: float = 0.0) -> bool: ...
+    def run_idle(self) -> bool: ...  # work that waits until nothing else is queued; True when some ran
     def stop(self, timeout: float = 5.0) -> None: ...
     # batched and pipelined steps only
     def take_frame(self) -> Any | None: ...
@@ -230,9 +233,19 @@ class CameraScheduler:
             except Exception as exc:  # run_once guards frames; a failure here must not end the thread
                 _log.error(f"scheduler: unexpected error: {type(exc).__name__}: {exc}")
                 served = None
-            if served is None and not self._stop.is_set():
+            if served is None and not self._stop.is_set() and not self._run_idle():
                 self.idle_waits += 1
                 self._wake.wait(self.idle_wait)
+
+    def _run_idle(self) -> bool:
+        """One engine's idle work (the first that has some, in turn order); True when some ran."""
+        for name in self.order:
+            try:
+                if self.engines[name].run_idle():
+                    return True
+            except Exception as exc:  # idle work must not end the thread either
+                _log.error(f"scheduler: idle work of camera {name!r} failed: {type(exc).__name__}: {exc}")
+        return False
 
 
 __all__ = ["CameraScheduler", "IDLE_WAIT_S"]

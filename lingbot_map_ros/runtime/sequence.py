@@ -3,7 +3,9 @@
 A sequence is what one camera's stream builds between two resets: its path (the poses
 published), its accumulated map (and the map journal beside the keyframe journal), the keyframe
 decisions, the counters and the state ~/status reports, with the judges that belong to it (the
-tracking health, the map anchor with the metric scale, the model's focal lengths). Every change
+tracking health, the map anchor with the metric scale, the model's focal lengths), and, with loop
+closure, the corrections of its poses (``corrections.Corrections``: one value, replaced as a whole
+by ``correct``) and the loop closer that keeps its keyframes (``loop``). Every change
 of the path, the map, the counters or the state is a method here, called on the inference thread;
 the map's own changes run on the camera's output thread, queued by these methods in the order
 they were made (``OutputWorker``), so that a frame's points, a rollback's removal and a reset's
@@ -25,6 +27,7 @@ import numpy as np
 
 from ..robot.intrinsics import FocalTracker
 from .anchor import MapAnchor
+from .corrections import Corrections
 from .decisions import KeyframeDecisions
 from .frames import Logger, Sink, State
 from .map_journal import MAP_JOURNAL_NAME, MapJournal, RestoredMap, restore_map
@@ -57,6 +60,8 @@ class Sequence:
         self.text = "ready, waiting for images"
         self.last_index = 0  # 1-based index of the last frame processed (or being collected)
         self.publish_path = settings.publish_path
+        self.corrections = Corrections()  # loop closure's, map <- sequence per keyframe (identity without)
+        self.loop = None  # runtime.loop_closure.LoopCloser of this camera, or None (loop_closure off)
 
     # ------------------------------------------------------------------ counters and state
     def count(self, name: str, n: int = 1) -> None:
@@ -120,6 +125,8 @@ class Sequence:
             self.outputs.op(forget)
         self.decisions.forget_from(frame_index + 1)
         self.last_index = min(self.last_index, frame_index)
+        if self.loop is not None:
+            self.loop.forget_from(frame_index)
         if removed:
             self.hand_over_path()
 
@@ -131,16 +138,25 @@ class Sequence:
         if self.map is not None:
             self.outputs.op(self.map.clear)
         if self.publish_path:
-            self.sink.publish_path([], self.anchor.output)
+            self.sink.publish_path([], self.anchor.output, Corrections())
         self.decisions.clear()
         self.tracking.clear()
         self.focal.clear()
         self.anchor.clear(keep_map_frame)
+        self.corrections = Corrections(version=self.corrections.version + 1)
+        if self.loop is not None:
+            self.loop.clear()
+
+    def correct(self, corrections: Corrections) -> None:
+        """Loop closure re-solved the pose graph: every pose of the sequence moves by its keyframe's
+        correction from now on (the path, the map and what leaves are derived from it)."""
+        self.corrections = corrections
+        self.hand_over_path()
 
     def hand_over_path(self) -> None:
         """Give the sink the path as it is now and how it leaves (it publishes it at its own rate)."""
         if self.publish_path:
-            self.sink.publish_path(self.path.entries(), self.anchor.output)
+            self.sink.publish_path(self.path.entries(), self.anchor.output, self.corrections)
 
     # ------------------------------------------------------------------ the map journal and a resume
     def journal_map(self, beside: Path, identity: dict[str, Any], compression: str | int, flush_s: float) -> None:

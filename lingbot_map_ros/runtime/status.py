@@ -68,6 +68,16 @@ def status_fields(state: int, text: str, frame_index: int, session, counters: Co
     return st
 
 
+def add_loop_fields(st: StatusFields, loop) -> StatusFields:
+    """The loop closer's counts (``runtime.loop_closure.LoopCloser``; None: loop closure is off)."""
+    if loop is not None:
+        ls = loop.stats
+        st.loop_closure, st.localization = True, loop.localization
+        st.loop_keyframes, st.loop_candidates = ls.keyframes, ls.candidates
+        st.loop_accepted, st.loop_rejected, st.loop_optimisation_ms = ls.accepted, ls.rejected, ls.last_optimisation_ms
+    return st
+
+
 class StatusReporter:
     """Sends ~/status: the sequence's state and text (``runtime.sequence.Sequence``), its counters,
     the cache statistics last taken (``last_stats``, replaced as a whole: the node's diagnostics
@@ -99,7 +109,7 @@ class StatusReporter:
         st = status_fields(int(seq.state), text, seq.last_index if frame_index is None else frame_index,
                            self.session, seq.counter_values(), seq.decisions.hold is not None,
                            seq.tracking.summary(seq.anchor, seq.anchor.source_name), is_keyframe, latency, total)
-        self.sink.publish_status(st, stamp)
+        self.sink.publish_status(add_loop_fields(st, seq.loop), stamp)
         self.last_time = self.monotonic()
 
     def say(self, stamp: Any = None) -> None:

@@ -42,6 +42,9 @@ class FakeEngine:
         if self.queue.put_frame(frame) is not None:
             self.stale += 1
 
+    def run_idle(self) -> bool:
+        return False
+
     def run_once(self, timeout: float = 0.0) -> bool:
         self.calls += 1
         item = self.queue.get(timeout)

@@ -1,0 +1,72 @@
+"""Where loop closure puts the sequence's poses: ``Corrections``, one Sim(3) per keyframe.
+
+The stream gives each frame a pose ``T_S_cam`` in the sequence's own map frame ``S`` (the front
+end: continuous, drifting). The pose graph gives each keyframe ``k`` an optimised pose ``X_k``; its
+correction is ``C_k = X_k · inv(T_S_k)`` (map <- S, a Sim(3) while the scale is the model's). A
+frame is corrected by the correction of the latest keyframe at or before it:
+``T_map_cam = C_k ∘ T_S_cam`` (rotation ``R_C·R``, centre ``C_k`` applied to the camera centre; the
+camera pose stays rigid). Frames after the newest keyframe take the newest correction.
+
+``Corrections`` is a value: a new optimisation replaces it as a whole (one assignment), and every
+pose, the path and the map are derived from it when they are published. numpy only.
+"""
+from __future__ import annotations
+
+import bisect
+
+import numpy as np
+
+from ..slam import Sim3
+
+IDENTITY = Sim3.identity()
+
+
+class Corrections:
+    """Per-keyframe corrections (map <- sequence), sorted by frame index; empty = identity."""
+
+    __slots__ = ("indices", "_sims", "version")
+
+    def __init__(self, by_index: dict[int, Sim3] | None = None, version: int = 0) -> None:
+        items = sorted((by_index or {}).items())
+        self.indices = [int(i) for i, _ in items]
+        self._sims = [s for _, s in items]
+        self.version = version  # moves with every optimisation (caches compare it)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    @property
+    def identity(self) -> bool:
+        return not self.indices
+
+    @property
+    def newest(self) -> Sim3:
+        return self._sims[-1] if self._sims else IDENTITY
+
+    def at(self, frame_index: int) -> Sim3:
+        """The correction of the latest keyframe at or before ``frame_index`` (the first keyframe's
+        for a frame before it; identity when there is none)."""
+        if not self._sims:
+            return IDENTITY
+        k = bisect.bisect_right(self.indices, frame_index) - 1
+        return self._sims[max(k, 0)]
+
+    def pose(self, frame_index: int, T: np.ndarray) -> np.ndarray:
+        """``T_S_cam`` [4, 4] of frame ``frame_index`` in the map frame (a rigid [4, 4])."""
+        if not self._sims:
+            return T
+        return correct_pose(self.at(frame_index), T)
+
+    def items(self) -> list[tuple[int, Sim3]]:
+        return list(zip(self.indices, self._sims))
+
+
+def correct_pose(correction: Sim3, T: np.ndarray) -> np.ndarray:
+    """A rigid camera pose [4, 4] moved by a Sim(3): rotation ``R_C·R``, centre ``C(t)``."""
+    out = np.array(T, dtype=np.float64, copy=True)
+    out[:3, :3] = correction.rotation @ out[:3, :3]
+    out[:3, 3] = correction.apply(out[:3, 3])
+    return out
+
+
+__all__ = ["Corrections", "correct_pose", "IDENTITY"]

@@ -1,0 +1,102 @@
+"""LoopCloser (runtime/loop_closure.py) on a known scene, without the model: a drifting front end
+goes once around a box room and comes back to its first places; the side session is a stand-in
+that knows the true geometry (test/loop_scene.py). Covers detection against the right keyframe,
+the verification (called, measured, accepted), the pose graph's closure and the corrections, the
+rejection of a candidate whose geometry does not hold, and nothing accepted without a revisit."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from lingbot_map_ros.geometry import optical_pose_to_map
+from lingbot_map_ros.runtime.corrections import Corrections
+from lingbot_map_ros.runtime.loop_closure import KeyframeIn, LoopCloser, LoopConfig
+from lingbot_map_ros.runtime.loop_keyframes import depth_thumbnail
+from lingbot_map_ros.slam import LoopCheck
+
+from loop_scene import K, TrueSideRunner, circuit, drifted, place_image, room_depth  # test/ is on sys.path
+
+pytest.importorskip("gtsam", reason="gtsam is not installed (scripts/bootstrap.sh installs it)")
+
+N = 40  # keyframes of the circuit; then the first REVISIT places are shown again
+REVISIT = 6
+
+
+def keyframe_in(index, T_cv, rgb, true_cv):
+    """What the engine hands over: the front end's pose (REP-103 map frame), the true depth."""
+    depth = room_depth(true_cv)
+    d, k = depth_thumbnail(depth, np.full(depth.shape, 5.0, np.float32), K, 1.5)
+    return KeyframeIn(index, float(index), optical_pose_to_map(T_cv), rgb, d, k, 1.0)
+
+
+def run(frames, side, config):
+    """Feed ``frames`` [(front-end c2w, image, true c2w)], verifying candidates as they come."""
+    got = []
+    closer = LoopCloser(config, side, got.append)
+    try:
+        for i, (T, rgb, true) in enumerate(frames):
+            closer.keyframe(keyframe_in(i, T, rgb, true))
+            assert closer.flush(30)
+            while closer.run_idle():  # what the scheduler does when the stream leaves it time
+                assert closer.flush(30)
+        return closer, got
+    finally:
+        closer.stop()
+
+
+@pytest.fixture(scope="module")
+def scene():
+    true = circuit(N)
+    true = true + true[:REVISIT]  # the first places again
+    reported = drifted(true)
+    images = [place_image(i % N) for i in range(len(true))]
+    side = TrueSideRunner(list(zip(images[:N], true[:N])))
+    return true, reported, images, side
+
+
+def test_closure_is_found_verified_and_pulls_the_revisit_onto_the_first_pass(scene):
+    true, reported, images, side = scene
+    config = LoopConfig(min_separation=20, min_similarity=0.9)
+    closer, got = run(list(zip(reported, images, true)), side, config)
+    stats = closer.stats
+    assert stats.accepted >= 1 and side.calls >= 2, stats
+    first = closer.markers[0]
+    assert first.accepted and first.current >= N and first.kept == first.current - N  # the same place
+    corrections = got[-1]
+    assert isinstance(corrections, Corrections) and not corrections.identity
+    # the revisit's corrected pose is where the first pass saw that place (the loop's measurement)
+    for j in range(N, N + REVISIT):
+        if j not in corrections.indices:
+            continue
+        raw = optical_pose_to_map(reported[j])
+        fixed = corrections.pose(j, raw)
+        first_pass = corrections.pose(j - N, optical_pose_to_map(reported[j - N]))
+        before = np.linalg.norm(raw[:3, 3] - optical_pose_to_map(reported[j - N])[:3, 3])
+        after = np.linalg.norm(fixed[:3, 3] - first_pass[:3, 3])
+        assert after < 0.2 * before and after < 0.05, (j, before, after)
+    assert closer.map[0].shape[0] > 0  # the keyframes' points, rendered at the corrected poses
+
+
+def test_no_revisit_no_closure(scene):
+    true, reported, images, side = scene
+    closer, got = run(list(zip(reported[:N], images[:N], true[:N])), side, LoopConfig(min_separation=20))
+    assert closer.stats.accepted == 0 and closer.stats.candidates == 0 and not got
+
+
+def test_a_candidate_whose_geometry_does_not_hold_is_rejected_with_its_reason(scene):
+    """The side session says the revisit is somewhere else (a wrong place recognised): the depth
+    does not reproject, the candidate is counted as rejected, the graph keeps no loop."""
+    true, reported, images, _ = scene
+
+    class Liar(TrueSideRunner):
+        def run(self, imgs):
+            views = super().run(imgs)
+            moved = views[1].c2w.copy()
+            moved[:3, 3] += np.array([1.5, 0.0, 1.0])  # far from where it really was
+            return [views[0], type(views[1])(moved, views[1].depth, views[1].confidence, views[1].intrinsics)]
+
+    side = Liar(list(zip(images[:N], true[:N])))
+    closer, got = run(list(zip(reported, images, true)), side, LoopConfig(min_separation=20, check=LoopCheck()))
+    assert closer.stats.accepted == 0 and closer.stats.rejected >= 1
+    assert closer.stats.last_reason and not closer.markers[-1].accepted
+    assert closer.graph.edge_counts().get("loop", 0) == 0 and not got
