@@ -45,7 +45,10 @@ MAX_PAYLOAD = 1 << 31
 KINDS = {"frame": 1, "seen": 2, "restart": 3, "rollback": 4, "commit": 5, "deferred": 6, "state": 7, "begin": 8,
          # the map journal (``runtime.map_journal``, its own file): a frame's map chunk, an operation on
          # the map or the path, a path entry, the whole map and path at a compaction
-         "chunk": 9, "mapop": 10, "pose": 11, "snapshot": 12}
+         "chunk": 9, "mapop": 10, "pose": 11, "snapshot": 12,
+         # the loop-closure journal (``runtime.loop_journal``, its own file): a keyframe of the place
+         # database, a verified loop, a pose prior, a rollback, the map frame, a relocalisation
+         "lkf": 13, "loop": 14, "prior": 15, "lforget": 16, "lframe": 17, "lreloc": 18}
 _NAMES = {v: k for k, v in KINDS.items()}
 
 

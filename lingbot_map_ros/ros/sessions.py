@@ -82,7 +82,8 @@ class SessionServices:
             journals = {name: ch.engine.journal for name, ch in self.channels.items()}
             folder = session_folder(request.directory, self.settings().output_directory)
             maps = {name: ch.engine.seq.map_journal for name, ch in self.channels.items()}
-            response.bytes = save_sessions(journals, folder, maps)
+            loops = {name: ch.engine.loop for name, ch in self.channels.items()}
+            response.bytes = save_sessions(journals, folder, maps, loops)
             response.path = str(folder)
             cameras = f" ({len(journals)} cameras)" if len(journals) > 1 else ""
             return f"saved the session{cameras} in {folder} ({response.bytes / 2**20:.1f} MiB)"

@@ -22,6 +22,7 @@ from typing import Any, Callable
 
 from .frames import InputFrame, State
 from .journaling import SESSIONS_OFF, Resumed, SessionError, load_saved
+from .loop_journal import LOOP_JOURNAL_NAME, read_loop_journal
 from .params import NodeSettings
 from .saving import SaveError, SaveSnapshot
 from .worker import Command
@@ -147,8 +148,11 @@ class CameraCommands:
                 seq.set_state(seq.state, f"journal set aside ({resumed.refused}); a new journal starts")
             return
         seq.pause_map_journal()  # the map and path are replaced below: not a change to journal
-        e.recovery.clear_sequence(reset_session=False)
         identity = e.journal.identity if e.journal is not None else None
+        # read before the clear below, which empties the loop journal (it may be this very file)
+        loop_read = read_loop_journal(Path(resumed.path).parent / LOOP_JOURNAL_NAME, identity) \
+            if e.loop is not None else None
+        e.recovery.clear_sequence(reset_session=False)
         restored = seq.restore_map(Path(resumed.path), resumed.next_frame, self.make_stamp, identity, self.flush_s,
                                    e.log.warning)
         e.stamps.clear()
@@ -165,6 +169,11 @@ class CameraCommands:
         kept = f"; map {restored.points} points, path {restored.poses} poses" if not restored.note \
             else f"; map and path not restored: {restored.note}"
         seq.set_state(State.INITIALIZING, resumed.describe() + kept)
+        if loop_read is not None:
+            # a saved session's camera may be anywhere in its map; after a restart it is where it was
+            e.loop_link.restore(loop_read.records, resumed.next_frame, relocalize=resumed.source == "session")
+            if e.loop.relocalizing:
+                seq.set_state(State.INITIALIZING, resumed.describe() + kept + "; " + seq.text)
         e.reporter.publish(seq.text, None)
 
 

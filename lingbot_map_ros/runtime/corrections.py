@@ -60,6 +60,10 @@ class Corrections:
     def items(self) -> list[tuple[int, Sim3]]:
         return list(zip(self.indices, self._sims))
 
+    def with_entry(self, frame_index: int, correction: Sim3) -> "Corrections":
+        """These corrections and ``correction`` from ``frame_index`` on (until a later entry)."""
+        return Corrections({**dict(self.items()), int(frame_index): correction}, self.version + 1)
+
 
 def correct_pose(correction: Sim3, T: np.ndarray) -> np.ndarray:
     """A rigid camera pose [4, 4] moved by a Sim(3): rotation ``R_C·R``, centre ``C(t)``."""

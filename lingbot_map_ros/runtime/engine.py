@@ -60,12 +60,12 @@ from .commands import CameraCommands
 from .frame_output import FrameAssembler, finite_maps
 from .frames import InputFrame, Logger, Sink, State
 from .journaling import JournalNotes
-from .corrections import Corrections
 from .frame_output import stream_pose
 from .keyframe_control import KeyframeControl
-from .loop_closure import KeyframeIn, LoopCloser, loop_config
+from .loop_closure import KeyframeIn, LoopCloser
 from .loop_keyframes import depth_thumbnail
-from .loop_verify import ModelSideRunner, SideRunner
+from .loop_link import LoopLink
+from .loop_verify import SideRunner
 from .model_input import ModelInput, gpu_device
 from .output_worker import OutputWorker
 from .params import NodeSettings
@@ -125,10 +125,8 @@ class InferenceEngine:
         self.recovery = Recovery(session, self.seq, self.reporter, self.stamps, self.notes, self._collected, log,
                                  self.throttle, lambda: self.settings)
         self.commands = CameraCommands(self, make_stamp, RESTORE_FLUSH_S)
-        self.loop: LoopCloser | None = None
-        if settings.loop_closure:
-            self.loop = self.seq.loop = LoopCloser(loop_config(settings), side or ModelSideRunner(session.inner),
-                                                   self._corrected)
+        self.loop: LoopCloser | None = None  # loop closure (``loop_closure`` on), joined to the engine by
+        self.loop_link = LoopLink(self, side)  # ``loop_link`` (corrections, relocalisation, restore)
 
     # ------------------------------------------------------------------ producer side (any thread)
     def submit_frame(self, frame: InputFrame) -> None:
@@ -194,10 +192,6 @@ class InferenceEngine:
         """Work that waits for the inference thread to have nothing else to do (a loop candidate's
         verification by the model); True when some ran. The scheduler calls it when idle."""
         return self.loop is not None and self.loop.run_idle()
-
-    def _corrected(self, corrections: Corrections) -> None:
-        """Loop closure re-solved its graph (loop thread): applied to the sequence between two frames."""
-        self.submit("loop correction", lambda: self.seq.correct(corrections))
 
     def take_frame(self) -> InputFrame | None:
         """The waiting frame, taken, when this camera's next item is a frame that may run now (no
@@ -270,6 +264,9 @@ class InferenceEngine:
             self._drop_invalid(frame.stamp, str(exc))
             return None
         frame.preprocess_ms = frame.convert_ms + (time.perf_counter() - t0) * 1e3
+        if self.loop is not None and self.loop.relocalizing:
+            self.loop_link.locate(frame, image)
+            return None
         return Admitted(frame, image)
 
     def _step_failed(self, admitted: Admitted, exc: Exception) -> None:

@@ -119,6 +119,7 @@ class StatusFields:
     scale_converged: bool = False
     loop_closure: bool = False
     localization: str = ""
+    frames_not_localized: int = 0
     loop_keyframes: int = 0
     loop_candidates: int = 0
     loop_accepted: int = 0

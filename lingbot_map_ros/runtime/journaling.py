@@ -33,6 +33,7 @@ from ..journal import (JOURNAL_NAME, JournalError, JournalRecorder, Rebuilt, jou
                        open_state_directory, set_aside)
 from ..journal.resume import read_journal
 from ..journal.writer import usable_compression
+from .loop_journal import LOOP_JOURNAL_NAME
 from .map_journal import MAP_JOURNAL_NAME
 from .params import NodeSettings
 
@@ -41,7 +42,8 @@ log = logging.getLogger(__name__)
 COUNTERS_STATE = "counters"  # the ~/status counters, journaled as a named state (latest kept)
 ANCHOR_STATE = "anchor"  # where the sequence sits in the map (a lost reset's offset): MapAnchor.snapshot
 SESSIONS_OFF = "sessions are off: start the node with state_directory (or load_session) set to load saved sessions"
-SESSION_FILES = (JOURNAL_NAME, MAP_JOURNAL_NAME)  # what a saved session's (camera) folder holds
+LOOP_FLUSH_S = 30.0  # how long a save waits for the loop thread to journal what it was handed
+SESSION_FILES = (JOURNAL_NAME, MAP_JOURNAL_NAME, LOOP_JOURNAL_NAME)  # what a saved session's (camera) folder holds
 JOURNALING_OFF = "journaling is off: start the node with state_directory set to save sessions"
 
 
@@ -219,12 +221,13 @@ class JournalNotes:
         self._counters = counts
 
 
-def save_sessions(sessions: dict[str, JournalRecorder | None], folder: Path, maps: dict[str, Any] | None = None
-                  ) -> int:
+def save_sessions(sessions: dict[str, JournalRecorder | None], folder: Path, maps: dict[str, Any] | None = None,
+                  loops: dict[str, Any] | None = None) -> int:
     """Write every camera's journal (``{camera: recorder}``, "" = the single camera) as one saved
     session in ``folder`` (replacing one there), with the camera's map journal (``maps``:
     ``{camera: MapJournal}``, taken after the keyframe journal so that it holds every frame
-    that one does); returns the bytes written. SessionError when journaling is off or nothing
+    that one does) and its loop closure (``loops``: ``{camera: LoopCloser}``, flushed first, its
+    journal's ``loop.lbj``); returns the bytes written. SessionError when journaling is off or nothing
     was journaled yet, OSError when the disk refuses (nothing of the new session is left then,
     the old one is kept)."""
     if any(s is None or s.writer is None for s in sessions.values()):
@@ -247,6 +250,10 @@ def save_sessions(sessions: dict[str, JournalRecorder | None], folder: Path, map
             map_journal = (maps or {}).get(camera)
             if map_journal is not None:
                 total += map_journal.save_copy(dest / MAP_JOURNAL_NAME)
+            loop = (loops or {}).get(camera)
+            if loop is not None and loop.graph.journal is not None:
+                loop.flush(LOOP_FLUSH_S)
+                total += loop.graph.journal.save_copy(dest / LOOP_JOURNAL_NAME)
         old = None
         if folder.exists():
             if any(p.name not in SESSION_FILES and not (p.is_dir() and (p / JOURNAL_NAME).exists())

@@ -3,24 +3,28 @@
 Keyframes (stored frames, as published) come in from the inference thread (``keyframe``); the
 loop thread (``lingbot_map_loop``) does the rest, off the frames' path:
 
-1. each keyframe is kept (``loop_keyframes.KeyframeStore``: JPEG input, descriptor, depth thumbnail),
-   its descriptor goes into the place database (``slam.PlaceDatabase``) and its pose into the pose
-   graph (``slam.PoseGraph``, Sim(3), iSAM2) with an odometry edge from the previous keyframe;
+1. each keyframe goes into the loop-closure map (``loop_graph.LoopGraph``: keyframe store, place
+   database, Sim(3) pose graph on iSAM2, journaled);
 2. the place database is asked for keyframes at least ``min_separation`` frames older (outside the
    model's window) that look alike (``min_similarity``); the best is a *candidate*;
 3. a candidate is verified by the model: the inference thread, when it has nothing else to do
    (``run_idle``, called by the scheduler), runs the candidate and the current keyframe through a
-   side session (``loop_verify.SideRunner``), and a second pass with the candidate's previous
+   side session (``loop_verify.SideRunner``), and a second pass with the candidate's neighbour
    keyframe for an independent estimate; the loop thread measures the relative Sim(3) and checks it
    (``loop_verify.measure``: depth reprojection, agreement of the estimates);
 4. an accepted loop is a robust edge of the graph; iSAM2 re-solves it and every keyframe's
    correction (``corrections.Corrections``) goes to ``on_corrections`` (the engine applies it to
    the sequence on the inference thread: one operation on the path, the map and what leaves).
 
+Relocalisation (after a saved session is loaded: ``relocalize``): frames are not posed; one at a
+time goes to ``locate``, is looked up in the whole place database and verified like a loop
+candidate (its scale is the kept keyframe's); a verified place goes to ``on_relocated``
+(``Relocation``: the engine re-seeds the model's window with the keyframes around it and says
+``relocated``). Poses from outside: ``set_pose`` and ``add_prior`` (``LoopGraph``).
+
 Rejected candidates are counted with their reason (``stats``); ``markers`` lists the last closures
-tried (accepted or not) for RViz. ``journal`` (``loop_journal.LoopJournal``) records keyframes,
-loops and priors so that the graph survives a restart (``restore``). No ROS; the side session is
-the only part that runs the model.
+tried (accepted or not) for RViz; ``map`` is the keyframes' points at their corrected poses. No
+ROS; the side session is the only part that runs the model.
 """
 from __future__ import annotations
 
@@ -34,14 +38,14 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..slam import EdgeNoise, LoopCheck, PlaceConfig, PlaceDatabase, PoseGraph, PoseGraphConfig, Sim3, \
-    gradient_descriptor
+from ..slam import EdgeNoise, LoopCheck, Sim3, gradient_descriptor
 from .corrections import Corrections
-from .loop_keyframes import KeyframeStore, LoopKeyframe, color_thumbnail, jpeg
+from .loop_graph import LoopGraph
+from .loop_journal import LoopJournal
+from .loop_keyframes import LoopKeyframe, color_thumbnail, jpeg
 from .loop_verify import Measured, SideRunner, SideView, measure, relative_in_stream_units
 
 log = logging.getLogger(__name__)
-DESCRIPTOR_DIM = 256  # slam.gradient_descriptor's length with its default grid and bins
 MARKERS = 50  # closures tried that ~/loop_closures shows
 
 
@@ -119,28 +123,46 @@ class Marker:
     current_position: np.ndarray
 
 
+@dataclass(frozen=True)
+class Relocation:
+    """A relocalisation the loop thread verified. The inference thread re-seeds the model's window
+    with ``seeds`` (consecutive keyframes around ``kept``, oldest first, at their stream poses) and
+    tells ``LoopCloser.relocated`` the index of the next frame; ``correction`` (map <- sequence at
+    ``kept``) places the frames until their own keyframes are in the graph."""
+
+    kept: int
+    seeds: tuple[LoopKeyframe, ...]
+    correction: Sim3
+    reason: str
+
+
 @dataclass
 class _Job:
-    """A candidate waiting for the model (inference thread) and then for its checks (loop thread)."""
+    """A candidate waiting for the model (inference thread) and then for its checks (loop thread).
+    ``relocate``: the current frame is a frame to find in the map (not a keyframe of the graph)."""
 
     kept: LoopKeyframe
     current: LoopKeyframe
     partner: LoopKeyframe | None
+    relocate: bool = False
     views: list[SideView] | None = None
     partner_views: list[SideView] | None = None
     error: str = ""
 
 
+
 class LoopCloser:
     """See the module docstring. ``on_corrections(Corrections)`` is called from the loop thread
-    after each optimisation that changed the corrections."""
+    after each change of the corrections; ``on_relocated(Relocation)`` after a verified
+    relocalisation. ``seed_count``: keyframes a relocalisation re-seeds the window with (the
+    model's scale frames)."""
 
     def __init__(self, config: LoopConfig, side: SideRunner, on_corrections: Callable[[Corrections], Any],
-                 journal=None) -> None:
-        self.config, self.side, self.on_corrections, self.journal = config, side, on_corrections, journal
-        self.store = KeyframeStore(config.max_keyframes)
-        self.places = PlaceDatabase(PlaceConfig(DESCRIPTOR_DIM, capacity=config.max_keyframes))
-        self.graph = PoseGraph(PoseGraphConfig(mode="sim3", robust_kernel=config.robust_kernel))
+                 journal: LoopJournal | None = None, on_relocated: Callable[[Relocation], Any] | None = None,
+                 seed_count: int = 2) -> None:
+        self.config, self.side, self.on_corrections, self.on_relocated = config, side, on_corrections, on_relocated
+        self.seed_count = max(1, int(seed_count))
+        self.graph = LoopGraph(config, journal)  # the loop thread's (replaced at a clear)
         self.corrections = Corrections()  # replaced as a whole by the loop thread
         self.stats = LoopStats()  # replaced as a whole by the loop thread
         self.localization = ""  # "" | "relocalizing" | "localized" (a saved map to find the camera in)
@@ -149,25 +171,39 @@ class LoopCloser:
         # thread when it runs out of work after a change; replaced as a whole (the map timer reads it)
         self.map: tuple[np.ndarray, np.ndarray, int] = (np.zeros((0, 3), np.float32), np.zeros((0, 3), np.uint8), 0)
         self._map_dirty = False
-        self._previous: int | None = None  # the last keyframe in the graph
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: deque[_Job] = deque()  # candidates for the model (at most one waits)
         self._busy = False  # a candidate is being verified
+        self._locating = False  # a frame to relocalise is with the loop thread
+        self._seeding = False  # a relocalisation was verified: the window is being re-seeded
         self._thread: threading.Thread | None = None
         self._idle = threading.Condition()
         self._pending = 0  # inbox items not handled yet
 
-    # ------------------------------------------------------------------ any thread
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="lingbot_map_loop", daemon=True)
-            self._thread.start()
+    @property
+    def store(self):
+        """The keyframes (``loop_keyframes.KeyframeStore``; readable from any thread)."""
+        return self.graph.store
 
+    @property
+    def relocalizing(self) -> bool:
+        """The camera is not found in the map yet: frames go to ``locate``, not to the stream."""
+        return self.localization == "relocalizing"
+
+    @property
+    def wants_frame(self) -> bool:
+        """Relocalising, and ready for the next frame to look for in the map (``locate``)."""
+        with self._idle:
+            return self.relocalizing and not (self._locating or self._jobs or self._busy or self._seeding)
+
+    # ------------------------------------------------------------------ any thread
     def stop(self, timeout: float = 5.0) -> None:
         thread, self._thread = self._thread, None
         if thread is not None:
-            self._put(("stop",))
+            self._put(("stop",), start=False)
             thread.join(timeout)
+        if self.graph.journal is not None:
+            self.graph.journal.close(timeout)
 
     def flush(self, timeout: float = 30.0) -> bool:
         """Wait until the loop thread handled everything handed to it (a candidate may still wait
@@ -180,16 +216,44 @@ class LoopCloser:
     # ------------------------------------------------------------------ inference thread
     def keyframe(self, kf: KeyframeIn) -> None:
         """A keyframe was published (its pose is final in the stream's frame)."""
-        self.start()
         self._put(("keyframe", kf))
 
     def forget_from(self, index: int) -> None:
         """The stream forgot its frames from ``index`` on (a rollback)."""
-        self._put(("forget", index))
+        self._put(("forget", int(index)))
 
     def clear(self) -> None:
         """A new sequence (a reset): nothing of the old one stays."""
         self._put(("clear",))
+
+    def restore(self, records: list, next_frame: int) -> None:
+        """Take back a journaled state (``loop_journal.read_loop_journal``'s records), cut at the
+        keyframe journal's ``next_frame``."""
+        self._put(("restore", records, int(next_frame)))
+
+    def relocalize(self) -> None:
+        """Look for the camera in the map before posing it: frames go to ``locate`` until a place is
+        verified (nothing changes with an empty map)."""
+        self._put(("relocalize",))
+
+    def locate(self, rgb: np.ndarray, stamp_s: float) -> None:
+        """A frame to find in the map (``wants_frame`` was True): the loop thread looks it up."""
+        with self._idle:
+            self._locating = True
+        self._put(("locate", np.ascontiguousarray(rgb), float(stamp_s)))
+
+    def relocated(self, next_frame: int, kept: int) -> None:
+        """The window was re-seeded for the ``Relocation`` at keyframe ``kept``; frames from
+        ``next_frame`` on follow it."""
+        self._put(("relocated", int(next_frame), int(kept)))
+
+    def pose_input(self, kind: str, target: Sim3, covariance: np.ndarray, frame_index: int = -1,
+                   T: np.ndarray | None = None) -> None:
+        """A pose from outside (rigid ``target`` in the map, model units; ``covariance`` ROS order,
+        model units): ``kind`` "set_pose" (frame ``frame_index`` with stream pose ``T`` is there:
+        ``LoopGraph.set_pose``) or "prior" (keyframe ``frame_index`` is there)."""
+        self._put(("pose", kind, target, np.asarray(covariance, np.float64), int(frame_index),
+                   None if T is None else np.asarray(T, np.float64)))
 
     def run_idle(self) -> bool:
         """Run a waiting candidate through the model (inference thread, nothing else to do); True
@@ -212,7 +276,10 @@ class LoopCloser:
         return True
 
     # ------------------------------------------------------------------ the loop thread
-    def _put(self, item) -> None:
+    def _put(self, item, start: bool = True) -> None:
+        if start and self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="lingbot_map_loop", daemon=True)
+            self._thread.start()
         with self._idle:
             self._pending += 1
         self._inbox.put(item)
@@ -225,115 +292,143 @@ class LoopCloser:
                     return
                 self._handle(item)
                 if self._map_dirty and self._inbox.empty():  # a burst of changes, one render
-                    self._render_map()
+                    c = self.config
+                    points, colors = self.store.render(self.corrections, c.map_voxel_size, c.map_max_points)
+                    self.map, self._map_dirty = (points, colors, self.map[2] + 1), False
             except Exception as exc:  # the loop thread never dies of one item
                 log.error("loop closure: %s failed: %s: %s", item[0], type(exc).__name__, exc)
             finally:
                 with self._idle:
+                    if item[0] in ("locate", "measured") and not (self._jobs or self._busy):
+                        self._locating = False
                     self._pending -= 1
                     self._idle.notify_all()
 
-    def _render_map(self) -> None:
-        c = self.config
-        points, colors = self.store.render(self.corrections, c.map_voxel_size, c.map_max_points)
-        self.map = (points, colors, self.map[2] + 1)
-        self._map_dirty = False
-
     def _handle(self, item) -> None:
+        kind, g = item[0], self.graph
         self._map_dirty = True
-        kind = item[0]
         if kind == "keyframe":
-            self._add_keyframe(item[1])
-        elif kind == "measured":
-            self._decide(item[1])
-        elif kind == "forget":
-            self.store.forget_from(item[1])
-            for index in [int(i) for i in self.places.indices() if i >= item[1]]:
-                self.places.remove(index)
-        elif kind == "clear":
-            self._reset()
-
-    def _add_keyframe(self, kin: KeyframeIn) -> None:
-        rgb = as_rgb(kin.frame)
-        kf = LoopKeyframe(kin.index, kin.stamp_s, np.asarray(kin.T, np.float64), jpeg(rgb), gradient_descriptor(rgb),
-                          kin.depth, color_thumbnail(rgb), kin.K)
-        gone = self.store.add(kf)
-        if gone is not None and gone in self.places:
-            self.places.remove(gone)
-        self.places.add(kf.index, kf.descriptor)
-        pose = Sim3.from_pose(kf.T)
-        self.graph.add_keyframe(kf.index, pose)
-        if self._previous is not None:
-            rel = self.graph.odom_pose(self._previous).inverse() @ pose
-            self.graph.add_odometry(self._previous, kf.index, sigmas=self.config.odometry.sigmas_for(rel, kin.weight))
-        self._previous = kf.index
-        self.graph.update()
-        if self.journal is not None:
-            self.journal.keyframe(kf, kin.weight)
-        self.stats = replace(self.stats, keyframes=len(self.store))
-        self._look_for_a_loop(kf)
-
-    def _look_for_a_loop(self, kf: LoopKeyframe) -> None:
-        with self._idle:
-            if self._jobs or self._busy:
-                return  # one candidate at a time: the model's time goes to the stream first
-        oldest_allowed = kf.index - self.config.min_separation
-        if oldest_allowed < 0:
+            kin = item[1]
+            rgb = as_rgb(kin.frame)
+            kf = LoopKeyframe(kin.index, kin.stamp_s, np.asarray(kin.T, np.float64), jpeg(rgb),
+                              gradient_descriptor(rgb), kin.depth, color_thumbnail(rgb), kin.K, float(kin.weight))
+            g.add_keyframe(kf)
+            self.stats = replace(self.stats, keyframes=len(g.store))
+            return self._candidate(kf)
+        if kind == "measured":
+            job = item[1]
+            return self._decide_relocation(job) if job.relocate else self._decide(job)
+        if kind == "locate":
+            self._map_dirty = False
+            if self.relocalizing and not self._seeding:
+                rgb = item[1]
+                descriptor = gradient_descriptor(rgb)
+                self._candidate(LoopKeyframe(-1, item[2], np.eye(4), jpeg(rgb), descriptor, None, color_thumbnail(rgb),
+                                             np.eye(3)))
             return
-        found = self.places.query(kf.descriptor, k=1, exclude=range(oldest_allowed + 1, kf.index + 1),
-                                  min_similarity=self.config.min_similarity)
+        if kind == "relocalize":
+            if len(g.store):
+                self.localization, self._seeding = "relocalizing", False
+                self.stats = replace(self.stats, last_reason="looking for the camera in the map")
+            return
+        if kind == "forget":
+            g.forget(item[1])
+        elif kind == "clear":
+            self.graph = LoopGraph(self.config, g.journal)
+            self.localization, self._seeding = "", False
+            self.markers.clear()
+            with self._idle:
+                self._jobs.clear()
+            self.stats = LoopStats()
+            if g.journal is not None:
+                g.journal.begin()
+        elif kind == "restore":
+            self.graph = g = LoopGraph(self.config, g.journal)
+            g.restore(item[1], item[2])
+            self.stats = LoopStats(keyframes=len(g.store), accepted=len(g.loops), last_optimisation_ms=g.last_solve_ms)
+        elif kind == "relocated":
+            g.follow_from(item[1], item[2])
+            self.localization, self._seeding = "localized", False
+        elif kind == "pose":
+            _, what, target, cov, index, T = item
+            if what == "set_pose":
+                g.set_pose(target, index, T, cov)
+            elif index in g.node:
+                g.add_prior(index, target, cov)
+            if g.node:
+                g.solve()
+                self.stats = replace(self.stats, last_optimisation_ms=g.last_solve_ms)
+        self._publish_corrections()
+
+    def _publish_corrections(self) -> None:
+        self.corrections = self.graph.corrections(self.corrections.version + 1)
+        self.on_corrections(self.corrections)
+
+    # -- candidates
+    def _candidate(self, kf: LoopKeyframe) -> None:
+        """Look for ``kf``'s place in the map; the best match waits for the model (``run_idle``).
+        A keyframe (a loop) looks only at keyframes ``min_separation`` frames older; a frame to
+        relocalise (index -1) at all of them."""
+        relocate = kf.index < 0
+        with self._idle:
+            if not relocate and (self._jobs or self._busy):
+                return  # one candidate at a time: the model's time goes to the stream first
+        exclude = None
+        if not relocate:
+            oldest_allowed = kf.index - self.config.min_separation
+            if oldest_allowed < 0:
+                return
+            exclude = range(oldest_allowed + 1, kf.index + 1)
+        found = self.graph.places.query(kf.descriptor, k=1, exclude=exclude, min_similarity=self.config.min_similarity)
         if not found:
+            if relocate:
+                self.stats = replace(self.stats, last_reason="no place of the map looks like this frame")
             return
         kept = self.store.get(found[0][0])
-        indices = self.store.indices()
-        at = indices.index(kept.index)
-        partner = self.store.get(indices[at - 1]) if at > 0 else None
+        if relocate:
+            kf = replace(kf, K=kept.K)
         self.stats = replace(self.stats, candidates=self.stats.candidates + 1)
         with self._idle:
-            self._jobs.append(_Job(kept, kf, partner))
+            self._jobs.append(_Job(kept, kf, self.graph.partner_of(kept), relocate=relocate))
 
-    def _decide(self, job: _Job) -> None:
-        if job.kept.index not in self.store or job.current.index not in self.store:
-            return self._refused(job, None, "a keyframe of the candidate left the map (rollback or reset)")
+    def _measure(self, job: _Job) -> Measured | str:
+        """The candidate's measurement, or why there is none."""
+        g = self.graph
+        if job.kept.index not in g.node or not (job.relocate or job.current.index in g.node):
+            return "a keyframe of the candidate left the map (rollback or reset)"
         if job.error or not job.views or len(job.views) != 2:
-            return self._refused(job, None, f"the side session failed: {job.error or 'no results'}")
-        others = ()
-        if job.partner is not None and job.partner_views and job.partner.index in self.store:
+            return f"the side session failed: {job.error or 'no results'}"
+        others: tuple[Sim3, ...] = ()
+        if job.partner is not None and job.partner_views and job.partner.index in g.node:
             rel_partner, _, _ = relative_in_stream_units(job.partner, job.current, job.partner_views)
             if rel_partner is not None:  # kept <- partner through the graph, then partner <- current
-                between = self.graph.pose(job.kept.index).inverse() @ self.graph.pose(job.partner.index)
+                between = g.graph.pose(g.node[job.kept.index]).inverse() @ g.graph.pose(g.node[job.partner.index])
                 others = (between @ rel_partner,)
         measured = measure(job.kept, job.current, job.views, self.config.check, others)
-        if not measured.accepted:
-            return self._refused(job, measured, measured.reason or measured.verdict.reason)
-        self.graph.add_loop(job.kept.index, job.current.index, measured.rel, sigmas=np.array(self.config.loop_sigmas))
-        seconds = self.graph.update()
-        if self.journal is not None:
-            self.journal.loop(job.kept.index, job.current.index, measured.rel, self.config.loop_sigmas)
+        return measured if measured.accepted else (measured.reason or measured.verdict.reason)
+
+    def _decide(self, job: _Job) -> None:
+        measured = self._measure(job)
+        if isinstance(measured, str):
+            return self._refused(job, measured)
+        g = self.graph
+        g.add_loop(job.kept.index, job.current.index, measured.rel, self.config.loop_sigmas)
+        seconds = g.solve()
         self.stats = replace(self.stats, accepted=self.stats.accepted + 1, last_reason=measured.verdict.reason,
-                             last_optimisation_ms=1e3 * seconds)
+                             last_optimisation_ms=g.last_solve_ms)
         log.info("loop closed: keyframe %d seen again at frame %d (%s); graph of %d keyframes re-solved in "
                  "%.1f ms", job.kept.index + 1, job.current.index + 1, measured.verdict.reason,
-                 self.graph.node_count, 1e3 * seconds)
-        self._publish(job, measured, True)
+                 g.graph.node_count, 1e3 * seconds)
+        self._publish_corrections()
+        self._mark(job, True, measured.verdict.reason)
 
-    def _refused(self, job: _Job, measured: Measured | None, reason: str) -> None:
-        self.stats = replace(self.stats, rejected=self.stats.rejected + 1, last_reason=reason)
-        log.info("loop candidate keyframe %d for frame %d rejected: %s", job.kept.index + 1, job.current.index + 1,
-                 reason)
-        self._mark(job, False, reason)
-
-    def _publish(self, job: _Job, measured: Measured, accepted: bool) -> None:
-        """New corrections for every keyframe after an optimisation (and the marker)."""
-        indices, mats = self.graph.poses()
-        by_index = {}
-        for index, mat in zip(indices, mats):
-            kf = self.store.get(int(index))
-            if kf is not None:
-                by_index[int(index)] = Sim3.from_matrix(mat) @ Sim3.from_pose(kf.T).inverse()
-        self.corrections = Corrections(by_index, self.corrections.version + 1)
-        self._mark(job, accepted, measured.verdict.reason)
-        self.on_corrections(self.corrections)
+    def _refused(self, job: _Job, reason: str) -> None:
+        self.stats = replace(self.stats, rejected=self.stats.rejected + 1,
+                             last_reason=("relocalizing: " if job.relocate else "") + reason)
+        what = "relocalisation at keyframe %d" if job.relocate else "loop candidate keyframe %d"
+        log.info(what + " for frame %d rejected: %s", job.kept.index + 1, job.current.index + 1, reason)
+        if not job.relocate:
+            self._mark(job, False, reason)
 
     def _mark(self, job: _Job, accepted: bool, reason: str) -> None:
         c = self.corrections
@@ -341,20 +436,24 @@ class LoopCloser:
         current = c.at(job.current.index).apply(job.current.T[:3, 3])
         self.markers.append(Marker(job.kept.index, job.current.index, accepted, reason, kept, current))
 
-    def _reset(self) -> None:
-        self.store.clear()
-        self.places = PlaceDatabase(PlaceConfig(DESCRIPTOR_DIM, capacity=self.config.max_keyframes))
-        self.graph = PoseGraph(self.graph.config)
-        self._previous = None
-        self.markers.clear()
-        with self._idle:
-            self._jobs.clear()
-        self.corrections = Corrections(version=self.corrections.version + 1)
-        self.stats = LoopStats()
-        if self.journal is not None:
-            self.journal.begin()
-        self.on_corrections(self.corrections)
+    # -- relocalisation
+    def _decide_relocation(self, job: _Job) -> None:
+        if not self.relocalizing or self._seeding:
+            return
+        measured = self._measure(job)
+        if isinstance(measured, str):
+            return self._refused(job, measured)
+        seeds = tuple(self.store.around(job.kept.index, self.seed_count))
+        if len(seeds) < self.seed_count:
+            return self._refused(job, f"the map holds {len(seeds)} keyframes, the window needs {self.seed_count}")
+        self.stats = replace(self.stats, last_reason=f"found at keyframe {job.kept.index + 1} "
+                                                     f"({measured.verdict.reason})")
+        log.info("relocalized: the camera sees keyframe %d again (%s)", job.kept.index + 1, measured.verdict.reason)
+        self._seeding = True
+        if self.on_relocated is not None:
+            self.on_relocated(Relocation(job.kept.index, seeds, self.corrections.at(job.kept.index),
+                                         measured.verdict.reason))
 
 
-__all__ = ["LoopCloser", "LoopConfig", "LoopStats", "KeyframeIn", "Marker", "DESCRIPTOR_DIM", "MARKERS",
+__all__ = ["LoopCloser", "LoopConfig", "LoopStats", "KeyframeIn", "Marker", "Relocation", "MARKERS",
            "loop_config", "as_rgb"]

@@ -41,9 +41,11 @@ class LoopKeyframe:
     T: np.ndarray  # [4, 4] T_S_cam, camera optical frame -> sequence map frame (model units)
     image: bytes  # the model input as JPEG
     descriptor: np.ndarray  # [D] float32, L2-normalised
-    depth: np.ndarray  # [h, w] float32 z-depth (model units), 0 where not confident
+    depth: np.ndarray | None  # [h, w] float32 z-depth (model units), 0 where not confident (None: a
+    # frame to relocalise, which the stream has not posed)
     colors: np.ndarray  # [h, w, 3] uint8
     K: np.ndarray  # [3, 3] intrinsics at [h, w]
+    weight: float = 1.0  # the odometry edge's confidence (tracking health)
 
     def points(self) -> tuple[np.ndarray, np.ndarray]:
         """(points [N, 3] float64 in the keyframe's camera frame, colours [N, 3] uint8) of its
@@ -131,6 +133,23 @@ class KeyframeStore:
     def indices(self) -> list[int]:
         with self._lock:
             return list(self._items)
+
+    def nearest_stamp(self, stamp_s: float) -> LoopKeyframe | None:
+        """The keyframe whose stamp is nearest ``stamp_s`` (None while empty)."""
+        with self._lock:
+            items = list(self._items.values())
+        return min(items, key=lambda kf: abs(kf.stamp_s - stamp_s)) if items else None
+
+    def around(self, index: int, count: int) -> list[LoopKeyframe]:
+        """``count`` consecutive keyframes (oldest first) that hold keyframe ``index``, as centred on
+        it as the store allows; fewer when the store holds fewer."""
+        with self._lock:
+            keys = list(self._items)
+            if index not in self._items:
+                return []
+            at = keys.index(index)
+            start = max(0, min(at - count // 2, len(keys) - count))
+            return [self._items[k] for k in keys[start:start + count]]
 
     def forget_from(self, index: int) -> None:
         """Keyframes from ``index`` on left the sequence (a rollback)."""

@@ -94,8 +94,12 @@ def depth_scale(kf: LoopKeyframe, view: SideView) -> float:
 def relative_in_stream_units(kept: LoopKeyframe, current: LoopKeyframe, views: list[SideView]
                              ) -> tuple[Sim3 | None, float, float]:
     """(rel: kept <- current in stream units, a_kept, a_current) from the side views of [kept,
-    current]; rel None when a scale cannot be measured."""
-    a_k, a_c = depth_scale(kept, views[0]), depth_scale(current, views[1])
+    current]; rel None when a scale cannot be measured. ``current.depth`` None (a frame to
+    relocalise): its scale is the kept keyframe's."""
+    a_k = depth_scale(kept, views[0])
+    # a frame the stream has not posed (a relocalisation) has no depth of its own: the side
+    # session's units are one world, so the kept keyframe's scale holds for it too
+    a_c = a_k if current.depth is None else depth_scale(current, views[1])
     if not (math.isfinite(a_k) and math.isfinite(a_c) and a_k > 0 and a_c > 0):
         return None, a_k, a_c
     side = np.linalg.inv(views[0].c2w) @ views[1].c2w

@@ -46,6 +46,7 @@ def status_fields(state: int, text: str, frame_index: int, session, counters: Co
                       frames_received=c.frames_received, frames_processed=c.frames_processed,
                       frames_dropped_stale=c.frames_dropped_stale, frames_dropped_invalid=c.frames_dropped_invalid,
                       frames_dropped_error=c.frames_dropped_error, frames_dropped_stamp=c.frames_dropped_stamp,
+                      frames_not_localized=c.frames_not_localized,
                       time_jumps=c.time_jumps, evictions_auto_committed=c.evictions_auto_committed,
                       decision_pending=decision_pending, decisions_kept=c.decisions_kept,
                       decisions_dropped=c.decisions_dropped, decisions_timed_out=c.decisions_timed_out,

@@ -280,6 +280,7 @@ class CounterValues:
     frames_dropped_invalid: int = 0
     frames_dropped_error: int = 0
     frames_dropped_stamp: int = 0  # repeated, zero or backwards stamps (see on_time_jump)
+    frames_not_localized: int = 0  # looked for in the map while relocalizing, not posed
     time_jumps: int = 0
     evictions_auto_committed: int = 0  # deferred evictions committed by deferred_eviction_timeout
     decisions_kept: int = 0  # decision hold: frames kept by a client's ~/commit_eviction

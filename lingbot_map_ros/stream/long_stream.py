@@ -232,20 +232,27 @@ class LongStreamSession:
             self.events.rolled_back(frame, self._frames_pushed, self._in_scale_phase())
         return frame
 
-    def restart(self) -> None:
-        """Start a new window now from the kept keyframes (see the module docstring).
+    def restart(self, seeds: list[KeptKeyframe] | None = None) -> None:
+        """Start a new window now from the kept keyframes (see the module docstring), or from
+        ``seeds``: keyframes of a map the camera was found in (a relocalisation; oldest first, their
+        poses as published in the global frame, their depths possibly thumbnails), which replace the
+        kept ones. The next frame keeps the global numbering either way.
 
-        Raises SessionError when no sequence is running or the session has no windows. On an
-        exception from the model the inner cache is left empty and the restart pending (redone
-        by the next frame)."""
+        Raises SessionError when no sequence is running, the session has no windows or there are
+        fewer seeds than scale frames. On an exception from the model the inner cache is left empty
+        and the restart pending (redone from the kept keyframes by the next frame; after a failed
+        relocalisation, relocate again before a frame)."""
         if self.long_cfg is None:
             raise SessionError("this session has no windows (no LongStreamConfig): nothing to restart")
+        if seeds is not None and len(seeds) < self.cfg.num_scale_frames:
+            raise SessionError(f"relocating needs {self.cfg.num_scale_frames} keyframes (the scale frames), "
+                               f"got {len(seeds)}")
         self.settle()  # the keyframes of frames submitted before are kept too
-        kept = self.ledger.kept()
+        kept = self.ledger.kept() if seeds is None else tuple(seeds)
         if not kept:
             raise SessionError("nothing to restart: no frame stored since reset")
         self.inner.reset()
-        self.restart_pending = True
+        self.restart_pending = seeds is None
         self.ledger.forget_undo()
         try:
             fed = refeed(self.inner, kept)
@@ -253,11 +260,16 @@ class LongStreamSession:
             self.inner.reset()
             raise
         fit = fit_window(kept, fed)
+        if seeds is not None:
+            self.ledger.clear()
+            self.ledger.adopt(kept)
+            self.ledger.set_poses(kept[-1].c2w, kept[-1].c2w)
         self.window = Window(self.window.index + 1, self._frames_pushed, tuple(k.index for k in kept), fit.sim3, fit)
         self.restart_pending = False
         self._policy.new_window()
-        log.info("window %d starts at frame %d: %d keyframes re-fed, scale %.4g (from %s, %d px), rotation "
+        log.info("window %d starts at frame %d: %d keyframes re-fed%s, scale %.4g (from %s, %d px), rotation "
                  "residual %.3g deg, centre RMSE %.3g", self.window.index, self.window.start, len(kept),
+                 "" if seeds is None else " (relocated at keyframes " + ", ".join(str(k.index + 1) for k in kept) + ")",
                  fit.sim3.scale, fit.scale_source, fit.depth_pixels, fit.rotation_residual_deg, fit.centre_rmse)
         if self.events is not None:
             self.events.window_restarted(Restarted(

@@ -69,14 +69,32 @@ def fit_window(kept: tuple[KeptKeyframe, ...] | list[KeptKeyframe], fed: list[Fr
 
 
 def _paired_depths(kept, fed: list[FrameResult]):
-    """(old depth, new depth, old conf, new conf) stacks, or Nones where any is missing."""
+    """(old depth, new depth, old conf, new conf) stacks, or Nones where any is missing. A kept
+    depth smaller than the model's (a keyframe of the loop-closure map: a thumbnail with 0 where
+    not confident) is paired with the new depth at the centre pixel of each block, without
+    confidences."""
     if any(k.depth is None for k in kept) or any(r.depth is None for r in fed):
         return None, None, None, None
+    if any(k.depth.shape != r.depth.shape for k, r in zip(kept, fed)):
+        new = [_sampled_like(r.depth, k.depth.shape) for k, r in zip(kept, fed)]
+        if any(n is None for n in new):
+            return None, None, None, None
+        return np.stack([k.depth for k in kept]), np.stack(new), None, None
     confs = [k.confidence for k in kept] + [r.confidence for r in fed]
     old_conf = new_conf = None
     if all(c is not None for c in confs):
         old_conf, new_conf = np.stack(confs[:len(kept)]), np.stack(confs[len(kept):])
     return np.stack([k.depth for k in kept]), np.stack([r.depth for r in fed]), old_conf, new_conf
+
+
+def _sampled_like(depth: np.ndarray, shape: tuple[int, ...]) -> np.ndarray | None:
+    """``depth`` [H, W] at the centre pixel of each block of a [h, w] grid (None if it does not fit)."""
+    d = np.asarray(depth)
+    sy, sx = d.shape[0] // shape[0], d.shape[1] // shape[1]
+    if sy < 1 or sx < 1:
+        return None
+    out = d[sy // 2::sy, sx // 2::sx][:shape[0], :shape[1]]
+    return out if out.shape == tuple(shape) else None
 
 
 __all__ = ["KeptKeyframe", "Window", "refeed", "fit_window"]

@@ -99,4 +99,4 @@ def test_a_candidate_whose_geometry_does_not_hold_is_rejected_with_its_reason(sc
     closer, got = run(list(zip(reported, images, true)), side, LoopConfig(min_separation=20, check=LoopCheck()))
     assert closer.stats.accepted == 0 and closer.stats.rejected >= 1
     assert closer.stats.last_reason and not closer.markers[-1].accepted
-    assert closer.graph.edge_counts().get("loop", 0) == 0 and not got
+    assert closer.graph.graph.edge_counts().get("loop", 0) == 0 and not got
