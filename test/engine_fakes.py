@@ -9,6 +9,7 @@ class Sink:
 
     def __init__(self, wants=("points", "depth")) -> None:
         self.frames, self.statuses, self.paths = [], [], []
+        self.path_entries, self.corrections = [], None  # the last path handed over and its corrections
         self._wants = set(wants)
 
     def wants(self, output):
@@ -24,6 +25,7 @@ class Sink:
 
     def publish_path(self, entries, transform=None, corrections=None):
         self.paths.append([e.frame_index for e in entries])
+        self.path_entries, self.corrections = list(entries), corrections
 
     def publish_status(self, status, stamp):
         self.statuses.append((status, stamp))

@@ -11,11 +11,21 @@ side session that knows the true geometry.
   growing with each step).
 - ``TrueSideRunner``: ``runtime.loop_verify.SideRunner`` answering from the true poses of the images
   it is given (looked up by their bytes), with the true depth.
+- ``tagged(image, ident)`` / ``tag_of(image)``: a frame's identity written into (and read back from)
+  a 16x16 grey corner block that survives the JPEG of the keyframe store;
+- ``SceneInner``: a stand-in for the node's inner ``StreamingSession``: the real (tiny) model runs,
+  but each result's pose, depth, confidence and intrinsics are replaced by the scene's: the
+  front end's reported pose of the frame's identity relative to the first frame since the last
+  reset (the window's world, as the model would give it), the true depth. ``LongStreamSession``
+  around it does everything else for real (windows, restarts, the relocalisation's alignment).
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
+from lingbot_map_ros.geometry import matrix_to_quaternion
 from lingbot_map_ros.runtime.loop_verify import SideView
 
 ROOM = (4.0, 1.5, 4.0)  # half extents x, y, z (model units)
@@ -102,4 +112,70 @@ class TrueSideRunner:
         return [SideView(first @ P, room_depth(P, K, h, w), np.full((h, w), 5.0, np.float32), K) for P in poses]
 
 
-__all__ = ["ROOM", "H", "W", "K", "room_depth", "place_image", "yaw_pose", "circuit", "drifted", "TrueSideRunner"]
+TAG = 16  # the identity block's side (one JPEG macroblock: its colour is not mixed with the texture's)
+
+
+def tagged(image: np.ndarray, ident: int) -> np.ndarray:
+    """``image`` with ``ident`` (0..62) written as the grey level of its top-left TAG x TAG block."""
+    if not 0 <= ident < 63:
+        raise ValueError(f"identity {ident} out of range")
+    out = image.copy()
+    out[:TAG, :TAG] = 4 * ident + 2
+    return out
+
+
+def tag_of(image: np.ndarray) -> int:
+    """The identity ``tagged`` wrote (uint8 [H, W, 3], or float [3, H, W] in [0, 1])."""
+    a = np.asarray(image)
+    block = a[:TAG, :TAG].astype(np.float64) if a.dtype == np.uint8 else 255.0 * np.moveaxis(a[:, :TAG, :TAG], 0, -1)
+    return int(round((float(np.median(block)) - 2.0) / 4.0))
+
+
+class _Rewritten:
+    """A pending step whose results ``SceneInner`` rewrites when they are taken."""
+
+    def __init__(self, pending, owner: "SceneInner") -> None:
+        self._p, self._owner = pending, owner
+
+    def __getattr__(self, name):
+        return getattr(self._p, name)
+
+    def result(self):
+        return [self._owner.rewrite(r) for r in self._p.result()]
+
+
+class SceneInner:
+    """See the module docstring. ``reported`` / ``true``: {identity: c2w} of the front end and of
+    the truth (OpenCV axes); ``calls`` counts the frames rewritten."""
+
+    def __init__(self, inner, reported: dict[int, np.ndarray], true: dict[int, np.ndarray]) -> None:
+        self._s, self.reported, self.true = inner, reported, true
+        self._origin: int | None = None
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self._s, name)
+
+    def reset(self) -> None:
+        self._s.reset()
+        self._origin = None
+
+    def step(self, frame, store):
+        return _Rewritten(self._s.step(frame, store), self)
+
+    def push(self, image, keyframe=None, stamp=None, tag=None):
+        return [self.rewrite(r) for r in self._s.push(image, keyframe)]
+
+    def rewrite(self, r):
+        self.calls += 1
+        ident = tag_of(r.frame)
+        if r.frame_index == 0:
+            self._origin = ident
+        c2w = np.linalg.inv(self.reported[self._origin]) @ self.reported[ident]
+        h, w = r.depth.shape if r.depth is not None else (H, W)
+        pose_enc = np.concatenate([c2w[:3, 3], matrix_to_quaternion(c2w[:3, :3]), np.asarray(r.pose_enc)[7:9]])
+        return replace(r, c2w=c2w, pose_enc=pose_enc.astype(np.asarray(r.pose_enc).dtype), intrinsics=K.copy(),
+                       depth=room_depth(self.true[ident], K, h, w), confidence=np.full((h, w), 5.0, np.float32))
+
+
+__all__ = ["TAG", "tagged", "tag_of", "SceneInner", "ROOM", "H", "W", "K", "room_depth", "place_image", "yaw_pose", "circuit", "drifted", "TrueSideRunner"]

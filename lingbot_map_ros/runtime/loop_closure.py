@@ -244,7 +244,9 @@ class LoopCloser:
 
     def relocated(self, next_frame: int, kept: int) -> None:
         """The window was re-seeded for the ``Relocation`` at keyframe ``kept``; frames from
-        ``next_frame`` on follow it."""
+        ``next_frame`` on follow it (localized from now: the next frames are posed)."""
+        with self._idle:
+            self.localization, self._seeding = "localized", False
         self._put(("relocated", int(next_frame), int(kept)))
 
     def pose_input(self, kind: str, target: Sim3, covariance: np.ndarray, frame_index: int = -1,
@@ -348,7 +350,6 @@ class LoopCloser:
             self.stats = LoopStats(keyframes=len(g.store), accepted=len(g.loops), last_optimisation_ms=g.last_solve_ms)
         elif kind == "relocated":
             g.follow_from(item[1], item[2])
-            self.localization, self._seeding = "localized", False
         elif kind == "pose":
             _, what, target, cov, index, T = item
             if what == "set_pose":

@@ -180,8 +180,10 @@ class LoopGraph:
                         np.asarray(a["colors"], np.uint8), np.asarray(a["K"], np.float64), float(m["w"])))
                 elif r.kind == "loop" and m["a"] in self.node and m["b"] in self.node:
                     self.add_loop(int(m["a"]), int(m["b"]), sim3_of(m["rel"]), m["sig"])
+                    self.solve()  # as when it was accepted: iSAM2 comes to the same solution
                 elif r.kind == "prior" and m["i"] in self.node:
                     self._prior(int(m["i"]), sim3_of(m["pose"]), a["cov"])
+                    self.solve()
                 elif r.kind == "lforget":
                     self.forget(int(m["i"]))
                 elif r.kind == "lframe":
