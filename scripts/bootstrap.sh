@@ -191,7 +191,7 @@ import os, sys
 import numpy, torch, rclpy
 import lingbot_map_ros
 from lingbot_map_ros.msg import FrameInfo, Status
-from lingbot_map_ros.srv import CommitEviction, LoadSession, RollbackFrame, SaveMap, SaveSession
+from lingbot_map_ros.srv import CommitEviction, LoadSession, RollbackFrame, SaveMap, SaveSession, SetPose
 pkg_dir = os.path.dirname(os.path.realpath(lingbot_map_ros.__file__))
 want = os.path.realpath(os.path.join(sys.argv[1], "lingbot_map_ros"))
 if pkg_dir != want:

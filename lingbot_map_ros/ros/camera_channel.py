@@ -19,12 +19,13 @@ import time
 from collections import deque
 from typing import Any, Callable
 
+from geometry_msgs.msg import PoseWithCovarianceStamped
 from rclpy.node import Node
 from rclpy.qos import qos_profile_sensor_data
 from sensor_msgs.msg import CameraInfo, CompressedImage, Image
 from std_srvs.srv import SetBool, Trigger
 
-from lingbot_map_ros.srv import CommitEviction, RollbackFrame
+from lingbot_map_ros.srv import CommitEviction, RollbackFrame, SetPose
 
 from ..journal import JournalRecorder
 from ..robot.undistort import CameraModel
@@ -32,6 +33,7 @@ from ..runtime.engine import InferenceEngine
 from ..runtime.frames import InputFrame
 from ..runtime.multi_map import MapAligner
 from ..runtime.params import DEFAULT_CAMERA_FRAME, NodeSettings
+from ..runtime.pose_inputs import PoseInput, PoseRefused
 from ..runtime.worker import Command
 from .common import SERVICE_QOS, qos_profile, stamp_of_ns, stamp_seconds
 from .conversions import compressed_to_rgb, image_to_rgb, sensor_depth_array
@@ -60,7 +62,7 @@ class CameraChannel:
         self.camera_info: CameraInfo | None = None
         self.camera_model: CameraModel | None = None
         self.arrival_age_s: deque[float] = deque(maxlen=ARRIVAL_WINDOW)  # executor thread only
-        self.image_sub = self.camera_info_sub = self.depth_sub = None
+        self.image_sub = self.camera_info_sub = self.depth_sub = self.prior_sub = None
         self.service_handles: list = []
         self._heartbeat: Command | None = None
 
@@ -95,6 +97,9 @@ class CameraChannel:
         if s.scale_source == "depth":  # registered depth for the metric scale (latest few cached)
             self.depth_sub = node.create_subscription(Image, f"{p}depth", self.on_depth, qos_profile_sensor_data,
                                                       callback_group=group)
+        if s.loop_closure:  # poses from outside (GNSS, fiducials) as priors of the pose graph
+            self.prior_sub = node.create_subscription(PoseWithCovarianceStamped, f"~/{p}pose_prior",
+                                                      self.on_pose_prior, qos_profile(depth=10), callback_group=group)
 
     def create_services(self, service_node: Node, node_name: str, group) -> list:
         """~/[<camera>/]reset, set_deferred_eviction, commit_eviction, rollback_last_frame on the
@@ -110,6 +115,9 @@ class CameraChannel:
             service_node.create_service(RollbackFrame, f"{base}rollback_last_frame", self._srv_rollback,
                                         qos_profile=SERVICE_QOS, callback_group=group),
         ]
+        if self.settings.loop_closure:
+            self.service_handles.append(service_node.create_service(SetPose, f"{base}set_pose", self._srv_set_pose,
+                                                                    qos_profile=SERVICE_QOS, callback_group=group))
         return self.service_handles
 
     # -------------------------------------------------------------- settings
@@ -182,6 +190,31 @@ class CameraChannel:
                                       kind="camera_info model")
         self.camera_info = msg
 
+    def on_pose_prior(self, msg: PoseWithCovarianceStamped) -> None:
+        """~/pose_prior: handed to the inference thread; a refusal is logged and said on ~/status."""
+        try:
+            p = PoseInput.of(msg)
+        except (TypeError, ValueError) as exc:
+            self.log.warning(f"~/{self.prefix}pose_prior refused: {exc}")
+            return
+
+        def take() -> None:
+            try:
+                text = self._pose_input("prior", p)
+            except PoseRefused as exc:
+                text = f"pose prior refused: {exc}"
+                self.engine.throttle.emit(self.log.warning, f"~/{self.prefix}pose_prior refused: {exc}",
+                                          kind="pose prior")
+            self.engine.reporter.publish(text, None)
+        self.engine.submit("pose prior", take)
+
+    def _pose_input(self, kind: str, p: PoseInput) -> str:
+        placed = self.outputs.placement()
+        if placed.transform is not None:
+            raise PoseRefused(f"camera {self.name!r} is placed in {placed.frame!r} through another camera's map: "
+                              "give poses to the camera that holds the map frame")
+        return self.engine.loop_link.pose_input(kind, p, placed.frame)
+
     # -------------------------------------------------------------- timers
     def beat(self, clock_problem: str) -> None:
         """1 Hz: a heartbeat (with the clock state for its status text) when the last one ran."""
@@ -223,6 +256,17 @@ class CameraChannel:
         response.success = ok
         response.pages_freed = int(freed or 0)
         response.message = (f"{freed} page(s) freed" if freed else "nothing was pending") if ok else error
+        return response
+
+    def _srv_set_pose(self, request, response):
+        def body() -> str:
+            try:
+                return self._pose_input("set_pose", PoseInput.of(request.pose))
+            except PoseRefused as exc:
+                raise PoseRefused(f"refused: {exc}") from None
+        ok, text, error = self.run("set_pose", body)
+        response.success, response.message = ok, text if ok else error
+        self.log.info(f"~/{self.prefix}set_pose: {response.message}")
         return response
 
     def _srv_rollback(self, request, response):

@@ -51,6 +51,8 @@ def state_diags(channel: CameraChannel, label: str) -> list[DiagnosticStatus]:
         "output thread queue": e.outputs.pending()})]
     statuses.append(tracking_diag(channel, label))
     statuses.append(scale_diag(channel, label))
+    if channel.engine.loop is not None:
+        statuses.append(loop_diag(channel, label))
     stats = e.reporter.last_stats
     if stats is None:
         statuses.append(diag(f"{label}: cache", DiagnosticStatus.OK, "not allocated yet (no frame)", {}))
@@ -103,4 +105,22 @@ def scale_diag(channel: CameraChannel, label: str) -> DiagnosticStatus:
     return diag(f"{label}: scale", level, message, dict(src.as_status()))
 
 
-__all__ = ["input_diag", "state_diags", "intrinsics_diag", "tracking_diag", "scale_diag"]
+def loop_diag(channel: CameraChannel, label: str) -> DiagnosticStatus:
+    """"<label>: loop closure": the place database, candidates, verified loops, the last reason;
+    WARN while relocalizing (no pose is published until the camera is found in the map)."""
+    loop = channel.engine.loop
+    st = loop.stats
+    if loop.relocalizing:
+        level, message = DiagnosticStatus.WARN, f"relocalizing: {st.last_reason or 'looking for the camera'}"
+    else:
+        level = DiagnosticStatus.OK
+        message = f"{st.accepted} loop(s) closed of {st.candidates} candidate(s)" + \
+            (f"; {loop.localization}" if loop.localization else "")
+    values = {"keyframes": st.keyframes, "candidates": st.candidates, "accepted": st.accepted,
+              "rejected": st.rejected, "last decision": st.last_reason or "none yet",
+              "last optimisation (ms)": f"{st.last_optimisation_ms:.1f}", "localization": loop.localization or "n/a",
+              "corrections": len(loop.corrections)}
+    return diag(f"{label}: loop closure", level, message, values)
+
+
+__all__ = ["input_diag", "state_diags", "intrinsics_diag", "tracking_diag", "scale_diag", "loop_diag"]

@@ -82,6 +82,9 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "diagnostics); never synchronised with the images", SENSOR_DATA),
     Endpoint(S, "depth", "sensor_msgs/msg/Image", "Registered depth (16UC1 mm or 32FC1 m) for the metric scale",
              SENSOR_DATA, when="scale_source == 'depth'"),
+    Endpoint(S, "~/pose_prior", "geometry_msgs/msg/PoseWithCovarianceStamped", "A pose of the camera in the map "
+             "frame from outside (GNSS, fiducials) at the stamp of a frame: a prior of the pose graph; refused "
+             "with its reason (log, ~/status) when it does not hold", Qos(depth=10), when="loop_closure"),
     Endpoint(S, "/tf", "tf2_msgs/msg/TFMessage", "Robot transforms (camera extrinsics, odometry) via tf2_ros",
              TF, when=_TF_ON, scope="node"),
     Endpoint(S, "/tf_static", "tf2_msgs/msg/TFMessage", "Static robot transforms (the URDF) via tf2_ros",
@@ -101,9 +104,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
     Endpoint(P, "~/points", "sensor_msgs/msg/PointCloud2", "Per-frame cloud in map_frame (x, y, z, rgb, "
              "confidence), confident points only, every point_stride-th", Qos(depth=2), when="publish_points"),
     Endpoint(P, "~/map_points", "sensor_msgs/msg/PointCloud2", "Accumulated voxel-downsampled map (at most "
-             "map_publish_rate Hz, map_max_points points)", LATCHED, when="publish_map and accumulate_map"),
+             "map_publish_rate Hz, map_max_points points); with loop_closure the keyframes' points at their "
+             "corrected poses", LATCHED, when="publish_map and accumulate_map"),
     Endpoint(P, "~/map_points", "sensor_msgs/msg/PointCloud2", "Several cameras: every camera's map joined in "
              "map_frame", LATCHED, when="several and publish_map and accumulate_map", scope="node"),
+    Endpoint(P, "~/loop_closures", "visualization_msgs/msg/MarkerArray", "Loop closures tried: accepted "
+             "(green) and refused (red) lines between the two keyframes, in the map", LATCHED, when="loop_closure"),
     Endpoint(P, "~/depth", "sensor_msgs/msg/Image", "Depth, 32FC1 in the optical frame (NaN where unknown)",
              Qos(depth=2), when="publish_depth"),
     Endpoint(P, "~/depth/camera_info", "sensor_msgs/msg/CameraInfo", "Estimated intrinsics at the depth "
@@ -121,8 +127,12 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "its deferred evictions, release the decision hold"),
     Endpoint(V, "~/rollback_last_frame", "lingbot_map_ros/srv/RollbackFrame", "Drop the latest frame: its tokens "
              "leave the cache, its pose is forgotten"),
-    Endpoint(V, "~/save_map", "lingbot_map_ros/srv/SaveMap", "Write the map (PLY) and trajectory (TUM); several "
-             "cameras: every camera's", scope="node"),
+    Endpoint(V, "~/set_pose", "lingbot_map_ros/srv/SetPose", "The frame at the stamp (zero: the latest) is at "
+             "this pose in the map: the map frame moves so that it is, the pose graph keeps it as a prior",
+             when="loop_closure"),
+    Endpoint(V, "~/save_map", "lingbot_map_ros/srv/SaveMap", "Write the map (PLY) and trajectory (TUM; with "
+             "loop_closure the corrected one, and the front end's as trajectory_raw.tum); several cameras: every "
+             "camera's", scope="node"),
     Endpoint(V, "~/save_session", "lingbot_map_ros/srv/SaveSession", "Save the keyframe journal as a session "
              "folder (needs state_directory); several cameras: every camera's", scope="node"),
     Endpoint(V, "~/load_session", "lingbot_map_ros/srv/LoadSession", "Replace the state by a saved session: "

@@ -31,6 +31,22 @@ from .common import qos_profile, stamp_seconds
 from .conversions import make_pointcloud2
 
 
+def camera_map(channel: CameraChannel) -> tuple[Any, Callable[[], tuple[np.ndarray, np.ndarray]]]:
+    """(version, snapshot) of the map a camera publishes: with loop closure, its keyframes' points
+    at their corrected poses (``LoopCloser.map``: rebuilt after every optimisation); else the
+    accumulated map of its frames."""
+    loop = channel.engine.loop
+    if loop is not None:
+        points, colors, version = loop.map
+        return ("loop", version), lambda: (points, colors)
+    seq_map = channel.engine.seq.map
+
+    def snapshot():
+        p, c, _ = seq_map.snapshot()
+        return p, c
+    return seq_map.version, snapshot
+
+
 class MapTopics:
     """~/[<c>/]map_points of every camera and (named cameras with ``publish_map`` and
     ``accumulate_map``) the combined ~/map_points of ``node``; ``publish`` runs on its timer."""
@@ -63,9 +79,10 @@ class MapTopics:
                 continue
             output = seq.anchor.output  # how the camera publishes now (replaced as a whole)
             placed = channel.outputs.placement(output)
-            state = (seq.map.version, output, (placed.version, placed.frame))
+            version, snapshot = camera_map(channel)
+            state = (version, output, (placed.version, placed.frame))
             if wanted and self._version.get(name) != state:
-                points, colors, _ = seq.map.snapshot()
+                points, colors = snapshot()
                 channel.outputs.publish_map(points, colors, output)  # the map is kept in model units
                 self._version[name] = state
             if combined and placed.frame == self._map_frame:
@@ -80,7 +97,7 @@ class MapTopics:
         for channel in channels:
             seq = channel.engine.seq
             output = seq.anchor.output
-            p, c, _ = seq.map.snapshot()
+            p, c = camera_map(channel)[1]()
             placed = channel.outputs.placement(output)
             points.append(transform_points(placed.transform, output.points(p)).astype(np.float32))
             colors.append(c)

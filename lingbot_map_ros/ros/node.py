@@ -250,6 +250,7 @@ class LingBotMapNode(Node):
         clock = self._clock_problem()
         for channel in self.channels.values():
             channel.beat(clock)
+            channel.outputs.publish_loop_closures(channel.engine.loop, channel.engine.seq.anchor.output)
         self.diagnostics.publish(self._diagnostics(clock))
 
     def _clock_problem(self) -> str:

@@ -23,11 +23,12 @@ from typing import Any, Callable
 
 import numpy as np
 from builtin_interfaces.msg import Time as TimeMsg
-from geometry_msgs.msg import PoseStamped
+from geometry_msgs.msg import Point, PoseStamped
 from nav_msgs.msg import Odometry, Path
 from rclpy.node import Node
 from sensor_msgs.msg import CameraInfo, Image, PointCloud2
 from std_msgs.msg import Header
+from visualization_msgs.msg import Marker, MarkerArray
 
 from lingbot_map_ros.msg import FrameInfo, Status
 
@@ -70,6 +71,9 @@ class RosOutputs:
             self.depth = node.create_publisher(Image, f"~/{p}depth", qos_profile(depth=2))
             self.depth_info = node.create_publisher(CameraInfo, f"~/{p}depth/camera_info", qos_profile(depth=2))
         self.frame_info = node.create_publisher(FrameInfo, f"~/{p}frame", qos_profile(depth=10))
+        self.loop_closures = node.create_publisher(MarkerArray, f"~/{p}loop_closures",
+                                                   qos_profile(latched=True, depth=1)) if s.loop_closure else None
+        self._markers_made: Any = None  # what the last ~/loop_closures showed
         self.tf = TfOutput(node, tf_settings, node.get_logger().warning, shared=tf_shared)  # follows publish_tf
         self._warn = node.get_logger().warning
         self._scale_wait_throttle = Throttle(5.0)
@@ -221,6 +225,37 @@ class RosOutputs:
             points = points.astype(np.float32)
         header = Header(stamp=self.latest_stamp if stamp is None else stamp, frame_id=placed.frame)
         (publisher or self.map_points).publish(make_pointcloud2(points, colors, None, header))
+
+    def publish_loop_closures(self, loop, output: OutputTransform) -> None:
+        """~/[<camera>/]loop_closures when the closures tried or the corrections changed (node timer)."""
+        if self.loop_closures is None or loop is None:
+            return
+        placed = self.placement(output)
+        marks = list(loop.markers)
+        made = (len(marks), marks[-1] if marks else None, loop.corrections.version, output, placed.version)
+        if made == self._markers_made:
+            return
+        self.loop_closures.publish(loop_markers(marks, output, placed, self.latest_stamp))
+        self._markers_made = made
+
+
+def loop_markers(marks, output: OutputTransform, placed: Placement, stamp: Any) -> MarkerArray:
+    """~/loop_closures: the closures tried (``LoopCloser.markers``), accepted ones as green lines and
+    refused ones as red lines from the kept keyframe to the current one, in the placement's frame."""
+    out = MarkerArray()
+    for ident, (accepted, color) in enumerate(((True, (0.1, 0.9, 0.2)), (False, (0.95, 0.2, 0.1)))):
+        m = Marker(header=Header(stamp=stamp, frame_id=placed.frame), ns="loop_closures", id=ident,
+                   type=Marker.LINE_LIST, action=Marker.ADD)
+        m.scale.x = 0.02 if accepted else 0.01
+        m.color.r, m.color.g, m.color.b, m.color.a = (*color, 1.0)
+        m.pose.orientation.w = 1.0
+        ends = np.array([(mk.kept_position, mk.current_position) for mk in marks if mk.accepted == accepted],
+                        np.float64).reshape(-1, 3)
+        if len(ends):
+            ends = transform_points(placed.transform, output.points(ends))
+        m.points = [Point(x=float(p[0]), y=float(p[1]), z=float(p[2])) for p in ends]
+        out.markers.append(m)
+    return out
 
 
 def _placed(placed: Placement, T: np.ndarray) -> np.ndarray:

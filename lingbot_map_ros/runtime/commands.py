@@ -20,6 +20,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable
 
+import numpy as np
+
 from .frames import InputFrame, State
 from .journaling import SESSIONS_OFF, Resumed, SessionError, load_saved
 from .loop_journal import LOOP_JOURNAL_NAME, read_loop_journal
@@ -100,12 +102,23 @@ class CameraCommands:
         """The trajectory as it is now, and the map once the output thread has added the clouds of
         every frame up to now (a snapshot queued behind them); ``runtime.saving.write_map_files``
         writes the files on the caller's thread."""
-        seq = self.engine.seq
+        seq, loop = self.engine.seq, self.engine.loop
+        out = seq.anchor.output
+        if loop is not None:
+            # loop closure: the corrected path, the keyframes' map at the corrected poses, and the
+            # front end's own path beside them (trajectory_raw.tum)
+            loop.flush(self.flush_s)
+            points, colors, version = loop.map
+            snapshot = Command("loop map", lambda: (points, colors, version))
+            snapshot.run()
+            entries = seq.path.entries()
+            corrected = np.array([seq.corrections.pose(e.frame_index, e.T_map_cam) for e in entries]).reshape(-1, 4, 4)
+            return SaveSnapshot(seq.path.stamps(), corrected, snapshot, out.scale, out.offset,
+                                raw_poses=seq.path.poses())
         if seq.map is None:
             raise SaveError("the map is not accumulated (accumulate_map is false); nothing to save")
         snapshot = Command("map snapshot", seq.map.snapshot)
         seq.outputs.op(snapshot.run)
-        out = seq.anchor.output
         return SaveSnapshot(seq.path.stamps(), seq.path.poses(), snapshot, out.scale, out.offset)
 
     # ------------------------------------------------------------------ saved sessions (journaling)

@@ -10,7 +10,9 @@ sequence through the inference thread, between two frames (``InferenceEngine.sub
 - while relocalising, frames are not posed: ``locate`` hands one at a time to the place search and
   says so on ~/status (``frames_not_localized``);
 - a resumed journal or a loaded session takes its loop closure back (``restore``), and a loaded
-  session relocalises (the camera may be anywhere in its map).
+  session relocalises (the camera may be anywhere in its map);
+- a pose from outside (``~/set_pose``, ``~/pose_prior``) is checked against the path and the
+  keyframes and handed to the graph (``pose_input``).
 """
 from __future__ import annotations
 
@@ -20,12 +22,14 @@ from typing import Any
 import numpy as np
 
 from ..geometry import OPTICAL_TO_REP103
+from ..slam import Sim3
 from ..stream.window import KeptKeyframe
 from .corrections import Corrections
 from .frames import InputFrame, State
 from .loop_closure import LoopCloser, Relocation, as_rgb, loop_config
 from .loop_journal import LOOP_JOURNAL_NAME, LoopJournal
 from .loop_verify import ModelSideRunner, SideRunner
+from .pose_inputs import PoseInput, PoseRefused, check_pose_input, to_model_units
 
 RESTORE_FLUSH_S = 60.0  # how long a resume waits for the loop thread to rebuild the graph
 
@@ -108,6 +112,44 @@ class LoopLink:
         if loop.relocalizing:
             e.seq.set_state(State.INITIALIZING, f"relocalizing in the map of {len(loop.store)} keyframes: no pose "
                                                 "until the camera is found")
+
+
+    def pose_input(self, kind: str, p: PoseInput, map_frame: str | None = None) -> str:
+        """``kind`` "set_pose" (the frame at ``p``'s stamp, or the latest for a zero stamp, is at
+        ``p``: the map moves so that it is, and the graph keeps it as a prior) or "prior" (a prior of
+        the keyframe at or before that frame). Returns what was done; PoseRefused (nothing changed)
+        for a pose that is not taken, with the reason. ``map_frame``: the frame the camera publishes
+        its map in (default the ``map_frame`` parameter)."""
+        e = self.engine
+        loop, seq, s = e.loop, e.seq, e.settings
+        if loop is None:
+            raise PoseRefused("loop closure is off (parameter loop_closure): there is no pose graph to take it")
+        if loop.relocalizing:
+            raise PoseRefused("relocalizing: the camera is not found in the map yet, so no frame can be placed")
+        T, cov = check_pose_input(p, map_frame or s.map_frame)
+        out = seq.anchor.output
+        T, cov = to_model_units(T, cov, out.scale, out.offset)
+        entries = seq.path.entries()
+        if not entries:
+            raise PoseRefused("no frame has been posed yet")
+        if kind == "set_pose" and p.stamp_s == 0.0:
+            entry = entries[-1]
+        else:
+            entry = min(entries, key=lambda en: abs(en.stamp_s - p.stamp_s))
+            dt = abs(entry.stamp_s - p.stamp_s)
+            if dt > s.loop_prior_max_dt:
+                raise PoseRefused(f"stamp {p.stamp_s:.3f} s is {dt:.3f} s from the nearest frame of the path "
+                                  f"(loop_prior_max_dt {s.loop_prior_max_dt:g} s): no keyframe to put it on")
+        if kind == "set_pose":
+            loop.pose_input("set_pose", Sim3.from_pose(T), cov, entry.frame_index, entry.T_map_cam)
+            return f"frame {entry.frame_index + 1} set at the given pose; the map frame moves with it"
+        before = [i for i in loop.store.indices() if i <= entry.frame_index]
+        if not before:
+            raise PoseRefused(f"no keyframe at or before frame {entry.frame_index + 1} to put the prior on")
+        kf = loop.store.get(before[-1])
+        target = T @ np.linalg.inv(entry.T_map_cam) @ kf.T  # the keyframe, moved by the stream's motion since
+        loop.pose_input("prior", Sim3.from_pose(target), cov, kf.index)
+        return f"prior on keyframe {kf.index + 1} (frame {entry.frame_index + 1} at the given pose)"
 
 
 __all__ = ["LoopLink", "RESTORE_FLUSH_S"]

@@ -260,6 +260,9 @@ PARAMETERS: tuple[Param, ...] = (
           "the current keyframe's view", limits=(0.0, 1.0, 0.0)),
     Param("loop_robust_kernel", "cauchy", "Loop closure: robust kernel of loop edges (one false loop must not "
           "bend the map)", choices=("cauchy", "huber", "dcs", "none")),
+    Param("loop_prior_max_dt", 0.5, "Loop closure: ~/set_pose and ~/pose_prior take a pose whose stamp is at most "
+          "this far (s) from a frame the path holds (a set_pose with a zero stamp is for the latest frame)",
+          limits=(0.001, 3600.0, 0.0)),
     # -- several cameras (one model, one K/V pool; see ros/camera_channel.py)
     Param("cameras", [], "Names of the cameras served by this node (string array); empty = one camera on "
           "`image`/`camera_info` with outputs directly under the node. Each name c subscribes c/image (or "

@@ -104,6 +104,7 @@ class NodeSettings:
     loop_depth_tolerance: float = 0.05
     loop_min_overlap: float = 0.3
     loop_robust_kernel: str = "cauchy"
+    loop_prior_max_dt: float = 0.5
     cameras: tuple[str, ...] = ()  # empty = one camera, today's names
     camera_batching: bool = False  # several cameras: batched steps (runtime.scheduler)
     camera_pipelining: bool = True  # several cameras: pipelined steps (runtime.scheduler)
@@ -196,7 +197,7 @@ _PLAIN_FIELDS = ("gpu_memory_check", "gpu_memory_budget_gib", "camera_batching",
                  "keyframe_decision_timeout", "keyframe_decision_default", "time_jump_threshold", "on_time_jump",
                  "on_lost", "undistort", "scale_source", "metric_scale", "scale_wait_for_convergence", "deferred_eviction",
                  "loop_closure", "loop_min_similarity", "loop_min_separation", "loop_max_keyframes",
-                 "loop_min_inlier_ratio", "loop_depth_tolerance", "loop_min_overlap", "loop_robust_kernel") + tuple(HEALTH_PARAMETERS)
+                 "loop_min_inlier_ratio", "loop_depth_tolerance", "loop_min_overlap", "loop_robust_kernel", "loop_prior_max_dt") + tuple(HEALTH_PARAMETERS)
 
 
 def cuda_is_available() -> bool:
