@@ -23,10 +23,10 @@ with the image's stamp:
   ``T_map_base = T_map_cam · T_cam_base``.
 - ``map_to_camera`` (no robot): ``map -> camera_tf_frame`` with ``T_map_cam`` itself.
   The child defaults to ``<camera optical frame>_lingbot``: the camera frame keeps its
-  own parent (a URDF's), it is never given a second one. With loop closure (REP 105), two
-  transforms instead: ``odom_frame -> camera_tf_frame`` is the stream's own pose (continuous)
-  and ``map -> odom_frame`` the correction (``T_map_cam · inv(T_odom_cam)``), which jumps when a
-  loop closes.
+  own parent (a URDF's), it is never given a second one. With ``loop_closure`` (REP 105),
+  two transforms instead: ``odom_frame -> camera_tf_frame`` is the stream's own pose
+  (continuous) and ``map -> odom_frame`` the correction (``T_map_cam · inv(T_odom_cam)``:
+  the identity until the first loop or pose from outside, then it jumps with each).
 - ``auto``: ``base_frame`` empty -> ``map_to_camera``. ``base_frame`` set ->
   ``map_to_odom`` as soon as ``odom_frame -> base_frame`` is in TF; until then (after a
   grace of ``AUTO_ODOM_GRACE_S`` from the first frame with the extrinsic known)
@@ -321,7 +321,9 @@ class TfOutput:
             if mode is None:
                 return False
             edge = edge_for(mode, s, camera_frame)
-            loop_edges = mode == "map_to_camera" and T_front is not None
+            loop_edges = mode == "map_to_camera" and s.loop_closure
+            if loop_edges and T_front is None:  # no correction yet: map -> odom is the identity
+                T_front = T_map_cam
             if loop_edges:  # map -> odom (the correction) -> camera (the stream's pose)
                 edge = TfEdge(mode, s.odom_frame, edge.child, False, False)
                 if not self._child_free(TfEdge(mode, s.map_frame, s.odom_frame, False, False)):

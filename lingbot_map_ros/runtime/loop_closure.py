@@ -400,12 +400,18 @@ class LoopCloser:
         if job.error or not job.views or len(job.views) != 2:
             return f"the side session failed: {job.error or 'no results'}"
         others: tuple[Sim3, ...] = ()
-        if job.partner is not None and job.partner_views and job.partner.index in g.node:
-            rel_partner, _, _ = relative_in_stream_units(job.partner, job.current, job.partner_views)
-            if rel_partner is not None:  # kept <- partner through the graph, then partner <- current
-                between = g.graph.pose(g.node[job.kept.index]).inverse() @ g.graph.pose(g.node[job.partner.index])
-                others = (between @ rel_partner,)
-        measured = measure(job.kept, job.current, job.views, self.config.check, others)
+        if any(not _finite(v) for v in job.views):
+            return "the side session gave non-finite poses, depths or intrinsics"
+        try:
+            if job.partner is not None and job.partner_views and job.partner.index in g.node \
+                    and all(_finite(v) for v in job.partner_views):
+                rel_partner, _, _ = relative_in_stream_units(job.partner, job.current, job.partner_views)
+                if rel_partner is not None:  # kept <- partner through the graph, then partner <- current
+                    between = g.graph.pose(g.node[job.kept.index]).inverse() @ g.graph.pose(g.node[job.partner.index])
+                    others = (between @ rel_partner,)
+            measured = measure(job.kept, job.current, job.views, self.config.check, others)
+        except ValueError as exc:  # the side session's output does not hold together (NaN, inf, shapes)
+            return f"the side session's output cannot be used: {exc}"
         return measured if measured.accepted else (measured.reason or measured.verdict.reason)
 
     def _decide(self, job: _Job) -> None:
@@ -454,6 +460,12 @@ class LoopCloser:
         if self.on_relocated is not None:
             self.on_relocated(Relocation(job.kept.index, seeds, self.corrections.at(job.kept.index),
                                          measured.verdict.reason))
+
+
+def _finite(view: SideView) -> bool:
+    """A side view the checks can use: finite pose and intrinsics (depth may hold non-finite pixels:
+    they are left out)."""
+    return bool(np.all(np.isfinite(view.c2w)) and np.all(np.isfinite(view.intrinsics)))
 
 
 __all__ = ["LoopCloser", "LoopConfig", "LoopStats", "KeyframeIn", "Marker", "Relocation", "MARKERS",

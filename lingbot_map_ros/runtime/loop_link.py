@@ -142,7 +142,11 @@ class LoopLink:
                                   f"(loop_prior_max_dt {s.loop_prior_max_dt:g} s): no keyframe to put it on")
         if kind == "set_pose":
             loop.pose_input("set_pose", Sim3.from_pose(T), cov, entry.frame_index, entry.T_map_cam)
-            return f"frame {entry.frame_index + 1} set at the given pose; the map frame moves with it"
+            # in force for the next frame: the graph's answer is waited for and applied here
+            if not loop.flush(RESTORE_FLUSH_S):
+                return f"frame {entry.frame_index + 1} is set at the given pose once the pose graph has taken it"
+            seq.correct(loop.corrections)
+            return f"frame {entry.frame_index + 1} set at the given pose; the map frame moved with it"
         before = [i for i in loop.store.indices() if i <= entry.frame_index]
         if not before:
             raise PoseRefused(f"no keyframe at or before frame {entry.frame_index + 1} to put the prior on")

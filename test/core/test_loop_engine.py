@@ -295,3 +295,73 @@ def test_closure_plumbing_with_the_tiny_weights_verifies_candidates_with_the_mod
 
     kinds = [r.kind for r in read_loop_journal(tmp_path / "state" / "loop.lbj").records]
     assert kinds.count("lkf") == stats.keyframes and kinds.count("loop") == stats.accepted
+
+
+def _pose_input(x, y, z, q=(0.0, 0.0, 0.0, 1.0), cov=None, frame="map", stamp=0.0):
+    from lingbot_map_ros.runtime.pose_inputs import PoseInput
+
+    cov = np.diag([0.01] * 6) if cov is None else np.asarray(cov, float)
+    return PoseInput(frame, stamp, (x, y, z), tuple(q), tuple(cov.reshape(-1)))
+
+
+def test_set_pose_moves_the_map_and_bad_poses_are_refused_with_their_reason(tiny_model, tmp_path, scene):
+    """~/set_pose and ~/pose_prior through the engine (geometry stand-in): each bad input is refused
+    with its reason and changes nothing; a good set_pose puts the frame where it was said to be
+    (the path and map -> odom move with it); a prior lands on the keyframe at or before its frame."""
+    from lingbot_map_ros.geometry import matrix_to_quaternion
+    from lingbot_map_ros.runtime.pose_inputs import PoseRefused
+
+    reported, true, images, side = scene
+    run = Run(tiny_model, settings_of(tmp_path, publish_path=True), reported, true, side)
+    link = run.engine.loop_link
+    try:
+        for i, image in enumerate(images[:8]):
+            run.show(image, 1000.0 + i)
+        last = run.engine.seq.path.entries()[-1]
+        T = map_pose(run, last.frame_index)
+        q = matrix_to_quaternion(T[:3, :3])
+        bad = {"NaN": _pose_input(np.nan, 0, 0),
+               "unit quaternion": _pose_input(0, 0, 0, q=(0, 0, 0, 0.5)),
+               "positive definite": _pose_input(0, 0, 0, cov=np.diag([0.01, 0.01, 0.0, 0.01, 0.01, 0.01])),
+               "symmetric": _pose_input(0, 0, 0, cov=np.diag([0.01] * 6) + np.eye(6, k=1) * 0.001),
+               "not the map frame": _pose_input(0, 0, 0, frame="odom"),
+               "no frame_id": _pose_input(0, 0, 0, frame=""),
+               "from the nearest frame": _pose_input(0, 0, 0, stamp=5000.0)}
+        for kind in ("set_pose", "prior"):
+            for reason, p in bad.items():
+                with pytest.raises(PoseRefused, match=reason):
+                    cmd = run.engine.submit(kind, lambda p=p, kind=kind: link.pose_input(kind, p))
+                    assert cmd.wait(30)
+                    raise cmd.error
+        run.settle()
+        assert run.engine.seq.corrections.identity and run.engine.loop.graph.graph.edge_counts().get("prior", 0) == 0
+        # a good one: the latest frame is 1 unit further along x
+        target = (T[0, 3] + 1.0, T[1, 3], T[2, 3])
+        cmd = run.engine.submit("set_pose", lambda: link.pose_input("set_pose", _pose_input(*target, q=tuple(q))))
+        assert cmd.wait(30) and cmd.error is None, cmd.error
+        run.settle()
+        moved = map_pose(run, last.frame_index)
+        np.testing.assert_allclose(moved[:3, 3], target, atol=1e-3)
+        np.testing.assert_allclose(moved[:3, :3], T[:3, :3], atol=1e-3)
+        first = map_pose(run, 0)  # the whole map moved with it (a frame, not a bend)
+        np.testing.assert_allclose(first[:3, 3] - moved[:3, 3], map_pose_raw(run, 0)[:3, 3] - T[:3, 3], atol=1e-3)
+        assert run.engine.loop.graph.graph.edge_counts().get("prior", 0) == 1
+        # a prior on the stamp of frame 5: on keyframe 5, in the graph
+        entry = next(e for e in run.engine.seq.path.entries() if e.frame_index == 5)
+        P = map_pose(run, 5)
+        cmd = run.engine.submit("prior", lambda: link.pose_input("prior", _pose_input(
+            *P[:3, 3], q=tuple(matrix_to_quaternion(P[:3, :3])), stamp=entry.stamp_s)))
+        assert cmd.wait(30) and cmd.error is None and "keyframe 6" in cmd.result, (cmd.error, cmd.result)
+        run.settle()
+        assert run.engine.loop.graph.graph.edge_counts().get("prior", 0) == 2
+        # the next frame is published where the moved map has it
+        run.show(images[8], 1008.0)
+        out = run.sink.frames[-1]
+        np.testing.assert_allclose(out.T_map_cam, map_pose(run, out.frame_index - 1), atol=1e-9)  # 1-based
+        assert np.linalg.norm(out.T_map_cam[:3, 3] - out.T_front[:3, 3]) > 0.5
+    finally:
+        run.stop()
+
+
+def map_pose_raw(run: Run, index: int) -> np.ndarray:
+    return next(e for e in run.engine.seq.path.entries() if e.frame_index == index).T_map_cam

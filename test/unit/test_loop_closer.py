@@ -100,3 +100,30 @@ def test_a_candidate_whose_geometry_does_not_hold_is_rejected_with_its_reason(sc
     assert closer.stats.accepted == 0 and closer.stats.rejected >= 1
     assert closer.stats.last_reason and not closer.markers[-1].accepted
     assert closer.graph.graph.edge_counts().get("loop", 0) == 0 and not got
+
+
+@pytest.mark.parametrize("broken", ["intrinsics", "pose", "raises"])
+def test_a_side_session_that_gives_garbage_costs_the_candidate_not_the_loop_thread(scene, broken):
+    """A side session with infinite intrinsics, a NaN pose or an exception (what random weights
+    can give): each candidate is refused with its reason and counted; the loop thread goes on."""
+    true, reported, images, _ = scene
+
+    class Broken(TrueSideRunner):
+        def run(self, imgs):
+            if broken == "raises":
+                raise RuntimeError("CUDA error: an illegal memory access")
+            views = super().run(imgs)
+            v = views[1]
+            K, c2w = v.intrinsics.copy(), v.c2w.copy()
+            if broken == "intrinsics":
+                K[0, 0] = np.inf
+            else:
+                c2w[0, 3] = np.nan
+            return [views[0], type(v)(c2w, v.depth, v.confidence, K)]
+
+    side = Broken(list(zip(images[:N], true[:N])))
+    closer, got = run(list(zip(reported, images, true)), side, LoopConfig(min_separation=20))
+    stats = closer.stats
+    assert stats.candidates >= 1 and stats.rejected == stats.candidates and stats.accepted == 0, stats
+    assert {"intrinsics": "non-finite", "pose": "non-finite", "raises": "illegal memory"}[broken] in stats.last_reason
+    assert not got
