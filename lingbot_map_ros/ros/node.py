@@ -71,9 +71,7 @@ camera's TF output and the alignment.
 """
 from __future__ import annotations
 
-import gc
 import logging
-import sys
 from typing import Any
 
 from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
@@ -103,7 +101,8 @@ from .lifecycle import ManagedNode
 from .map_outputs import MapSaving, MapTopics
 from .node_parameters import PARAMETER_TABLE, declare_parameters, read_parameters, settings_after
 from .sessions import SessionServices, journal_diag, open_journals
-from .startup import FASTDDS_WARNING, ForwardToRos, StartupError, fastdds_without_profile, load_sessions
+from .startup import (FASTDDS_WARNING, ForwardToRos, StartupError, fastdds_without_profile, load_sessions,
+                      release_memory)
 from .tf_tools import SharedTf
 
 JOURNAL_CLOSE_S = 10.0  # s; how long shutdown waits for the journal writer to write what is queued
@@ -430,17 +429,6 @@ class LingBotMapNode(ManagedNode, Node):
                     f" ({st.bytes_written / 1e6 / max(st.seconds, 1e-9):.2f} MB/s, {st.rewrites} rewrites)"
                     for what, st in written))
         self.scheduler = None
-
-
-def release_memory() -> None:
-    """After the model and sessions were dropped: collect them (objects frozen out of the collector's
-    reach by ``runtime.engine`` after the first frame are unfrozen first, or a cycle through them would
-    keep the model alive) and give CUDA's cached blocks back to the device."""
-    gc.unfreeze()
-    gc.collect()
-    torch = sys.modules.get("torch")  # imported by the model's loading; nothing to give back without it
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
 
 
 __all__ = ["LingBotMapNode", "StartupError"]
