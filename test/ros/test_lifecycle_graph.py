@@ -141,3 +141,30 @@ def test_the_lifecycle_of_the_managed_node(fixtures, tmp_path):
     finally:
         client.close()
         node.close()
+
+
+def test_the_node_process_managed_from_its_command_line(fixtures, tmp_path):
+    """``lingbot_map_node --ros-args -p managed:=true``: the process's own executors (ros/main.py) serve
+    the transitions; configured and activated it poses frames, and SIGINT ends it with status 0."""
+    from graph_helpers import start_ros_process, stop_processes, write_node_params
+
+    params = write_node_params(tmp_path / "p.yaml", fixtures, {**BASE, "managed": False})  # -p below sets it
+    log = tmp_path / "node.log"
+    proc = start_ros_process("lingbot_map_ros.ros.main", ["--params-file", str(params), "-r", f"__node:={NAME}",
+                                                          "-p", "managed:=true"], log, DOMAIN_ID)
+    client = GraphClient("lifecycle_process_client", DOMAIN_ID, TIMEOUT)
+    client.watch(proc, log)
+    try:
+        poses = client.record(PoseStamped, f"{NODE}/pose", "pose")
+        images = client.node.create_publisher(Image, "/image", 10)
+        assert state(client) == "unconfigured"
+        assert change(client, Transition.TRANSITION_CONFIGURE) and change(client, Transition.TRANSITION_ACTIVATE)
+        assert state(client) == "active"
+        client.record(Status, f"{NODE}/status", "status", depth=500)
+        for i, frame in enumerate(generated_frames(3), 1):
+            client.send_for_status(images, image_msg(frame, i), "status", first=i == 1)
+        client.wait(lambda: poses, "a pose from the process")
+    finally:
+        client.close()
+        stop_processes(proc)
+    assert proc.returncode == 0, log.read_text()[-3000:]
