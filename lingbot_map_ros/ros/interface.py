@@ -151,8 +151,8 @@ ENDPOINTS: tuple[Endpoint, ...] = (
 LIFECYCLE_STATES: tuple[tuple[str, str], ...] = (
     ("unconfigured", "at start and after cleanup: parameters declared (and writable), nothing loaded, no topic "
      "but ~/transition_event, no service but the lifecycle's and the parameters'"),
-    ("inactive", "after configure: model loaded, journals open, publishers made (silent), ~/grid built, services "
-     "answer; no input subscribed"),
+    ("inactive", "after configure: model loaded, journals open, publishers made (silent), services answer, the TF "
+     "listener fills its buffer; no image, camera_info or depth subscribed"),
     ("active", "after activate: inputs subscribed, everything published; deactivate returns to inactive keeping "
      "the map and the model's state"),
     ("finalized", "after shutdown (from any state): threads stopped, journals and files complete; the process "

@@ -13,8 +13,11 @@ transition  phase                            what it does
 configure   ``configure_node``               parameters read and checked, GPU memory checked, the
                                              checkpoint loaded, journals opened (a resume runs the
                                              model over them), engines, publishers (inactive) and
-                                             services made, the inference thread started (idle)
-activate    ``activate_node``                publishers enabled, inputs subscribed, timers started
+                                             services made, the TF listener started (the URDF's
+                                             transforms fill its buffer), the inference thread
+                                             started (idle: no image comes in)
+activate    ``activate_node``                publishers enabled, image, camera_info and depth
+                                             subscribed, timers started
 deactivate  ``deactivate_node``              inputs unsubscribed, timers stopped, the frame in
                                              progress finished, publishers disabled; the model's
                                              state (cache, path, map, grid) is kept and services

@@ -38,13 +38,25 @@ BASE = {"image_width": 98, "num_scale_frames": 2, "sliding_window": 3, "device":
         "publish_depth": False, "publish_points": False, "conf_threshold": 0.0, "map_publish_rate": 0.0}
 
 
-def change(client: GraphClient, transition: int) -> bool:
+def change(client: GraphClient, transition: int, node: str = NODE) -> bool:
     request = ChangeState.Request(transition=Transition(id=transition))
-    return client.call(ChangeState, f"{NODE}/change_state", request, timeout=TIMEOUT).success
+    return client.call(ChangeState, f"{node}/change_state", request, timeout=TIMEOUT).success
 
 
-def state(client: GraphClient) -> str:
-    return client.call(GetState, f"{NODE}/get_state", GetState.Request()).current_state.label
+def state(client: GraphClient, node: str = NODE) -> str:
+    return client.call(GetState, f"{node}/get_state", GetState.Request()).current_state.label
+
+
+def first_state(client: GraphClient, node: str, attempts: int = 10) -> str:
+    """The state, asked until an answer comes (at most ``attempts`` times, 5 s each): a request sent
+    before DDS matched the server's reply writer to the client is answered into the void, and
+    asking again is harmless."""
+    for _ in range(attempts - 1):
+        try:
+            return client.call(GetState, f"{node}/get_state", GetState.Request(), timeout=5.0).current_state.label
+        except AssertionError:
+            continue
+    return state(client, node)
 
 
 def subscribed_topics(node) -> set[str]:
@@ -64,12 +76,14 @@ def test_the_lifecycle_of_the_managed_node(fixtures, tmp_path):
         images = client.node.create_publisher(Image, "/image", 10)
         n = node.node
         # unconfigured: nothing loaded, nothing subscribed; the state machine refuses what it does not allow
-        assert state(client) == "unconfigured" and n.scheduler is None and "/image" not in subscribed_topics(n)
+        assert first_state(client, NODE) == "unconfigured" and n.scheduler is None
+        assert "/image" not in subscribed_topics(n)
         assert not change(client, Transition.TRANSITION_ACTIVATE) and state(client) == "unconfigured"
 
         # a bad checkpoint: configure fails with the reason, the node stays unconfigured
         assert not change(client, Transition.TRANSITION_CONFIGURE)
         assert state(client) == "unconfigured" and n.scheduler is None and not n.channels
+        assert {p.topic_name for p in n.publishers} <= {"/rosout", "/parameter_events"}  # what it made is gone
         failed = client.wait(lambda: next((m.msg for m in logs if m.name == NAME and "configure failed" in m.msg),
                                           None), "the configure failure on /rosout")
         assert f"cannot read checkpoint {bad}" in failed, failed
@@ -149,18 +163,19 @@ def test_the_node_process_managed_from_its_command_line(fixtures, tmp_path):
     from graph_helpers import start_ros_process, stop_processes, write_node_params
 
     params = write_node_params(tmp_path / "p.yaml", fixtures, {**BASE, "managed": False})  # -p below sets it
+    name = "lifecycle_process"  # not the in-process node's name: no stale discovery of its services
     log = tmp_path / "node.log"
-    proc = start_ros_process("lingbot_map_ros.ros.main", ["--params-file", str(params), "-r", f"__node:={NAME}",
+    proc = start_ros_process("lingbot_map_ros.ros.main", ["--params-file", str(params), "-r", f"__node:={name}",
                                                           "-p", "managed:=true"], log, DOMAIN_ID)
     client = GraphClient("lifecycle_process_client", DOMAIN_ID, TIMEOUT)
     client.watch(proc, log)
     try:
-        poses = client.record(PoseStamped, f"{NODE}/pose", "pose")
+        poses = client.record(PoseStamped, f"/{name}/pose", "pose")
+        client.record(Status, f"/{name}/status", "status", depth=500)
         images = client.node.create_publisher(Image, "/image", 10)
-        assert state(client) == "unconfigured"
-        assert change(client, Transition.TRANSITION_CONFIGURE) and change(client, Transition.TRANSITION_ACTIVATE)
-        assert state(client) == "active"
-        client.record(Status, f"{NODE}/status", "status", depth=500)
+        assert first_state(client, f"/{name}") == "unconfigured"
+        assert change(client, Transition.TRANSITION_CONFIGURE, f"/{name}")
+        assert change(client, Transition.TRANSITION_ACTIVATE, f"/{name}") and state(client, f"/{name}") == "active"
         for i, frame in enumerate(generated_frames(3), 1):
             client.send_for_status(images, image_msg(frame, i), "status", first=i == 1)
         client.wait(lambda: poses, "a pose from the process")
