@@ -116,6 +116,12 @@ class CameraChannel:
         ok, _, _ = self.run("deactivate", drop_waiting)
         return ok and self.engine.outputs.flush(timeout)
 
+    def detach(self) -> None:
+        """A managed node's cleanup (after ``unsubscribe``, its services destroyed, the engine stopped):
+        drop the engine and the outputs. An executor may hold a destroyed subscription or service of
+        this channel until it next wakes; through the channel it must not keep the model alive."""
+        self.engine = self.outputs = None
+
     def create_services(self, service_node: Node, node_name: str, group) -> list:
         """~/[<camera>/]reset, set_deferred_eviction, commit_eviction, rollback_last_frame on the
         helper node ``service_node`` under ``node_name`` (this node's fully qualified name)."""

@@ -238,6 +238,8 @@ class LingBotMapNode(ManagedNode, Node):
                 self.destroy_timer(timer)
             self._made = None
         self._timer_handles, self._rate_timers = [], {}
+        for channel in self.channels.values():
+            channel.detach()
         self.channels.clear()
         self.tf_shared = self.cameras = self.diagnostics = self.maps = self.map_saving = None
         self.session_services = self.sessions = self.grid = self.settings = None
@@ -347,7 +349,7 @@ class LingBotMapNode(ManagedNode, Node):
             callback = self.maps.publish
         else:
             publisher = self.grid is not None
-            callback = self.grid.publish if self.grid is not None else None
+            callback = self._publish_grid
         if publisher and rate > 0:
             self._rate_timers[which] = self.create_timer(1.0 / rate, callback, callback_group=self._timer_group,
                                                          clock=self._steady)
@@ -376,6 +378,12 @@ class LingBotMapNode(ManagedNode, Node):
     def _flush_paths(self) -> None:
         for channel in self.channels.values():
             channel.outputs.flush_path()
+
+    def _publish_grid(self) -> None:
+        # through the node, not a bound method of the grid: an executor that still holds a destroyed
+        # timer (until it wakes) must not keep the grid, and with it the engine and the model, alive
+        if self.grid is not None:
+            self.grid.publish()
 
     def _diagnostics(self, clock: str) -> DiagnosticArray:
         """/diagnostics: the clock, the shared pool (several cameras) and every camera's entries (the
