@@ -31,6 +31,8 @@ Arguments:
                      (docs/sessions.md); empty = as in the params file (off there)
   session            a folder written by ~/save_session: the node starts in that session's map
                      (the parameter load_session); leave it out for a new map
+  managed            true: the node is a managed (lifecycle) node that waits for configure and
+                     activate (Nav2's lifecycle_manager, docs/nav2.md); empty = as in the params file
   dds_profile        Fast DDS profile of the node (FASTDDS_DEFAULT_PROFILES_FILE): large_messages
                      (default) = config/fastdds_large_messages.xml, 16 MB shared-memory segments so
                      that raw images over 512 KB are not sent as UDP fragments (export the same
@@ -74,6 +76,9 @@ ARGUMENTS = (
     ("state_directory", "", "Folder of the keyframe journal (the map survives a restart); empty = as in the params "
      "file"),
     ("session", "", "A saved session (~/save_session) to start from: the node localizes in its map; empty = none"),
+    # -- Nav2 (docs/nav2.md)
+    ("managed", "", "true: a managed (lifecycle) node, configured and activated by a lifecycle manager (Nav2's); "
+     "empty = as in the params file (false there)"),
 )
 DDS_PROFILES = {"large_messages": "fastdds_large_messages.xml"}
 
@@ -148,6 +153,8 @@ def _setup(context, *args, **kwargs):
         overrides["load_session"] = value["session"].strip()
     if value["camera_batching"].strip():
         overrides["camera_batching"] = _flag("camera_batching", value["camera_batching"])
+    if value["managed"].strip():
+        overrides["managed"] = _flag("managed", value["managed"])
     if selector:
         overrides["keyframe_decision_timeout"] = _seconds("keyframe_decision_timeout",
                                                           value["keyframe_decision_timeout"])

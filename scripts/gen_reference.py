@@ -144,6 +144,19 @@ def endpoint_tables() -> list[str]:
     return out
 
 
+def lifecycle_states() -> list[str]:
+    from lingbot_map_ros.ros.interface import LIFECYCLE_STATES
+
+    out = ["### Lifecycle states (`managed:=true`)", "",
+           "A managed node is driven by rclpy's lifecycle state machine (transitions configure, activate, "
+           "deactivate, cleanup, shutdown over `~/change_state`; a transition not allowed from the current "
+           "state is refused). A failing configure (bad parameter or checkpoint, too little GPU memory) logs "
+           "the reason and leaves the node unconfigured. Use with Nav2: [nav2.md](nav2.md).", "",
+           "| State | What holds |", "|---|---|"]
+    out += [f"| `{state}` | {cell(text)} |" for state, text in LIFECYCLE_STATES]
+    return out + [""]
+
+
 def tool_parameters(title: str, module: str, intro: str) -> list[str]:
     import importlib
 
@@ -257,6 +270,7 @@ def render() -> str:
     lines += launch_arguments()
     lines += node_parameters()
     lines += endpoint_tables()
+    lines += lifecycle_states()
     lines += tool_parameters(
         "keyframe_selector", "lingbot_map_ros.ros.keyframe_selector",
         "Reference keyframe client ([keyframes over services](keyframes.md)): subscribes `<target_node>/frame`, "

@@ -101,6 +101,32 @@ class CameraChannel:
             self.prior_sub = node.create_subscription(PoseWithCovarianceStamped, f"~/{p}pose_prior",
                                                       self.on_pose_prior, qos_profile(depth=10), callback_group=group)
 
+    def unsubscribe(self) -> None:
+        """Destroy the input subscriptions (a managed node's deactivate): no frame comes in after this."""
+        for sub in (self.image_sub, self.camera_info_sub, self.depth_sub, self.prior_sub):
+            if sub is not None:
+                self.node.destroy_subscription(sub)
+        self.image_sub = self.camera_info_sub = self.depth_sub = self.prior_sub = None
+
+    def pause(self, timeout: float) -> bool:
+        """After ``unsubscribe``: wait until the inference thread has finished the frame it is on and
+        dropped the one waiting (counted as stale), and the output thread what it has; the engine's
+        state (cache, path, map) stays. False when that took longer than ``timeout`` s."""
+        seq = self.engine.seq
+
+        def drop_waiting() -> None:
+            if self.engine.queue.discard_frame() is not None:
+                seq.count("frames_dropped_stale")
+
+        ok, _, _ = self.run("deactivate", drop_waiting)
+        return ok and self.engine.outputs.flush(timeout)
+
+    def detach(self) -> None:
+        """A managed node's cleanup (after ``unsubscribe``, its services destroyed, the engine stopped):
+        drop the engine and the outputs. An executor may hold a destroyed subscription or service of
+        this channel until it next wakes; through the channel it must not keep the model alive."""
+        self.engine = self.outputs = None
+
     def create_services(self, service_node: Node, node_name: str, group) -> list:
         """~/[<camera>/]reset, set_deferred_eviction, commit_eviction, rollback_last_frame on the
         helper node ``service_node`` under ``node_name`` (this node's fully qualified name)."""

@@ -137,6 +137,36 @@ ENDPOINTS: tuple[Endpoint, ...] = (
              "folder (needs state_directory); several cameras: every camera's", scope="node"),
     Endpoint(V, "~/load_session", "lingbot_map_ros/srv/LoadSession", "Replace the state by a saved session: "
              "later frames are posed in its map; several cameras: every camera's", scope="node"),
+    # -- Nav2: occupancy grid and the managed node (docs/nav2.md); the lifecycle entries are rclpy's own,
+    # served by the node itself (not the helper) from construction on
+    Endpoint(P, "~/grid", "nav_msgs/msg/OccupancyGrid", "Occupancy grid of the first camera in its map frame "
+             "(100 occupied, 0 free, -1 unknown; at most grid_publish_rate Hz while it changes); none while "
+             "the grid is off (~/status says why)", LATCHED, when="grid", scope="node"),
+    Endpoint(P, "~/transition_event", "lifecycle_msgs/msg/TransitionEvent", "Each lifecycle transition "
+             "(rclpy's)", RELIABLE, when="managed", scope="node"),
+    Endpoint(V, "~/change_state", "lifecycle_msgs/srv/ChangeState", "Request a lifecycle transition (configure, "
+             "activate, deactivate, cleanup, shutdown); success false when refused or failed (the node logs why)",
+             when="managed", scope="node"),
+    Endpoint(V, "~/get_state", "lifecycle_msgs/srv/GetState", "The current lifecycle state", when="managed",
+             scope="node"),
+    Endpoint(V, "~/get_available_states", "lifecycle_msgs/srv/GetAvailableStates", "Every lifecycle state",
+             when="managed", scope="node"),
+    Endpoint(V, "~/get_available_transitions", "lifecycle_msgs/srv/GetAvailableTransitions", "The transitions "
+             "allowed from the current state", when="managed", scope="node"),
+    Endpoint(V, "~/get_transition_graph", "lifecycle_msgs/srv/GetAvailableTransitions", "Every transition of "
+             "the state machine", when="managed", scope="node"),
+)
+
+# -- Nav2: the managed node's states (managed:=true; ros/lifecycle.py): (state, what holds in it)
+LIFECYCLE_STATES: tuple[tuple[str, str], ...] = (
+    ("unconfigured", "at start and after cleanup: parameters declared (and writable), nothing loaded, no topic "
+     "but ~/transition_event, no service but the lifecycle's and the parameters'"),
+    ("inactive", "after configure: model loaded, journals open, publishers made (silent), services answer, the TF "
+     "listener fills its buffer; no image, camera_info or depth subscribed"),
+    ("active", "after activate: inputs subscribed, everything published; deactivate returns to inactive keeping "
+     "the map and the model's state"),
+    ("finalized", "after shutdown (from any state): threads stopped, journals and files complete; the process "
+     "waits for SIGINT/SIGTERM"),
 )
 
 
@@ -169,4 +199,4 @@ def expected(settings: Mapping[str, Any], cameras: tuple[str, ...] = ()) -> list
     return out
 
 
-__all__ = ["Qos", "Endpoint", "ENDPOINTS", "INPUT_QOS", "expected", "resolve_name"]
+__all__ = ["Qos", "Endpoint", "ENDPOINTS", "INPUT_QOS", "LIFECYCLE_STATES", "expected", "resolve_name"]

@@ -6,7 +6,10 @@
 ``main`` builds the node (``node.LingBotMapNode``), spins it on one executor thread and its
 services (the helper node ``<name>_services``) on a multi-threaded executor of their own,
 and on SIGINT/SIGTERM stops the node's threads before the context is shut down. Exit status
-0 on shutdown, 1 when the node cannot start (one error line).
+0 on shutdown, 1 when the node cannot start (one error line). With ``managed:=true`` the node
+starts unconfigured and its lifecycle transitions run on the node's executor thread
+(``lifecycle``); a failing configure leaves it running, unconfigured, and after the shutdown
+transition it stays (finalized) until SIGINT/SIGTERM.
 """
 from __future__ import annotations
 

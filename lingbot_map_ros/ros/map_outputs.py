@@ -8,7 +8,9 @@
   thread, then the files are written on the service thread, so a slow disk holds up neither
   frames nor the other services. The unnamed camera writes map.ply and trajectory.tum; named
   cameras one map.ply for the cameras in ``map_frame`` (map_<c>.ply for a camera in its own
-  frame) and trajectory_<c>.tum each (``runtime.multi_save``).
+  frame) and trajectory_<c>.tum each (``runtime.multi_save``). With ``grid`` the occupancy grid
+  follows as map.yaml + map-<id>.pgm in the same folder (``grid_outputs``), or the answer says why
+  not.
 """
 from __future__ import annotations
 
@@ -113,10 +115,12 @@ class MapSaving:
 
     ``settings`` returns the node's settings now (``service_timeout`` may change at run time)."""
 
-    def __init__(self, channels: dict[str, CameraChannel], settings: Callable[[], NodeSettings], log) -> None:
+    def __init__(self, channels: dict[str, CameraChannel], settings: Callable[[], NodeSettings], log,
+                 grid: Any = None) -> None:
         self._channels = channels
         self._settings = settings
         self._log = log
+        self._grid = grid  # ros.grid_outputs.GridOutput: its files go next to the map's (None: no grid)
         self._lock = threading.Lock()  # one save writes at a time
 
     def save(self, request, response):
@@ -128,7 +132,7 @@ class MapSaving:
                 error = f"camera {name}: {error}" if name else error
                 break
             snapshots[name] = snapshot
-        saved = None
+        saved, grid_note = None, ""
         s = self._settings()
         timeout = s.service_timeout
         if error:  # a camera's snapshot failed: nothing written
@@ -138,6 +142,8 @@ class MapSaving:
         else:
             try:
                 saved = self._write(snapshots, request.directory, s)
+                if self._grid is not None:  # the map_server files after the pair, in the same folder
+                    grid_note = "; " + self._grid.save_beside(next(iter(saved.maps.values())).parent)
             except (SaveError, MapSaveError) as exc:
                 error = str(exc)
             finally:
@@ -152,7 +158,7 @@ class MapSaving:
             files = [str(p) for p in list(saved.maps.values()) + list(saved.trajectories.values())]
             notes = "; ".join(f"camera {c} not saved: {why}" for c, why in saved.skipped.items())
             listed = ", ".join(files) if s.cameras else " and ".join(files)
-            response.message = f"wrote {listed}" + (f" ({notes})" if notes else "")
+            response.message = f"wrote {listed}" + (f" ({notes})" if notes else "") + grid_note
         self._log.info(f"~/save_map: {response.message}")
         return response
 

@@ -49,7 +49,12 @@ nobody listens: per-frame clouds, depth; the map is still accumulated when
 
 Start-up. Parameters map onto ModelConfig/StreamConfig (``node_parameters``, each value
 logged); the model is loaded once (``startup.load_sessions``). A bad parameter, checkpoint or
-backend ends the process with exit status 1 and one error line.
+backend ends the process with exit status 1 and one error line. With ``managed`` the node is a
+lifecycle node (``lifecycle``): the same phases run at its transitions, and a failing configure
+leaves it unconfigured instead of ending the process.
+
+Nav2. With ``grid`` the first camera's sequence builds an occupancy grid, published on
+``~/grid`` and written by ``~/save_map`` as map_server files (``grid_outputs``).
 
 One camera is the case of many. The node's cameras are one ``camera_set.CameraSet``: without
 the parameter ``cameras`` a set of one camera (named "", the names above); with ``cameras``
@@ -74,6 +79,7 @@ from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.clock import Clock, ClockType
 from rclpy.exceptions import ParameterException
+from rclpy.lifecycle import LifecyclePublisher
 from rclpy.node import Node
 from std_msgs.msg import Header
 
@@ -83,35 +89,88 @@ from ..config import ConfigError
 from ..journal import JournalError
 from ..runtime.frames import StatusFields
 from ..runtime.journaling import SessionError
+from ..runtime.params import NodeSettings, check_value
 from ..runtime.scheduler import CameraScheduler
 from .camera_channel import CameraChannel
 from .camera_set import CameraSet
 from .common import NODE_NAME, SERVICE_QOS, diag, qos_profile
 from .conversions import compressed_to_rgb, image_to_rgb
 from .diagnostics import input_diag, state_diags
+from .grid_outputs import GridOutput
+from .lifecycle import ManagedNode
 from .map_outputs import MapSaving, MapTopics
-from .node_parameters import declare_parameters, settings_after
+from .node_parameters import PARAMETER_TABLE, declare_parameters, read_parameters, settings_after
 from .sessions import SessionServices, journal_diag, open_journals
-from .startup import FASTDDS_WARNING, ForwardToRos, StartupError, fastdds_without_profile, load_sessions
+from .startup import (FASTDDS_WARNING, ForwardToRos, StartupError, fastdds_without_profile, load_sessions,
+                      release_memory)
 from .tf_tools import SharedTf
 
 JOURNAL_CLOSE_S = 10.0  # s; how long shutdown waits for the journal writer to write what is queued
 
 
-class LingBotMapNode(Node):
+class LingBotMapNode(ManagedNode, Node):
     """See the module docstring. Raises StartupError when it cannot start.
 
     Spin ``service_node`` as well, on an executor of its own (``ros.main.main`` does): it serves
-    the node's services."""
+    the node's services.
+
+    Phases (``ros.lifecycle``): ``configure_node`` (parameters, model, journals, engines, outputs,
+    services, the inference thread), ``activate_node`` (subscriptions, timers), ``deactivate_node``,
+    ``cleanup_node``. A plain node runs the first two at construction; a managed one
+    (``managed:=true``) waits for its lifecycle transitions."""
 
     def __init__(self, node_name: str = NODE_NAME, **kwargs) -> None:
-        super().__init__(node_name, **kwargs)
+        Node.__init__(self, node_name, **kwargs)
         log = self.get_logger()
         self._log_handler = ForwardToRos(log)
         logging.getLogger("lingbot_map_ros").addHandler(self._log_handler)
         logging.getLogger("lingbot_map_ros").setLevel(logging.INFO)
         try:
-            self.settings, self.camera_settings = declare_parameters(self)
+            self.managed = declare_parameters(self)
+        except ParameterException as exc:
+            raise StartupError(f"invalid parameters: {exc}") from None
+        self.settings: NodeSettings | None = None  # read at configure
+        self.camera_settings: dict[str, NodeSettings] = {}
+        self.channels: dict[str, CameraChannel] = {}
+        self.scheduler: CameraScheduler | None = None
+        self.grid: GridOutput | None = None
+        # made at configure (``configure_node``), dropped at cleanup
+        self.tf_shared = self.cameras = self.diagnostics = self.maps = self.map_saving = None
+        self.session_services = self.sessions = None
+        self._made: tuple[set, set, set] | None = None  # entities before configure (cleanup destroys the rest)
+        # The services live on a helper node that ros.main spins on its own executor thread (see
+        # ``_create_services``); made here so that an executor can take it before configure.
+        self.service_node = Node(f"{self.get_name()}_services", namespace=self.get_namespace(),
+                                 context=self.context, use_global_arguments=False,
+                                 start_parameter_services=False)
+        self._service_handles: list = []
+        self._input_group = MutuallyExclusiveCallbackGroup()
+        self._timer_group = MutuallyExclusiveCallbackGroup()
+        # Timers run on the steady clock: with use_sim_time and no /clock, /diagnostics and the
+        # status heartbeat go on (and say so) instead of stopping without a word.
+        self._steady = Clock(clock_type=ClockType.STEADY_TIME)
+        self._sim_time_seen: tuple[int, float] | None = None  # (ROS time ns, steady s) when it last moved
+        self._timer_handles: list = []
+        self._rate_timers: dict[str, Any] = {}
+        self.add_on_set_parameters_callback(self._check_parameters)
+        self.add_post_set_parameters_callback(self._apply_parameters)
+        if self.managed:
+            self.start_lifecycle()
+            log.info(f"managed node: unconfigured; waiting for the lifecycle transitions (configure, activate) on "
+                     f"{self.get_fully_qualified_name()}/change_state")
+            return
+        self.configure_node()
+        self.activate_node()
+
+    # ------------------------------------------------------------------ phases (ros.lifecycle)
+    def configure_node(self) -> None:
+        """Parameters read and checked, the model loaded (the memory check first), the journals opened,
+        a channel per camera (its engine and publishers), ~/grid, the services; the inference thread
+        started (idle: nothing is subscribed). StartupError with the reason."""
+        log = self.get_logger()
+        self._made = (set(self.publishers), set(self.subscriptions), set(self.timers))
+        try:
+            self.settings, self.camera_settings = read_parameters(self)
         except (ParameterException, ConfigError) as exc:
             raise StartupError(f"invalid parameters: {exc}") from None
         s = self.settings
@@ -119,28 +178,24 @@ class LingBotMapNode(Node):
         # first user: the alignment at once when base_frame is set, a camera that publishes TF)
         self.tf_shared = SharedTf(self)
         self.cameras = CameraSet(s, list(self.camera_settings), self.tf_shared, log)
-        self.channels: dict[str, CameraChannel] = {}
         self._start_cameras()
-
-        self._input_group = MutuallyExclusiveCallbackGroup()
-        self._timer_group = MutuallyExclusiveCallbackGroup()
-        for channel in self.channels.values():  # converters named here so that a profiler may wrap them
-            channel.subscribe(self._input_group, None, image_to_rgb, compressed_to_rgb)
         self.diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", qos_profile())
         self.maps = MapTopics(self, self.channels, s)  # ~/[<c>/]map_points (and listed cameras' ~/map_points)
+        first = self.channels[self.cameras.reference]
+        self.grid = GridOutput(self, first, first.settings, self.tf_shared) if s.grid else None
         self._create_services(log)
-        # Timers run on the steady clock: with use_sim_time and no /clock, /diagnostics and the
-        # status heartbeat go on (and say so) instead of stopping without a word.
-        self._steady = Clock(clock_type=ClockType.STEADY_TIME)
-        self._sim_time_seen: tuple[int, float] | None = None  # (ROS time ns, steady s) when it last moved
+        self.scheduler.start()
+
+    def activate_node(self) -> None:
+        """Inputs subscribed, timers started: frames flow."""
+        s, log = self.settings, self.get_logger()
+        for channel in self.channels.values():  # converters named here so that a profiler may wrap them
+            channel.subscribe(self._input_group, None, image_to_rgb, compressed_to_rgb)
         self._timer_handles = [self.create_timer(1.0, self._on_second, callback_group=self._timer_group,
                                                  clock=self._steady)]
-        self._rate_timers: dict[str, Any] = {}
         self._set_rate_timer("path", s.path_publish_rate)
         self._set_rate_timer("map", s.map_publish_rate)
-        self.add_on_set_parameters_callback(self._check_parameters)
-        self.add_post_set_parameters_callback(self._apply_parameters)
-        self.scheduler.start()
+        self._set_rate_timer("grid", s.grid_publish_rate)
         if "raw" in {c.settings.input_transport for c in self.channels.values()} and fastdds_without_profile():
             log.warning(FASTDDS_WARNING)
         for channel in self.channels.values():
@@ -148,6 +203,48 @@ class LingBotMapNode(Node):
             log.info(f"ready: listening on {channel.image_sub.topic_name} ({cs.input_transport}, {cs.input_qos} QoS), "
                      f"device {cs.stream.device}, backend {channel.engine.session.inner.backend.name}, "
                      f"dtype {cs.stream.dtype}")
+
+    def deactivate_node(self) -> None:
+        """Inputs unsubscribed and timers stopped, then each camera's frame in progress finished (a
+        frame still waiting is dropped as stale); the engines keep their state."""
+        for channel in self.channels.values():
+            channel.unsubscribe()
+        for timer in self._timer_handles + list(self._rate_timers.values()):
+            self.destroy_timer(timer)
+        self._timer_handles, self._rate_timers = [], {}
+        timeout = self.settings.service_timeout if self.settings is not None else 5.0
+        for name, channel in self.channels.items():
+            if not channel.pause(timeout):
+                self.get_logger().warning(f"deactivate: camera {name or '(one)'} did not finish its frame within "
+                                          f"{timeout:.1f} s")
+
+    def cleanup_node(self) -> None:
+        """Threads stopped, journals closed, everything ``configure_node`` made destroyed, the model and
+        sessions released (also after a configure that failed half way)."""
+        self._stop_threads()
+        for handle in self._service_handles:
+            self.service_node.destroy_service(handle)
+        self._service_handles = []
+        if self._made is not None:
+            publishers, subscriptions, timers = self._made
+            for publisher in [p for p in self.publishers if p not in publishers]:
+                if isinstance(publisher, LifecyclePublisher):
+                    self.destroy_lifecycle_publisher(publisher)
+                else:
+                    self.destroy_publisher(publisher)
+            for subscription in [x for x in self.subscriptions if x not in subscriptions]:
+                self.destroy_subscription(subscription)
+            for timer in [t for t in self.timers if t not in timers]:
+                self.destroy_timer(timer)
+            self._made = None
+        self._timer_handles, self._rate_timers = [], {}
+        for channel in self.channels.values():
+            channel.detach()
+        self.channels.clear()
+        self.tf_shared = self.cameras = self.diagnostics = self.maps = self.map_saving = None
+        self.session_services = self.sessions = self.grid = self.settings = None
+        self.camera_settings = {}
+        release_memory()
 
     # ------------------------------------------------------------------ start-up
     def _start_cameras(self) -> None:
@@ -181,15 +278,12 @@ class LingBotMapNode(Node):
             raise StartupError(f"state_directory / load_session: {what}") from None
 
     def _create_services(self, log) -> None:
-        """The services live on a helper node that ros.main spins on its own executor thread: a call
-        waits for the inference thread (one step, or up to service_timeout while the first frame
-        compiles), and image intake, timers and diagnostics must not wait with it. Their names are
-        this node's (~/reset is <this node>/reset whatever the helper is called)."""
-        self.service_node = Node(f"{self.get_name()}_services", namespace=self.get_namespace(),
-                                 context=self.context, use_global_arguments=False,
-                                 start_parameter_services=False)
+        """The services live on the helper node ``service_node`` that ros.main spins on its own executor
+        thread: a call waits for the inference thread (one step, or up to service_timeout while the
+        first frame compiles), and image intake, timers and diagnostics must not wait with it. Their
+        names are this node's (~/reset is <this node>/reset whatever the helper is called)."""
         group = ReentrantCallbackGroup()  # a call that writes files (a slow disk) never holds up another
-        self.map_saving = MapSaving(self.channels, lambda: self.settings, log)
+        self.map_saving = MapSaving(self.channels, lambda: self.settings, log, self.grid)
         prefix = self.get_fully_qualified_name().rstrip("/")
         # Not `self._services`: that is rclpy Node's own list (the parameter services live there;
         # replacing it dropped them and made this executor serve the helper's).
@@ -210,8 +304,18 @@ class LingBotMapNode(Node):
         return settings_after(self.settings, {name: ch.settings for name, ch in self.channels.items()}, params)
 
     def _check_parameters(self, params) -> SetParametersResult:
-        """on_set_parameters: refuse (with the reason) a value the node cannot take at run time."""
+        """on_set_parameters: refuse (with the reason) a value the node cannot take now. Unconfigured (a
+        managed node before configure or after cleanup): any valid value, read at configure."""
         try:
+            if self.settings is None:
+                for p in params:
+                    if p.name in PARAMETER_TABLE:
+                        check_value(PARAMETER_TABLE[p.name], p.value)
+                return SetParametersResult(successful=True)
+            for p in params:  # a managed node's parameters are writable: only the dynamic ones while configured
+                if self.managed and p.name in PARAMETER_TABLE and not PARAMETER_TABLE[p.name].dynamic:
+                    raise ConfigError(f"parameter {p.name} is read at configure: set it while the node is "
+                                      "unconfigured (cleanup first)")
             self._settings_after(params)
         except ConfigError as exc:
             return SetParametersResult(successful=False, reason=str(exc))
@@ -219,28 +323,33 @@ class LingBotMapNode(Node):
 
     def _apply_parameters(self, params) -> None:
         """post_set_parameters: the accepted values take effect (checked by ``_check_parameters``)."""
+        if self.settings is None:  # unconfigured: configure reads them
+            return
         self.settings, per_camera = self._settings_after(params)
         for name, channel in self.channels.items():
             channel.apply_settings(per_camera[name])
         names = {p.name for p in params}
-        if "path_publish_rate" in names:
-            self._set_rate_timer("path", self.settings.path_publish_rate)
-        if "map_publish_rate" in names:
-            self._set_rate_timer("map", self.settings.map_publish_rate)
+        active = bool(self._timer_handles)  # rate timers run while the node is active
+        for which in ("path", "map", "grid"):
+            if f"{which}_publish_rate" in names and active:
+                self._set_rate_timer(which, getattr(self.settings, f"{which}_publish_rate"))
         for p in params:
             self.get_logger().info(f"parameter {p.name} set to {p.value!r}")
 
     def _set_rate_timer(self, which: str, rate: float) -> None:
-        """(Re)create the ~/path or ~/map_points timer at ``rate`` Hz (0 = none)."""
+        """(Re)create the ~/path, ~/map_points or ~/grid timer at ``rate`` Hz (0 = none)."""
         old = self._rate_timers.pop(which, None)
         if old is not None:
             self.destroy_timer(old)
         if which == "path":
             publisher = any(c.outputs.path is not None for c in self.channels.values())
             callback = self._flush_paths
-        else:
+        elif which == "map":
             publisher = self.maps.any_published()
             callback = self.maps.publish
+        else:
+            publisher = self.grid is not None
+            callback = self._publish_grid
         if publisher and rate > 0:
             self._rate_timers[which] = self.create_timer(1.0 / rate, callback, callback_group=self._timer_group,
                                                          clock=self._steady)
@@ -271,6 +380,12 @@ class LingBotMapNode(Node):
         for channel in self.channels.values():
             channel.outputs.flush_path()
 
+    def _publish_grid(self) -> None:
+        # through the node, not a bound method of the grid: an executor that still holds a destroyed
+        # timer (until it wakes) must not keep the grid, and with it the engine and the model, alive
+        if self.grid is not None:
+            self.grid.publish()
+
     def _diagnostics(self, clock: str) -> DiagnosticArray:
         """/diagnostics: the clock, the shared pool (several cameras) and every camera's entries (the
         node's one camera under the node's name, a listed camera's under "<node>: <camera>")."""
@@ -288,13 +403,28 @@ class LingBotMapNode(Node):
                 statuses.append(journal)
             statuses.append(self.cameras.map_frame_diag(label, camera, channel.outputs.placement().frame,
                                                         self.scheduler.served.get(camera, 0)))
+            if self.grid is not None and self.grid.channel is channel:
+                statuses.append(self.grid.diag(label))
         return DiagnosticArray(header=Header(stamp=self.get_clock().now().to_msg()), status=statuses)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
+        """The end of the process (``ros.main``): the threads stopped and the journals closed (any
+        state), the services' helper node destroyed."""
+        self._stop_threads()
+        self.service_node.destroy_node()
+        logging.getLogger("lingbot_map_ros").removeHandler(self._log_handler)
+
+    def _stop_threads(self) -> None:
+        """The inference and output threads stopped, what was journaled on the disk (nothing to do
+        when unconfigured)."""
+        if self.scheduler is None:
+            return
         self.scheduler.stop()
         for camera, channel in self.channels.items():  # what was journaled reaches the disk
             engine = channel.engine
+            if engine is None:
+                continue
             written = []
             if engine.journal is not None and engine.journal.writer is not None:
                 engine.journal.writer.close(timeout=JOURNAL_CLOSE_S)
@@ -307,8 +437,7 @@ class LingBotMapNode(Node):
                     f"{what} {st.bytes_written / 1e6:.1f} MB written in {st.seconds:.1f} s"
                     f" ({st.bytes_written / 1e6 / max(st.seconds, 1e-9):.2f} MB/s, {st.rewrites} rewrites)"
                     for what, st in written))
-        self.service_node.destroy_node()
-        logging.getLogger("lingbot_map_ros").removeHandler(self._log_handler)
+        self.scheduler = None
 
 
 __all__ = ["LingBotMapNode", "StartupError"]

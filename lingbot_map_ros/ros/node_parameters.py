@@ -2,8 +2,11 @@
 ``NodeSettings`` (``runtime.params``), checked and applied at run time.
 
 - ``declare_parameters(node)``: every parameter with its descriptor (description, range or
-  choices, read-only unless dynamic), the per-camera ``camera.<c>.<p>`` ones for a listed camera;
-  returns the node's settings and each camera's ({"": the node's} without ``cameras``).
+  choices, read-only unless dynamic; a managed node's are writable until configure, see
+  ``ros.lifecycle``); returns whether the node is managed.
+- ``read_parameters(node)``: the values resolved (each logged) and the per-camera
+  ``camera.<c>.<p>`` ones declared for a listed camera; returns the node's settings and each
+  camera's ({"": the node's} without ``cameras``).
 - ``settings_after(settings, per_camera, params)``: the settings a parameter set would give (a
   ``ConfigError`` names a value the node cannot take at run time); the node refuses the set with
   that reason or applies it.
@@ -23,9 +26,10 @@ from ..runtime.params import (CAMERA_PARAMETERS, CAMERA_PREFIX, PARAMETERS, Node
 PARAMETER_TABLE = {p.name: p for p in PARAMETERS}
 
 
-def descriptor(p: Param) -> ParameterDescriptor:
-    """ParameterDescriptor with the description, range or choices of ``p`` (read-only unless dynamic)."""
-    d = ParameterDescriptor(description=p.description, read_only=not p.dynamic)
+def descriptor(p: Param, writable: bool = False) -> ParameterDescriptor:
+    """ParameterDescriptor with the description, range or choices of ``p`` (read-only unless dynamic
+    or ``writable``)."""
+    d = ParameterDescriptor(description=p.description, read_only=not (p.dynamic or writable))
     if p.choices is not None:
         d.additional_constraints = "one of: " + ", ".join(p.choices)
     if p.limits is not None and not isinstance(p.default, bool):
@@ -37,28 +41,38 @@ def descriptor(p: Param) -> ParameterDescriptor:
     return d
 
 
-def declare_parameters(node: Node) -> tuple[NodeSettings, dict[str, NodeSettings]]:
-    """Declare every parameter on ``node`` and resolve them (each value logged); ConfigError or
-    rclpy's ParameterException for a bad value."""
+def declare_parameters(node: Node) -> bool:
+    """Declare every parameter on ``node``; returns ``managed``. A managed node's parameters stay
+    writable (its configure reads them; ``managed`` itself is read-only); rclpy's
+    ParameterException for a value of the wrong type."""
+    managed = PARAMETER_TABLE["managed"]
+    node.declare_parameter(managed.name, managed.default, descriptor(managed))
+    writable = bool(node.get_parameter(managed.name).value)
     for p in PARAMETERS:
         if p.name == "cameras":
-            _declare_string_array(node, p)
-        else:
-            node.declare_parameter(p.name, p.default, descriptor(p))
+            _declare_string_array(node, p, writable)
+        elif p.name != managed.name:
+            node.declare_parameter(p.name, p.default, descriptor(p, writable))
+    return writable
+
+
+def read_parameters(node: Node) -> tuple[NodeSettings, dict[str, NodeSettings]]:
+    """The declared values resolved (each logged) and the per-camera parameters of a listed camera
+    declared and resolved; ConfigError or rclpy's ParameterException for a bad value."""
     values = {p.name: node.get_parameter(p.name).value for p in PARAMETERS}
     settings = resolve_settings(values, log=node.get_logger().info)
     return settings, _declare_camera_parameters(node, values, settings.cameras) or {"": settings}
 
 
-def _declare_string_array(node: Node, p: Param) -> None:
+def _declare_string_array(node: Node, p: Param, writable: bool) -> None:
     """Declare ``p`` as a string array holding [] when not given: a default [] would type it as a
     byte array (a YAML list of names would then be refused), and a params file's ``[]`` has no
     type at all (the parameter would stay uninitialized, and ``ros2 param get`` fail)."""
-    final = descriptor(p)
+    final = descriptor(p, writable)
     final.type = ParameterType.PARAMETER_STRING_ARRAY
-    writable = descriptor(p)
-    writable.read_only = False  # until it has a value (below); set_descriptor then makes it read-only
-    node.declare_parameter(p.name, Parameter.Type.STRING_ARRAY, writable)
+    first = descriptor(p)
+    first.read_only = False  # until it has a value (below); set_descriptor then gives it its own
+    node.declare_parameter(p.name, Parameter.Type.STRING_ARRAY, first)
     if node.get_parameter_or(p.name).type_ == Parameter.Type.NOT_SET:  # not given, or given as []
         node.set_parameters([Parameter(p.name, Parameter.Type.STRING_ARRAY, list(p.default))])
     node.set_descriptor(p.name, final)
@@ -79,9 +93,14 @@ def _declare_camera_parameters(node: Node, values: dict, cameras: tuple[str, ...
             p = PARAMETER_TABLE[name]
             full = camera_param_name(camera, name)
             own = replace(p, name=full, description=f"camera {camera}: {p.description}")
-            node.declare_parameter(full, values[name], descriptor(own))
+            if not node.has_parameter(full):  # a managed node configured again keeps its own
+                node.declare_parameter(full, values[name], descriptor(own, _writable(node)))
             per_camera[camera][name] = node.get_parameter(full).value
     return resolve_camera_settings(values, per_camera, log=node.get_logger().info)
+
+
+def _writable(node: Node) -> bool:
+    return bool(node.get_parameter("managed").value)
 
 
 def settings_after(settings: NodeSettings, per_camera: dict[str, NodeSettings], params
@@ -97,4 +116,4 @@ def settings_after(settings: NodeSettings, per_camera: dict[str, NodeSettings], 
     return settings, per_camera if listed else {"": settings}
 
 
-__all__ = ["PARAMETER_TABLE", "declare_parameters", "descriptor", "settings_after"]
+__all__ = ["PARAMETER_TABLE", "declare_parameters", "read_parameters", "descriptor", "settings_after"]

@@ -1,10 +1,13 @@
 """What the node does once, before it serves frames: the model and a session per camera
-(``load_sessions``: the memory check, the checkpoint, one ``stream.multi.CameraSessions``), the
+(``load_sessions``: the memory check, the checkpoint, one ``stream.multi.CameraSessions``; a managed
+node's cleanup gives the memory back with ``release_memory``), the
 library's log records forwarded to the node's logger, and the Fast DDS profile check."""
 from __future__ import annotations
 
+import gc
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -78,6 +81,17 @@ def load_sessions(settings: NodeSettings, camera_settings: dict[str, NodeSetting
     return sessions
 
 
+def release_memory() -> None:
+    """After the model and sessions were dropped: collect them (objects frozen out of the collector's
+    reach by ``runtime.engine`` after the first frame are unfrozen first, or a cycle through them would
+    keep the model alive) and give CUDA's cached blocks back to the device."""
+    gc.unfreeze()
+    gc.collect()
+    torch = sys.modules.get("torch")  # imported by the model's loading; nothing to give back without it
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+
+
 def fastdds_without_profile() -> bool:
     """True when the RMW is Fast DDS (the default) and no XML profile is configured."""
     rmw = os.environ.get("RMW_IMPLEMENTATION", "") or "rmw_fastrtps_cpp"
@@ -90,5 +104,5 @@ FASTDDS_WARNING = ("FASTDDS_DEFAULT_PROFILES_FILE is not set: with Fast DDS a ra
                    "driver (and this node) with FASTDDS_DEFAULT_PROFILES_FILE=<share>/lingbot_map_ros/config/"
                    "fastdds_large_messages.xml (the launch file sets it for the node), or use compressed input")
 
-__all__ = ["StartupError", "ForwardToRos", "check_memory", "load_sessions", "fastdds_without_profile",
+__all__ = ["StartupError", "ForwardToRos", "check_memory", "load_sessions", "release_memory", "fastdds_without_profile",
            "FASTDDS_WARNING"]

@@ -13,7 +13,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from ..geometry import points_to_map, unproject_pixels
+from ..geometry import optical_pose_to_map, points_to_map, unproject_pixels
 from ..robot.map_offset import OutputTransform
 from ..robot.scale import scale_depth
 from ..stream import FrameResult
@@ -87,6 +87,8 @@ class CloudOutput:
                 self._warned_thinning = True
                 self.log.warning(f"the map reached map_max_points={self.map_max_points}: its older part is thinned "
                                  "uniformly; raise map_voxel_size or map_max_points for a denser map")
+        if for_map is not None and self.seq.grid is not None:  # the occupancy grid (runtime/grid.py)
+            self.seq.add_grid_frame(r.frame_index, optical_pose_to_map(r.c2w), for_map[0], pose)
         self.sink.publish_clouds(out)
 
     def _skipped(self) -> None:

@@ -276,6 +276,26 @@ PARAMETERS: tuple[Param, ...] = (
           "results are taken and published, so the GPU runs one step while the host finishes the previous "
           "one (a camera's own steps never overlap). More frames when the GPU is the bottleneck, one step "
           "more of latency then; false = each step's results before the next step"),
+    # -- Nav2: managed node and occupancy grid (docs/nav2.md)
+    Param("managed", False, "Run as a managed (lifecycle) node: the parameters are read, the model loaded and "
+          "the services created at configure, the inputs subscribed and the outputs published while active "
+          "(lifecycle services under the node's name, e.g. for Nav2's lifecycle_manager); false = start at once"),
+    Param("grid", False, "Build and publish ~/grid (nav_msgs/OccupancyGrid, map_frame) from the first camera's "
+          "points and poses; ~/save_map then also writes map.yaml + image for map_server. Needs a metric scale "
+          "(scale_source), base_frame in TF (the ground plane, REP 103 z up) and accumulate_map"),
+    Param("grid_resolution", 0.05, "Occupancy grid cell side (m)", limits=(0.01, 1.0, 0.0)),
+    Param("grid_min_height", 0.1, "Points at least this high above the floor (m) are obstacles; lower ones "
+          "(down to 0.15 m below the floor) are floor, seen free", limits=(0.0, 5.0, 0.0)),
+    Param("grid_max_height", 1.5, "Points higher than this above the floor (m) are ignored (ceilings, "
+          "overhangs the robot passes under)", limits=(0.05, 10.0, 0.0)),
+    Param("grid_max_range", 8.0, "Points further than this from the camera (m, horizontally) are ignored "
+          "(far depth is noisy)", limits=(0.1, 100.0, 0.0)),
+    Param("grid_max_extent", 100.0, "Most metres the grid covers per axis: it grows with what is seen up to "
+          "this (a maximum extent, not a rolling window: what was mapped stays)", limits=(1.0, 2000.0, 0.0)),
+    Param("grid_base_height", 0.0, "Height (m) of base_frame's origin above the floor (0 for base_footprint)",
+          limits=(-10.0, 10.0, 0.0)),
+    Param("grid_publish_rate", 1.0, "Rate (Hz) of ~/grid while it changes and someone listens; 0 = never",
+          limits=(0.0, 100.0, 0.0), dynamic=True),
 )
 
 PARAMETER_NAMES = tuple(p.name for p in PARAMETERS)

@@ -108,6 +108,16 @@ class NodeSettings:
     cameras: tuple[str, ...] = ()  # empty = one camera, today's names
     camera_batching: bool = False  # several cameras: batched steps (runtime.scheduler)
     camera_pipelining: bool = True  # several cameras: pipelined steps (runtime.scheduler)
+    # Nav2: managed node and occupancy grid (runtime.grid, docs/nav2.md)
+    managed: bool = False
+    grid: bool = False
+    grid_resolution: float = 0.05
+    grid_min_height: float = 0.1
+    grid_max_height: float = 1.5
+    grid_max_range: float = 8.0
+    grid_max_extent: float = 100.0
+    grid_base_height: float = 0.0
+    grid_publish_rate: float = 1.0
 
     def __post_init__(self) -> None:
         health_config_from(self)  # the health thresholds together (ConfigError names the parameters)
@@ -181,6 +191,7 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
                           "K/V storage); set kv_cache_dtype 'auto' or list no cameras")
     settings = NodeSettings(model=model, stream=stream, long_stream=long_stream, checkpoint=v["checkpoint"] or None,
                             cameras=cameras, **{k: v[k] for k in _PLAIN_FIELDS})
+    check_grid(settings)
     for p in PARAMETERS:
         log(f"parameter {p.name} = {v[p.name]!r}")
     log(f"model: {'preset lingbot-map' if not data else v['model_config']} -> "
@@ -198,6 +209,26 @@ _PLAIN_FIELDS = ("gpu_memory_check", "gpu_memory_budget_gib", "camera_batching",
                  "on_lost", "undistort", "scale_source", "metric_scale", "scale_wait_for_convergence", "deferred_eviction",
                  "loop_closure", "loop_min_similarity", "loop_min_separation", "loop_max_keyframes",
                  "loop_min_inlier_ratio", "loop_depth_tolerance", "loop_min_overlap", "loop_robust_kernel", "loop_prior_max_dt") + tuple(HEALTH_PARAMETERS)
+_PLAIN_FIELDS += ("managed", "grid", "grid_resolution", "grid_min_height", "grid_max_height", "grid_max_range",
+                  "grid_max_extent", "grid_base_height", "grid_publish_rate")
+
+
+def check_grid(settings: NodeSettings) -> None:
+    """With ``grid`` on: the grid's parameters make a valid ``GridConfig`` and the map is accumulated
+    (the grid is fed with the map's points); ConfigError naming the parameters otherwise."""
+    from .grid import GRID_PARAMETER_NAMES, grid_config
+
+    if not settings.grid:
+        return
+    if not settings.accumulate_map:
+        raise ConfigError("parameter grid needs accumulate_map true (the grid is built from the map's points)")
+    try:
+        grid_config(settings)
+    except ValueError as exc:
+        text = str(exc).replace(" or raise max_cells", "")  # not a parameter
+        for field, name in GRID_PARAMETER_NAMES.items():
+            text = text.replace(f"GridConfig.{field}", f"parameter {name}").replace(field, name)
+        raise ConfigError(text) from None
 
 
 def cuda_is_available() -> bool:
@@ -352,4 +383,4 @@ __all__ = ["PARAMETERS", "PARAMETER_NAMES", "Param", "NodeSettings", "resolve_se
            "DYNAMIC_PARAMETERS", "apply_dynamic", "resolve_device", "cuda_is_available",
            "DEFAULT_CAMERA_FRAME", "CAMERA_PARAMETERS", "CAMERA_PREFIX", "check_camera_names",
            "camera_param_name", "split_camera_param", "camera_values", "resolve_camera_settings",
-           "apply_camera_dynamic"]
+           "apply_camera_dynamic", "check_grid"]

@@ -29,7 +29,8 @@ from ..robot.intrinsics import FocalTracker
 from .anchor import MapAnchor
 from .corrections import Corrections
 from .decisions import KeyframeDecisions
-from .frames import Logger, Sink, State
+from .frames import FrameOutput, Logger, Sink, State
+from .grid import SequenceGrid
 from .map_journal import MAP_JOURNAL_NAME, MapJournal, RestoredMap, restore_map
 from .mapping import MapAccumulator, PoseEntry, Trajectory
 from .output_worker import OutputWorker
@@ -62,6 +63,7 @@ class Sequence:
         self.publish_path = settings.publish_path
         self.corrections = Corrections()  # loop closure's, map <- sequence per keyframe (identity without)
         self.loop = None  # runtime.loop_closure.LoopCloser of this camera, or None (loop_closure off)
+        self.grid: SequenceGrid | None = None  # the occupancy grid (``attach_grid``), fed on the output thread
 
     # ------------------------------------------------------------------ counters and state
     def count(self, name: str, n: int = 1) -> None:
@@ -105,6 +107,16 @@ class Sequence:
         if self.map is not None:
             self.map.add(frame_index, points, colors)
 
+    def attach_grid(self, grid: SequenceGrid) -> None:
+        """Build an occupancy grid from this sequence's frames (before the first frame)."""
+        self.grid = grid
+
+    def add_grid_frame(self, frame_index: int, T_seq_cam: np.ndarray, points: np.ndarray, out: FrameOutput) -> None:
+        """Output thread: a frame's pose and points (model units, this sequence's map frame) join the grid
+        through the transform it was published with."""
+        if self.grid is not None:
+            self.grid.add(frame_index, T_seq_cam, points, out.transform, out.scale_ready, out.camera_frame)
+
     def protect_from(self, frame_index: int) -> None:
         """Frames from 0-based ``frame_index`` on may still be rolled back: the map keeps them apart."""
         if self.map is not None:
@@ -123,6 +135,9 @@ class Sequence:
                 acc.protect_from(frame_index)
 
             self.outputs.op(forget)
+        if self.grid is not None:  # the frames leave the grid's history; their cells stay (runtime/grid.py)
+            grid = self.grid
+            self.outputs.op(lambda: grid.forget_from(frame_index))
         self.decisions.forget_from(frame_index + 1)
         self.last_index = min(self.last_index, frame_index)
         if self.loop is not None:
@@ -137,6 +152,8 @@ class Sequence:
         self.path.clear()
         if self.map is not None:
             self.outputs.op(self.map.clear)
+        if self.grid is not None:
+            self.outputs.op(self.grid.clear)
         if self.publish_path:
             self.sink.publish_path([], self.anchor.output, Corrections())
         self.decisions.clear()

@@ -106,6 +106,9 @@ class StatusReporter:
         """One ~/status with ``text`` (``frame_index`` None: the last processed frame's);
         ``latency`` and ``stamp_s`` for a processed frame's."""
         seq = self.seq
+        grid = seq.grid
+        if grid is not None and grid.state.reason and grid.state.reason not in text:  # why there is no grid
+            text = f"{text}; {grid.state.reason}"
         total = None if latency is None or stamp_s is None else max(0.0, (self.now() - stamp_s) * 1e3)
         st = status_fields(int(seq.state), text, seq.last_index if frame_index is None else frame_index,
                            self.session, seq.counter_values(), seq.decisions.hold is not None,

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.ros
 REPO = Path(__file__).resolve().parents[2]
 LAUNCH_ARGUMENTS = {"params_file", "checkpoint", "image_topic", "camera_info_topic", "input_transport", "device",
                     "dtype", "namespace", "use_sim_time", "rviz", "keyframe_selector", "keyframe_decision_timeout",
-                    "dds_profile", "cameras", "camera_batching", "state_directory", "session"}
+                    "dds_profile", "cameras", "camera_batching", "state_directory", "session", "managed"}
 EXTRAS_HINT = "install ../shared/ros_extras (bash ../shared/ros_extras/install.sh .venv)"
 NO_TF2 = f"tf2_ros not importable: {EXTRAS_HINT}"
 NO_LAUNCH = f"launch/launch_ros not importable: {EXTRAS_HINT}"
@@ -434,6 +434,16 @@ def test_launch_cameras_argument_lists_the_cameras_and_remaps_each(monkeypatch):
         _run_setup(module, camera_batching="sometimes")
 
 
+def test_launch_managed_argument_makes_a_lifecycle_node(monkeypatch):
+    module = _launch_module(monkeypatch)
+    (node,) = _run_setup(module, managed="true")
+    assert node["parameters"][1] == {"use_sim_time": False, "managed": True}
+    (node,) = _run_setup(module)
+    assert "managed" not in node["parameters"][1]  # empty: as in the params file
+    with pytest.raises(ValueError, match="managed must be true or false, got 'maybe'"):
+        _run_setup(module, managed="maybe")
+
+
 def test_config_lists_every_parameter_with_a_valid_value_and_a_comment():
     yaml = pytest.importorskip("yaml")
     path = REPO / "config" / "lingbot_map.yaml"
@@ -504,7 +514,9 @@ def test_rviz_config_uses_the_map_frame_and_node_topics():
     topics = {d["Topic"]["Value"] for d in manager["Displays"] if "Topic" in d}
     assert {"/lingbot_map/map_points", "/lingbot_map/points", "/lingbot_map/path", "/lingbot_map/odometry"} <= topics
     assert {"rviz_default_plugins/PointCloud2", "rviz_default_plugins/Path", "rviz_default_plugins/Odometry",
-            "rviz_default_plugins/TF"} <= set(displays)
+            "rviz_default_plugins/TF", "rviz_default_plugins/Map"} <= set(displays)
+    assert displays["rviz_default_plugins/Map"]["Topic"]["Value"] == "/lingbot_map/grid"
     latched = [d for d in manager["Displays"] if d.get("Topic", {}).get("Value") in ("/lingbot_map/map_points",
-                                                                                     "/lingbot_map/path")]
+                                                                                     "/lingbot_map/path",
+                                                                                     "/lingbot_map/grid")]
     assert all(d["Topic"]["Durability Policy"] == "Transient Local" for d in latched)

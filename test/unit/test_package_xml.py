@@ -44,6 +44,7 @@ NOT_IMPORTED = {
     "rosidl_default_runtime": "the generated interfaces at run time",
     "rviz2": "launch/lingbot_map.launch.py starts it with rviz:=true",
     "python3-pytest": "the tests",
+    "lifecycle_msgs": "rclpy.lifecycle's services and transition events (managed:=true, ros/lifecycle.py)",
 }
 
 

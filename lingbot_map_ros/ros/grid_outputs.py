@@ -1,0 +1,110 @@
+"""The occupancy grid over ROS: ~/grid, its /diagnostics entry and its map_server files.
+
+``GridOutput`` serves the grid of the node's FIRST camera (the one that defines ``map_frame``;
+with several cameras the others build none): the camera's ``runtime.grid.SequenceGrid`` is built
+here (``attach_grid``) with the camera extrinsic read from the node's TF buffer
+(``tf_tools.SharedTf``: ``<camera optical frame> -> base_frame``, the URDF's static transforms)
+and handed to the camera's sequence, which feeds it on the camera's output thread.
+
+- ~/grid (nav_msgs/OccupancyGrid, latched: transient local, depth 1) in the camera's map frame,
+  published by the node's timer (``grid_publish_rate``) when the grid changed and someone
+  listens; ``info.origin`` is the lower-left corner of cell (0, 0) on the floor with the map's
+  heading (``GroundReference.aligned_with_map``), ``data`` row-major from it (100 occupied,
+  0 free, -1 unknown). Nothing is published while the grid is off (~/status says why).
+- ~/save_map: ``save_beside`` writes ``map.yaml`` + ``map-<save id>.pgm`` (``io.map_server``,
+  crash-safe, the yaml last) next to the saved PLY, or says why not.
+"""
+from __future__ import annotations
+
+import array
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from diagnostic_msgs.msg import DiagnosticStatus
+from geometry_msgs.msg import Point, Pose, Quaternion
+from nav_msgs.msg import MapMetaData, OccupancyGrid
+from rclpy.node import Node
+from std_msgs.msg import Header
+
+from ..io.map_server import MapFilesError, save_map_files
+from ..robot.occupancy import GridSnapshot
+from ..runtime.grid import GroundFromBase, SequenceGrid, grid_config
+from ..runtime.params import NodeSettings
+from .camera_channel import CameraChannel
+from .common import diag, qos_profile
+from .tf_tools import SharedTf
+
+
+def occupancy_grid_msg(snap: GridSnapshot, header: Header) -> OccupancyGrid:
+    """``snap`` as an OccupancyGrid in ``header``'s frame (the grid's map frame), stamped with it."""
+    x, y, z = (float(v) for v in snap.origin_position)
+    qx, qy, qz, qw = (float(v) for v in snap.origin_orientation)
+    info = MapMetaData(map_load_time=header.stamp, resolution=float(snap.resolution), width=int(snap.width),
+                       height=int(snap.height),
+                       origin=Pose(position=Point(x=x, y=y, z=z), orientation=Quaternion(x=qx, y=qy, z=qz, w=qw)))
+    msg = OccupancyGrid(header=header, info=info)
+    msg.data = array.array("b", np.ascontiguousarray(snap.data, np.int8).tobytes())
+    return msg
+
+
+def camera_extrinsic(tf: SharedTf, base_frame: str):
+    """camera optical frame -> ``T_cam_base`` [4, 4] from ``tf`` (latest; None while it lacks it)."""
+    return lambda camera_frame: tf.matrix(camera_frame, base_frame)
+
+
+class GridOutput:
+    """~/grid of ``channel`` (the node's first camera) on ``node``; see the module docstring."""
+
+    def __init__(self, node: Node, channel: CameraChannel, settings: NodeSettings, tf: SharedTf) -> None:
+        s = settings
+        self.channel = channel
+        if s.base_frame:
+            tf.start()  # the listener fills the buffer with the URDF's transforms from now on
+        self.grid = SequenceGrid(grid_config(s), GroundFromBase(s.base_frame, s.grid_base_height,
+                                                                camera_extrinsic(tf, s.base_frame)), s.scale_source)
+        channel.engine.seq.attach_grid(self.grid)
+        self.publisher = node.create_publisher(OccupancyGrid, "~/grid", qos_profile(latched=True, depth=1))
+        self._published: int | None = None  # the version last published
+        self.published = 0  # messages sent
+
+    def publish(self) -> None:
+        """The node's grid timer: publish when the grid is on, changed, and someone listens."""
+        snap = self.grid.snapshot()
+        if not snap.ready or snap.width == 0 or snap.version == self._published:
+            return
+        if self.publisher.get_subscription_count() == 0:
+            return
+        outputs = self.channel.outputs
+        header = Header(stamp=outputs.latest_stamp, frame_id=outputs.placement().frame)
+        self.publisher.publish(occupancy_grid_msg(snap, header))
+        self._published = snap.version
+        self.published += 1
+
+    def save_beside(self, folder: Path) -> str:
+        """Write the grid as map_server files into ``folder`` (after the map and trajectory); the text
+        the ~/save_map answer adds: what was written, or why not."""
+        snap = self.grid.snapshot()
+        if not snap.ready:
+            return f"grid not saved: {self.grid.state.reason or snap.reason}"
+        try:
+            saved = save_map_files(folder, snap)
+        except MapFilesError as exc:
+            return f"grid not saved: {exc}"
+        return f"grid: wrote {saved.yaml} and {saved.image.name}"
+
+    def diag(self, label: str) -> DiagnosticStatus:
+        """The "<label>: grid" entry: OK when on, WARN with the reason when off."""
+        st = self.grid.state
+        snap = self.grid.snapshot()
+        values: dict[str, Any] = {"on": st.on, "reason": st.reason or "none", "version": snap.version,
+                                  "cells (width x height)": f"{snap.width} x {snap.height}",
+                                  "resolution (m)": snap.resolution, "frames added": st.frames,
+                                  "rebuilds": st.rebuilds, "messages published": self.published}
+        if st.on:
+            side = f"{snap.width * snap.resolution:.1f} x {snap.height * snap.resolution:.1f} m"
+            return diag(f"{label}: grid", DiagnosticStatus.OK, f"{snap.width} x {snap.height} cells ({side})", values)
+        return diag(f"{label}: grid", DiagnosticStatus.WARN, st.reason, values)
+
+
+__all__ = ["GridOutput", "occupancy_grid_msg", "camera_extrinsic"]
