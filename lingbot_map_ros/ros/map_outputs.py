@@ -77,6 +77,8 @@ class MapTopics:
             if own is None or seq.map is None:
                 continue
             wanted = own.get_subscription_count() > 0
+            if channel.engine.loop is not None:  # its keyframes' map is rendered only while someone looks
+                channel.engine.loop.map_wanted = wanted or combined
             if not (wanted or combined):
                 continue
             output = seq.anchor.output  # how the camera publishes now (replaced as a whole)

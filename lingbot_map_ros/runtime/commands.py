@@ -107,6 +107,7 @@ class CameraCommands:
         if loop is not None:
             # loop closure: the corrected path, the keyframes' map at the corrected poses, and the
             # front end's own path beside them (trajectory_raw.tum)
+            loop.render_map()
             loop.flush(self.flush_s)
             points, colors, version = loop.map
             snapshot = Command("loop map", lambda: (points, colors, version))

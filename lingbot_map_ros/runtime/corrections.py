@@ -73,4 +73,18 @@ def correct_pose(correction: Sim3, T: np.ndarray) -> np.ndarray:
     return out
 
 
-__all__ = ["Corrections", "correct_pose", "IDENTITY"]
+def rigid(T: np.ndarray) -> np.ndarray:
+    """A pose [4, 4] with its rotation made exactly orthonormal (the model's float32/bf16 rotations
+    are orthonormal to ~1e-6 only; the pose graph checks to 1e-6): the nearest rotation (SVD)."""
+    out = np.array(T, np.float64)
+    u, _, vt = np.linalg.svd(out[:3, :3])
+    R = u @ vt
+    if np.linalg.det(R) < 0:
+        u[:, -1] *= -1
+        R = u @ vt
+    out[:3, :3] = R
+    out[3] = (0.0, 0.0, 0.0, 1.0)
+    return out
+
+
+__all__ = ["Corrections", "correct_pose", "rigid", "IDENTITY"]

@@ -39,7 +39,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ..slam import EdgeNoise, LoopCheck, Sim3, gradient_descriptor
-from .corrections import Corrections
+from .corrections import Corrections, rigid
 from .loop_graph import LoopGraph
 from .loop_journal import LoopJournal
 from .loop_keyframes import LoopKeyframe, color_thumbnail, jpeg
@@ -47,6 +47,7 @@ from .loop_verify import Measured, SideRunner, SideView, measure, relative_in_st
 
 log = logging.getLogger(__name__)
 MARKERS = 50  # closures tried that ~/loop_closures shows
+MAP_PERIOD_S = 2.0  # the keyframes' map is rendered at most this often (and only when it is wanted)
 
 
 @dataclass(frozen=True)
@@ -170,7 +171,9 @@ class LoopCloser:
         # the keyframes' points at their corrected poses (points, colours, version), rendered by the loop
         # thread when it runs out of work after a change; replaced as a whole (the map timer reads it)
         self.map: tuple[np.ndarray, np.ndarray, int] = (np.zeros((0, 3), np.float32), np.zeros((0, 3), np.uint8), 0)
+        self.map_wanted = False  # someone shows the map (set by the node's map timer): render it when it changed
         self._map_dirty = False
+        self._map_time = -float("inf")  # monotonic time of the last render
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: deque[_Job] = deque()  # candidates for the model (at most one waits)
         self._busy = False  # a candidate is being verified
@@ -272,9 +275,9 @@ class LoopCloser:
                 job.partner_views = self.side.run([job.partner.rgb(), current])
         except Exception as exc:  # a side session that fails costs the candidate, never the stream
             job.error = f"{type(exc).__name__}: {exc}"
+        self._put(("measured", job))  # counted as pending before it stops being busy: flush never sees a gap
         with self._idle:
             self._busy = False
-        self._put(("measured", job))
         return True
 
     # ------------------------------------------------------------------ the loop thread
@@ -286,17 +289,26 @@ class LoopCloser:
             self._pending += 1
         self._inbox.put(item)
 
+    def render_map(self) -> None:
+        """Render ``map`` now (after what was handed before; ``flush`` waits for it): a save."""
+        self._put(("render",))
+
     def _loop(self) -> None:
         while True:
-            item = self._inbox.get()
+            try:  # a changed map waits at most MAP_PERIOD_S for a quiet moment
+                item = self._inbox.get(timeout=MAP_PERIOD_S if self._map_dirty else None)
+            except queue.Empty:
+                self._maybe_render()
+                continue
             try:
                 if item[0] == "stop":
                     return
-                self._handle(item)
-                if self._map_dirty and self._inbox.empty():  # a burst of changes, one render
-                    c = self.config
-                    points, colors = self.store.render(self.corrections, c.map_voxel_size, c.map_max_points)
-                    self.map, self._map_dirty = (points, colors, self.map[2] + 1), False
+                if item[0] == "render":
+                    self._render()
+                else:
+                    self._handle(item)
+                    if self._inbox.empty():
+                        self._maybe_render()
             except Exception as exc:  # the loop thread never dies of one item
                 log.error("loop closure: %s failed: %s: %s", item[0], type(exc).__name__, exc)
             finally:
@@ -306,13 +318,24 @@ class LoopCloser:
                     self._pending -= 1
                     self._idle.notify_all()
 
+    def _maybe_render(self) -> None:
+        """The map is rendered from every keyframe (O(keyframes)): only when it changed, someone
+        wants it, and at most every MAP_PERIOD_S."""
+        if self._map_dirty and self.map_wanted and time.monotonic() - self._map_time >= MAP_PERIOD_S:
+            self._render()
+
+    def _render(self) -> None:
+        c = self.config
+        points, colors = self.store.render(self.corrections, c.map_voxel_size, c.map_max_points)
+        self.map, self._map_dirty, self._map_time = (points, colors, self.map[2] + 1), False, time.monotonic()
+
     def _handle(self, item) -> None:
         kind, g = item[0], self.graph
         self._map_dirty = True
         if kind == "keyframe":
             kin = item[1]
             rgb = as_rgb(kin.frame)
-            kf = LoopKeyframe(kin.index, kin.stamp_s, np.asarray(kin.T, np.float64), jpeg(rgb),
+            kf = LoopKeyframe(kin.index, kin.stamp_s, rigid(kin.T), jpeg(rgb),
                               gradient_descriptor(rgb), kin.depth, color_thumbnail(rgb), kin.K, float(kin.weight))
             g.add_keyframe(kf)
             self.stats = replace(self.stats, keyframes=len(g.store))

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..journal.format import Record
 from ..slam import PlaceConfig, PlaceDatabase, PoseGraph, PoseGraphConfig, Sim3
-from .corrections import Corrections
+from .corrections import Corrections, rigid
 from .loop_journal import LoopJournal, keyframe_record, loop_record, prior_record, sim3_meta, sim3_of
 from .loop_keyframes import KeyframeStore, LoopKeyframe
 
@@ -88,7 +88,8 @@ class LoopGraph:
     def set_pose(self, target: Sim3, frame_index: int, T: np.ndarray, covariance: np.ndarray) -> None:
         """Frame ``frame_index`` (stream pose ``T``) is at ``target`` in the map: the map frame moves
         so that it is, and the keyframe at or before it gets a prior where that puts it."""
-        now = self.corrections().pose(frame_index, T)  # where the frame is in the map now
+        T = rigid(T)
+        now = rigid(self.corrections().pose(frame_index, T))  # where the frame is in the map now
         self._set_frame(target @ Sim3.from_pose(now).inverse() @ self.frame)
         kf = self.keyframe_at_or_before(frame_index)
         if kf is not None:  # the keyframe, moved by the frame's stream motion since it

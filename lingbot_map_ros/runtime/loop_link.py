@@ -24,7 +24,7 @@ import numpy as np
 from ..geometry import OPTICAL_TO_REP103
 from ..slam import Sim3
 from ..stream.window import KeptKeyframe
-from .corrections import Corrections
+from .corrections import Corrections, rigid
 from .frames import InputFrame, State
 from .loop_closure import LoopCloser, Relocation, as_rgb, loop_config
 from .loop_journal import LOOP_JOURNAL_NAME, LoopJournal
@@ -151,7 +151,7 @@ class LoopLink:
         if not before:
             raise PoseRefused(f"no keyframe at or before frame {entry.frame_index + 1} to put the prior on")
         kf = loop.store.get(before[-1])
-        target = T @ np.linalg.inv(entry.T_map_cam) @ kf.T  # the keyframe, moved by the stream's motion since
+        target = rigid(T @ np.linalg.inv(entry.T_map_cam) @ kf.T)  # the keyframe, moved by the stream's motion since
         loop.pose_input("prior", Sim3.from_pose(target), cov, kf.index)
         return f"prior on keyframe {kf.index + 1} (frame {entry.frame_index + 1} at the given pose)"
 

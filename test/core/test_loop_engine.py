@@ -78,21 +78,30 @@ class Run:
         return c.frames_processed + c.frames_dropped_invalid + c.frames_dropped_error + c.frames_not_localized
 
     def settle(self) -> None:
-        """Until the loop thread and the verifications it asked for are done and what they decided
-        was applied on the inference thread."""
+        """Until the loop thread and the verifications it asked for are done, what they decided was
+        applied on the inference thread, and the keyframes' map is rendered as the corrections are
+        (the node renders it when it is shown): repeated until nothing moved in one more round
+        (the scheduler's idle turns run candidates when they like)."""
         loop = self.engine.loop
         deadline = time.monotonic() + 120
         while True:
+            version = (loop.corrections.version, loop.stats)
             assert loop.flush(60)
             with loop._idle:
                 waiting = bool(loop._jobs) or loop._busy
             if not waiting:
-                break
-            assert time.monotonic() < deadline, "a loop candidate was never verified"
+                assert self.engine.submit("sync", lambda: None).wait(30)
+                assert loop.flush(60)  # what the inference thread told it then (a relocalisation done)
+                assert self.engine.submit("sync", lambda: None).wait(30)
+                loop.render_map()
+                assert loop.flush(60)
+                time.sleep(0.02)  # an idle turn of the scheduler, if it has a candidate to run
+                with loop._idle:
+                    waiting = bool(loop._jobs) or loop._busy or loop._pending
+                if not waiting and version == (loop.corrections.version, loop.stats):
+                    return
+            assert time.monotonic() < deadline, "the loop closer did not settle"
             time.sleep(0.005)
-        assert self.engine.submit("sync", lambda: None).wait(30)
-        assert loop.flush(60)  # what the inference thread told it then (a relocalisation done)
-        assert self.engine.submit("sync", lambda: None).wait(30)
 
     def stop(self) -> None:
         self.scheduler.stop()

@@ -198,11 +198,11 @@ def test_float32_heads_wait_in_host_memory_while_sessions_run_their_copies():
     with_copies, first = run(base)
     assert with_copies.step_options.depth_head is not None
     assert next(model.depth_head.parameters()).device.type == "cpu"
-    if with_copies.camera_head is not None:  # the Triton kernels run here
+    if with_copies.step_options.camera_head is not None:  # the Triton kernels run here
         assert next(model.camera_head.parameters()).device.type == "cpu"
     assert weights_fingerprint(model) == fingerprint
     own, plain = run(base.with_overrides(bf16_depth_head=False, bf16_camera_head=False))
-    assert own.depth_head is None and own.camera_head is None
+    assert own.step_options.depth_head is None and own.step_options.camera_head is None
     assert next(model.depth_head.parameters()).device.type == "cuda"
     assert next(model.camera_head.parameters()).device.type == "cuda"
     again, second = run(base)  # the float32 heads stay for `own`, which still lives

@@ -67,11 +67,11 @@ def test_cameras_on_one_storage_equal_single_camera_sessions(setup, n, queued):
             pending.append((c, p))
             if len(pending) > 1:
                 name, older = pending.pop(0)
-                results[name] += older.result()
+                results[name] += cams.sessions[name].results(older)
         else:
-            results[c] += p.result()
+            results[c] += cams.sessions[c].results(p)
     for name, p in pending:
-        results[name] += p.result()
+        results[name] += cams.sessions[name].results(p)
     assert all(s.graph_fallbacks == 0 for s in cams.inner.values())
     assert any(s._runner.graphed is not None and s._runner.graphed.replays > 0 for s in cams.inner.values())
     worst = 0.0
@@ -113,11 +113,11 @@ def test_batched_cameras_equal_per_camera_steps(setup):
             assert not isinstance(out[c], Exception), out[c]
         if pending:
             for c, p in pending.pop(0).items():
-                results[c] += p.result()
+                results[c] += cams.sessions[c].results(p)
         pending.append(out)
     for out in pending:
         for c, p in out.items():
-            results[c] += p.result()
+            results[c] += cams.sessions[c].results(p)
     inner = list(cams.inner.values())
     assert all(s.graph_fallbacks == 0 for s in inner)
     assert all(s.batched_steps > 0 for s in inner), [s.batched_steps for s in inner]

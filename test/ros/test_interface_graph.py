@@ -140,11 +140,12 @@ def test_two_cameras_with_their_own_input_settings(fixtures):
 
 
 def test_managed_node_with_the_grid_once_active(fixtures):
-    """managed:=true adds rclpy's lifecycle services and transition events; grid:=true adds ~/grid."""
+    """managed:=true adds rclpy's lifecycle services and transition events; grid:=true adds ~/grid;
+    loop_closure:=true adds ~/set_pose, ~/pose_prior and ~/loop_closures."""
     from rclpy.lifecycle import TransitionCallbackReturn
 
     params = fixture_params(fixtures, {**BASE, "managed": True, "grid": True, "scale_source": "fixed",
-                                       "base_frame": "base_link"})
+                                       "base_frame": "base_link", "loop_closure": True})
     node = InProcessNode("iface_managed", params, DOMAIN_ID)
     try:
         assert node.node.trigger_configure() == TransitionCallbackReturn.SUCCESS
@@ -164,7 +165,7 @@ def test_every_table_entry_is_seen_by_one_of_the_configurations():
     two = resolve_settings({**defaults, **BASE, "scale_source": "depth", "input_transport": "compressed"})
     seen = {(e.kind, e.name, e.type) for e, _, _ in expected({"": one})}
     seen |= {(e.kind, e.name, e.type) for e, _, _ in expected({"a": two}, ("a",))}
-    three = resolve_settings({**defaults, **BASE, "managed": True, "grid": True})
+    three = resolve_settings({**defaults, **BASE, "managed": True, "grid": True, "loop_closure": True})
     seen |= {(e.kind, e.name, e.type) for e, _, _ in expected({"": three})}
     unseen = sorted((e.kind, e.name) for e in ENDPOINTS if (e.kind, e.name, e.type) not in seen)
     assert unseen == [], unseen
