@@ -191,6 +191,12 @@ class LoopCloser:
         """A new sequence (a reset): nothing of the old one stays."""
         self._put(("clear",))
 
+    @property
+    def candidate_waiting(self) -> bool:
+        """A candidate waits for the model (``run_idle`` would run it)."""
+        with self._idle:
+            return bool(self._jobs)
+
     def run_idle(self) -> bool:
         """Run a waiting candidate through the model (inference thread, nothing else to do); True
         when it did."""
@@ -297,13 +303,10 @@ class LoopCloser:
             return self._refused(job, None, "a keyframe of the candidate left the map (rollback or reset)")
         if job.error or not job.views or len(job.views) != 2:
             return self._refused(job, None, f"the side session failed: {job.error or 'no results'}")
-        others = ()
-        if job.partner is not None and job.partner_views and job.partner.index in self.store:
-            rel_partner, _, _ = relative_in_stream_units(job.partner, job.current, job.partner_views)
-            if rel_partner is not None:  # kept <- partner through the graph, then partner <- current
-                between = self.graph.pose(job.kept.index).inverse() @ self.graph.pose(job.partner.index)
-                others = (between @ rel_partner,)
-        measured = measure(job.kept, job.current, job.views, self.config.check, others)
+        try:
+            measured = self._measure(job)
+        except ValueError as exc:  # the side session's outputs are not finite or degenerate (poses, intrinsics)
+            return self._refused(job, None, f"the side session's outputs cannot be measured: {exc}")
         if not measured.accepted:
             return self._refused(job, measured, measured.reason or measured.verdict.reason)
         self.graph.add_loop(job.kept.index, job.current.index, measured.rel, sigmas=np.array(self.config.loop_sigmas))
@@ -316,6 +319,17 @@ class LoopCloser:
                  "%.1f ms", job.kept.index + 1, job.current.index + 1, measured.verdict.reason,
                  self.graph.node_count, 1e3 * seconds)
         self._publish(job, measured, True)
+
+    def _measure(self, job: _Job) -> Measured:
+        """The candidate's relative pose and verdict from its side views (and its partner's, as a
+        second estimate moved through the graph)."""
+        others = ()
+        if job.partner is not None and job.partner_views and job.partner.index in self.store:
+            rel_partner, _, _ = relative_in_stream_units(job.partner, job.current, job.partner_views)
+            if rel_partner is not None:  # kept <- partner through the graph, then partner <- current
+                between = self.graph.pose(job.kept.index).inverse() @ self.graph.pose(job.partner.index)
+                others = (between @ rel_partner,)
+        return measure(job.kept, job.current, job.views, self.config.check, others)
 
     def _refused(self, job: _Job, measured: Measured | None, reason: str) -> None:
         self.stats = replace(self.stats, rejected=self.stats.rejected + 1, last_reason=reason)

@@ -2,7 +2,8 @@
 goes once around a box room and comes back to its first places; the side session is a stand-in
 that knows the true geometry (test/loop_scene.py). Covers detection against the right keyframe,
 the verification (called, measured, accepted), the pose graph's closure and the corrections, the
-rejection of a candidate whose geometry does not hold, and nothing accepted without a revisit."""
+rejection of a candidate whose geometry does not hold or whose side views cannot be measured, and
+nothing accepted without a revisit."""
 from __future__ import annotations
 
 import numpy as np
@@ -100,3 +101,32 @@ def test_a_candidate_whose_geometry_does_not_hold_is_rejected_with_its_reason(sc
     assert closer.stats.accepted == 0 and closer.stats.rejected >= 1
     assert closer.stats.last_reason and not closer.markers[-1].accepted
     assert closer.graph.edge_counts().get("loop", 0) == 0 and not got
+
+
+def test_a_side_session_whose_outputs_cannot_be_measured_costs_the_candidate(scene):
+    """Non-finite intrinsics from the side session (the tiny fixture model gives them): each
+    candidate is counted as rejected with the reason, nothing is accepted, the loop thread goes on."""
+    true, reported, images, _ = scene
+
+    class Unmeasurable(TrueSideRunner):
+        def run(self, imgs):
+            bad = np.array(K)
+            bad[0, 0] = bad[1, 1] = np.inf
+            return [type(v)(v.c2w, v.depth, v.confidence, bad) for v in super().run(imgs)]
+
+    side = Unmeasurable(list(zip(images[:N], true[:N])))
+    closer, got = run(list(zip(reported, images, true)), side, LoopConfig(min_separation=20))
+    stats = closer.stats
+    assert stats.candidates >= 1 and stats.rejected == stats.candidates and stats.accepted == 0, stats
+    assert "cannot be measured" in stats.last_reason and not got
+
+
+def test_a_kept_keyframes_image_comes_back_writable():
+    """The side session hands it to torch, which warns about a read-only array (and may write into it)."""
+    from lingbot_map_ros.runtime.loop_keyframes import LoopKeyframe, jpeg
+
+    rgb = place_image(3)
+    kf = LoopKeyframe(0, 0.0, np.eye(4), jpeg(rgb), np.zeros(4, np.float32), np.zeros((7, 12), np.float32),
+                      np.zeros((7, 12, 3), np.uint8), K)
+    back = kf.rgb()
+    assert back.flags.writeable and back.shape == rgb.shape and back.dtype == np.uint8
