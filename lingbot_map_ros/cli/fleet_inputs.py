@@ -306,6 +306,9 @@ def check_flags(flags: list[str], origin: str) -> ReplayFlags:
     if given["device"] != defaults["device"]:
         raise UsageError(f"{origin}: --device is chosen by the fleet (a GPU when --gpus-per-task > 0, else the "
                          "CPU); leave it out of the replay flags")
+    if given["loop_closure"]:
+        raise UsageError(f"{origin}: --loop-closure is for lingbot-map-replay alone: the fleet replays an input in "
+                         "segments, each resumed from a journal that holds no pose graph")
     return _replay_flags(given, origin)
 
 

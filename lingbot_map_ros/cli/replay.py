@@ -23,21 +23,26 @@ new one is complete); so is an output folder that cannot be written:
 - --trajectory (TUM) and --ply (points with confidence > --conf-threshold, every
   --point-stride-th), in the same OpenCV world;
 - --out-bag: a rosbag2 (MCAP) of the node's outputs in the REP-103 map frame
-  (``io.results_bag``).
+  (``io.results_bag``);
+- with --loop-closure: --trajectory is the optimised trajectory, written when the run ends
+  (the loop closer's corrections are final only then), and the raw one streams beside it as
+  ``<stem>_raw<suffix>``; both TUM, one row per frame, the same stamps (``replay_loop``).
 
 By default the frames go through the long-stream session as in the node (window
 restarts aligned by a Sim(3), so any length works); --no-long-stream runs the plain
 session (up to the model's horizon). Either way frame t+1 is submitted before frame t's
-results are taken (the GPU stays busy while the host writes). A progress bar (frames/s, ETA, window) and
-one summary line go to stderr. Any input problem ends with one line
-``lingbot-map-replay: error: ...`` and exit status 2; undecodable frames of a bag or
-a video are skipped, counted and warned about (--bad-frames). So does an output that
-cannot be written (a full or read-only disk, at any point up to the final rename): the
-line names the outputs written, those not written and the ``.partial`` files kept
-(``incomplete`` where even those could not be finished).
+results are taken (the GPU stays busy while the host writes); with --loop-closure, a loop
+candidate is verified by the model between two frames, after the frame in flight is taken. A
+progress bar (frames/s, ETA, window) and one summary line (and one of loop closure) go to
+stderr. Any input problem ends with one line ``lingbot-map-replay: error: ...`` and exit
+status 2; undecodable frames of a bag or a video are skipped, counted and warned about
+(--bad-frames). So does an output that cannot be written (a full or read-only disk, at any
+point up to the final rename): the line names the outputs written, those not written and the
+``.partial`` files kept (``incomplete`` where even those could not be finished).
 
 This module opens the source and the session and drives the run; the flags and their checks
-are ``replay_args``, the outputs ``replay_outputs``, what is said on stderr ``replay_console``.
+are ``replay_args``, the outputs ``replay_outputs``, what is said on stderr ``replay_console``,
+loop closure ``replay_loop``.
 """
 from __future__ import annotations
 
@@ -51,7 +56,7 @@ from dataclasses import replace
 from typing import Callable
 
 from .replay_args import Settings, build_parser, configure
-from .replay_console import PROG, StderrHandler, UserError, explain, log, progress_bar, say
+from .replay_console import PROG, StderrHandler, UserError, explain, log, loop_summary, progress_bar, say
 from .replay_outputs import FrameMeta, OutputError, Outputs, close_failure, with_partial
 
 MAX_SHOWN_BAD_FRAMES = 10  # warnings for the first bad frames; later ones are only counted
@@ -82,9 +87,10 @@ class Replay:
     """Feeds the source's frames to the session and the results to the outputs."""
 
     def __init__(self, args: argparse.Namespace, settings: Settings, session, outputs: Outputs,
-                 observer: Callable[[int], None] | None = None, resume_after: int = -1) -> None:
+                 observer: Callable[[int], None] | None = None, resume_after: int = -1, loop=None) -> None:
         self.args, self.settings, self.session, self.outputs = args, settings, session, outputs
         self.observer = observer
+        self.loop = loop  # replay_loop.ReplayLoop with --loop-closure
         self.pending: deque[FrameMeta] = deque()  # pushed frames whose results have not come yet
         self.pushed = self.done = self.dropped = 0
         self.first_problem: str | None = None
@@ -125,6 +131,8 @@ class Replay:
         """Submit a frame, then take the previous one's results (the model runs this one meanwhile)."""
         from ..stream.errors import InvalidFrameError
 
+        if self.loop is not None:  # the keyframes taken go to the loop closer; a candidate's check may take
+            self.loop.between_frames(self._drain)  # the frame in flight first (the model runs the candidate)
         try:
             submitted = self.session.submit(image, stamp=meta.stamp_ns, tag={"n": self.ordinal})
         except InvalidFrameError as exc:  # size differs from the sequence's, too small: nothing changed
@@ -155,6 +163,8 @@ class Replay:
         for r in results:
             meta = self.pending.popleft()
             self.outputs.add(r, meta)
+            if self.loop is not None:
+                self.loop.take(r, meta.stamp_ns / 1e9)
             self.done += 1
             if self.observer is not None:
                 self.observer(self.done)
@@ -204,6 +214,17 @@ def make_session(args: argparse.Namespace, settings: Settings):
     if args.save_session or args.resume:
         return (session, *_journaled(args, session))
     return session, None, -1
+
+
+def make_loop(settings: Settings, session):
+    """The replay's loop closer (``replay_loop.ReplayLoop``) verifying candidates with a side session on
+    ``session``'s model; None without --loop-closure."""
+    if settings.loop is None:
+        return None
+    from ..runtime.loop_verify import ModelSideRunner
+    from .replay_loop import ReplayLoop
+
+    return ReplayLoop(settings.loop, ModelSideRunner(session.inner), settings.conf_threshold)
 
 
 def _journaled(args: argparse.Namespace, session):
@@ -256,8 +277,9 @@ def run(args: argparse.Namespace, observer: Callable[[int], None] | None = None)
         except ValueError as exc:
             raise UserError(str(exc)) from None
     session, journal, resume_after = make_session(args, settings)
-    outputs = Outputs(args, settings)
-    replay = Replay(args, settings, session, outputs, observer, resume_after)
+    loop = make_loop(settings, session)
+    outputs = Outputs(args, settings, loop)
+    replay = Replay(args, settings, session, outputs, observer, resume_after, loop)
     start = time.perf_counter()
     try:
         replay.run(source)
@@ -266,6 +288,8 @@ def run(args: argparse.Namespace, observer: Callable[[int], None] | None = None)
             detail = f"; {replay.dropped} dropped, the first: {replay.first_problem}" if replay.dropped else ""
             raise UserError(f"only {replay.pushed} frame(s) reached the model, fewer than the {s0} scale frames "
                             f"it needs{detail}")
+        if loop is not None:
+            loop.finish()  # the last candidate verified: the corrections are final
     except (UserError, SourceError, CacheError, OutputError, OSError) as exc:  # OSError: a source's file system
         raise UserError(with_partial(explain(exc), *outputs.abort())) from None
     except KeyboardInterrupt:
@@ -280,6 +304,8 @@ def run(args: argparse.Namespace, observer: Callable[[int], None] | None = None)
     finally:
         if journal is not None:
             journal.writer.close()  # what was journaled is on disk: --resume continues from it
+        if loop is not None:
+            loop.stop()
     elapsed = time.perf_counter() - start
     closed = outputs.close()
     if closed.failed:
@@ -289,6 +315,8 @@ def run(args: argparse.Namespace, observer: Callable[[int], None] | None = None)
     print(f"{PROG}: {replay.done} frames in {elapsed:.1f} s ({replay.done / max(elapsed, 1e-9):.2f} FPS), "
           f"{replay.dropped} dropped, {windows} window(s), peak RSS {peak:.0f} MiB; wrote "
           f"{', '.join(map(str, closed.written))}", file=sys.stderr, flush=True)
+    if loop is not None:
+        print(f"{PROG}: {loop_summary(loop.stats)}", file=sys.stderr, flush=True)
     return 0
 
 

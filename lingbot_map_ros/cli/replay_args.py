@@ -4,6 +4,12 @@ the model and stream configuration, the long-stream settings (the node's default
 flags not given), the selection, the depth policy, numbers in range, the optional
 packages an input or output needs, and the outputs (no two with one name, none that
 exists already without --overwrite, every folder writable).
+
+--loop-closure (off by default) needs --trajectory: that file is the optimised trajectory,
+written when the run ends, and the raw one (the front end's poses as they came) goes beside it
+as ``<stem>_raw<suffix>`` (``traj.tum`` -> ``traj_raw.tum``, ``raw_trajectory_path``), under the
+same rules as every output. It needs depth (not with --no-depth) and the whole input in one run
+(not with --resume: the journal holds the model's state, not the pose graph of the frames before).
 """
 from __future__ import annotations
 
@@ -20,9 +26,11 @@ if TYPE_CHECKING:
     from ..config import ModelConfig, StreamConfig
     from ..io.results import DepthPolicy
     from ..io.sources import Selection
+    from ..runtime.loop_closure import LoopConfig
     from ..stream.long_stream import LongStreamConfig
 
 DESCRIPTION = f"{PROG}: stream recorded frames through the model and save what it predicts."
+RAW_TRAJECTORY = "raw trajectory"  # how messages name --loop-closure's raw trajectory (it has no flag of its own)
 _LONG_STREAM_FLAGS = ("window_frames", "overlap_frames", "keyframe_policy", "motion_min_translation",
                       "motion_min_rotation_deg", "auto_restart")
 
@@ -132,6 +140,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="rebuild the model's state from DIR's journal and continue with the input after the last "
                         "frame it holds (same input, model and flags); journaling goes on in DIR, or in "
                         "--save-session's folder when given")
+    lc = p.add_argument_group("loop closure (the node's loop_* parameters; defaults as the node's)")
+    lc.add_argument("--loop-closure", action="store_true",
+                    help="find places seen before, verify each with the model and correct the trajectory with a "
+                    "pose graph; needs --trajectory, which then holds the optimised trajectory (written at the "
+                    "end), and writes the raw one beside it as <stem>_raw<suffix> (traj.tum -> traj_raw.tum) for "
+                    "evo_ape; needs depth, not with --resume")
+    lc.add_argument("--loop-min-similarity", type=float, help="cosine similarity of two keyframes' place "
+                    "descriptors that makes the older one a candidate, in (0, 1] (node: 0.85)")
+    lc.add_argument("--loop-min-separation", type=int, help="frames a candidate is older than the keyframe at "
+                    "least; keep it above the window (node: 100)")
     return p
 
 
@@ -148,6 +166,7 @@ class Settings:
     conf_threshold: float
     point_stride: int
     bad_frames: str
+    loop: LoopConfig | None = None  # None: no loop closure
 
 
 def configure(args: argparse.Namespace) -> Settings:
@@ -166,6 +185,7 @@ def configure(args: argparse.Namespace) -> Settings:
     if not any((args.out, args.trajectory, args.ply, args.out_bag, args.compare_precision, args.save_session,
                 args.resume)):
         raise UserError("nothing to write: give --out, --trajectory, --ply, --out-bag or --save-session")
+    loop_cfg = _loop_closure(args)
     try:
         data = load_json(args.model_config) if args.model_config else {}
         model_cfg = ModelConfig.from_dict(data) if data else ModelConfig.preset("lingbot-map")
@@ -187,10 +207,45 @@ def configure(args: argparse.Namespace) -> Settings:
     conf = or_node_default(args.conf_threshold, "conf_threshold")
     stride = or_node_default(args.point_stride, "point_stride")
     bad = args.bad_frames or ("error" if args.images is not None else "skip")
-    return Settings(model_cfg, stream_cfg, long_cfg, width, selection, depth, conf, stride, bad)
+    return Settings(model_cfg, stream_cfg, long_cfg, width, selection, depth, conf, stride, bad, loop_cfg)
 
 
-_PACKAGES = {"rosbags": "rosbags", "av": "av (PyAV)"}
+def _loop_closure(args: argparse.Namespace):
+    """LoopConfig from the flags (the node's defaults for those not given); None without --loop-closure."""
+    given = [flag for flag, value in (("--loop-min-similarity", args.loop_min_similarity),
+                                      ("--loop-min-separation", args.loop_min_separation)) if value is not None]
+    if not args.loop_closure:
+        if given:
+            raise UserError(f"{given[0]} goes with --loop-closure")
+        return None
+    if args.compare_precision:
+        raise UserError("--compare-precision replays nothing: it does not go with --loop-closure")
+    if args.trajectory is None:
+        raise UserError("--loop-closure needs --trajectory: it writes the optimised trajectory there and the raw "
+                        "one beside it (<stem>_raw<suffix>)")
+    if args.no_depth:
+        raise UserError("--loop-closure needs depth; drop --no-depth")
+    if args.resume:
+        raise UserError("--loop-closure does not go with --resume: the journal holds the model's state, not the pose "
+                        "graph of the frames before; replay the whole input with --loop-closure")
+    similarity = or_node_default(args.loop_min_similarity, "loop_min_similarity")
+    separation = or_node_default(args.loop_min_separation, "loop_min_separation")
+    if not 0.0 < similarity <= 1.0:
+        raise UserError(f"--loop-min-similarity must be in (0, 1], got {similarity}")
+    if separation < 1:
+        raise UserError(f"--loop-min-separation must be at least 1, got {separation}")
+    _require("gtsam", "--loop-closure")
+    from ..runtime.loop_closure import LoopConfig
+
+    return LoopConfig(min_similarity=similarity, min_separation=separation)
+
+
+def raw_trajectory_path(trajectory: Path) -> Path:
+    """Where --loop-closure writes the raw trajectory: beside --trajectory, ``<stem>_raw<suffix>``."""
+    return trajectory.with_name(f"{trajectory.stem}_raw{trajectory.suffix}")
+
+
+_PACKAGES = {"rosbags": "rosbags", "av": "av (PyAV)", "gtsam": "gtsam (the pose graph)"}
 
 
 def _require(module: str, flag: str) -> None:
@@ -241,8 +296,11 @@ def _check_numbers_and_outputs(args: argparse.Namespace) -> None:
 
 
 def requested_outputs(args: argparse.Namespace) -> list[tuple[str, Path]]:
-    """(flag, path) of each output asked for, in the order they are written."""
-    pairs = (("--out", args.out), ("--trajectory", args.trajectory), ("--ply", args.ply), ("--out-bag", args.out_bag))
+    """(flag, path) of each output asked for, in the order they are written; --loop-closure's raw
+    trajectory is ``RAW_TRAJECTORY``."""
+    raw = raw_trajectory_path(args.trajectory) if args.loop_closure and args.trajectory else None
+    pairs = (("--out", args.out), ("--trajectory", args.trajectory), (RAW_TRAJECTORY, raw), ("--ply", args.ply),
+             ("--out-bag", args.out_bag))
     return [(flag, path) for flag, path in pairs if path is not None]
 
 

@@ -1,6 +1,7 @@
 """What ``lingbot-map-replay`` tells its user on stderr: its name, its logger, the one-line
 errors (``UserError``, an OSError in a few words), the progress bar and the log handler that
-prints above it. (The lines about the outputs, ``.partial`` files kept, are ``replay_outputs``'.)
+prints above it, the summary line of loop closure. (The lines about the outputs, ``.partial``
+files kept, are ``replay_outputs``'.)
 """
 from __future__ import annotations
 
@@ -80,6 +81,13 @@ def progress_bar(total: int | None, quiet: bool):
     with tqdm(total=total, unit="frame", desc="replay", file=sys.stderr, dynamic_ncols=True, mininterval=0.5,
               smoothing=0.05) as bar, logging_redirect_tqdm():
         yield bar
+
+
+def loop_summary(stats) -> str:
+    """The summary line of --loop-closure (``stats``: ``runtime.loop_closure.LoopStats``)."""
+    last = f"; the last decision: {stats.last_reason}" if stats.last_reason else ""
+    return (f"loop closure: {stats.keyframes} keyframes, {stats.candidates} candidates, {stats.accepted} accepted, "
+            f"{stats.rejected} rejected{last}")
 
 
 def explain(exc: BaseException) -> str:

@@ -1,5 +1,7 @@
 """``lingbot-map-replay``'s outputs (--out, --trajectory, --ply, --out-bag), written as the
-frames come, each under ``<name>.partial`` until it is complete.
+frames come, each under ``<name>.partial`` until it is complete. With --loop-closure, --trajectory
+is the optimised trajectory, written at the end (``replay_loop.OptimisedTrajectory``), and the raw
+one streams beside it (``RAW_TRAJECTORY``).
 
 ``Outputs`` makes the writers when the first result arrives and feeds each frame's results
 to them; a writer that fails (a full or read-only disk) is set aside and the others go on.
@@ -17,7 +19,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .replay_args import Settings, node_default, or_node_default
+from .replay_args import RAW_TRAJECTORY, Settings, node_default, or_node_default, raw_trajectory_path
 from .replay_console import describe_os_error, log
 
 
@@ -75,10 +77,11 @@ class Outputs:
     where possible) and ``abort`` keeps each as ``.partial``; neither raises for a writer that
     fails: they say which did what."""
 
-    def __init__(self, args: argparse.Namespace, settings: Settings) -> None:
+    def __init__(self, args: argparse.Namespace, settings: Settings, loop=None) -> None:
         self.args, self.settings = args, settings
+        self.loop = loop  # replay_loop.ReplayLoop with --loop-closure: its corrections move --trajectory
         self.writers: list[tuple[str, Path, Any]] = []  # (flag, path, writer)
-        self.store = self.tum = self.ply = self.bag = None
+        self.store = self.tum = self.raw = self.ply = self.bag = None
         self.broken: dict[str, str] = {}  # flag -> why its writer failed
         self._opened = False
         self.rows = 0
@@ -93,7 +96,14 @@ class Outputs:
         if a.out:
             self.store = self._make("--out", a.out, lambda: PredictionStore(a.out, self.settings.depth, a.chunk_frames,
                                                                             overwrite=overwrite))
-        if a.trajectory:
+        if a.trajectory and self.loop is not None:
+            from .replay_loop import OptimisedTrajectory
+
+            raw, loop = raw_trajectory_path(a.trajectory), self.loop
+            self.tum = self._make("--trajectory", a.trajectory, lambda: OptimisedTrajectory(
+                a.trajectory, overwrite, lambda: loop.corrections))
+            self.raw = self._make(RAW_TRAJECTORY, raw, lambda: TumStreamWriter(raw, overwrite))
+        elif a.trajectory:
             self.tum = self._make("--trajectory", a.trajectory, lambda: TumStreamWriter(a.trajectory, overwrite))
         if a.ply:
             self.ply = self._make("--ply", a.ply, lambda: PlyStreamWriter(a.ply, overwrite))
@@ -136,7 +146,11 @@ class Outputs:
         keep_depth = r.depth is not None and self.settings.depth.keeps(row)
         self._call("--out", self.store, "add", r.pose_enc, r.c2w, r.intrinsics, r.is_keyframe, meta.stamp_ns,
                    meta.window, r.depth, r.confidence)
-        self._call("--trajectory", self.tum, "add", meta.stamp_ns / 1e9, r.c2w)
+        if self.raw is None:
+            self._call("--trajectory", self.tum, "add", meta.stamp_ns / 1e9, r.c2w)
+        else:
+            self._call("--trajectory", self.tum, "add", meta.stamp_ns / 1e9, r.c2w, r.frame_index)
+            self._call(RAW_TRAJECTORY, self.raw, "add", meta.stamp_ns / 1e9, r.c2w)
         points = colors = conf = None
         if r.depth is not None and (self.ply is not None or self.bag is not None):
             index = np.flatnonzero(r.confidence.reshape(-1) > self.settings.conf_threshold)

@@ -164,6 +164,7 @@ class LoopCloser:
         self.config, self.side, self.on_corrections, self.on_relocated = config, side, on_corrections, on_relocated
         self.seed_count = max(1, int(seed_count))
         self.graph = LoopGraph(config, journal)  # the loop thread's (replaced at a clear)
+        self.store = self.graph.store  # the keyframes (``loop_keyframes.KeyframeStore``; any thread reads it)
         self.corrections = Corrections()  # replaced as a whole by the loop thread
         self.stats = LoopStats()  # replaced as a whole by the loop thread
         self.localization = ""  # "" | "relocalizing" | "localized" (a saved map to find the camera in)
@@ -184,14 +185,15 @@ class LoopCloser:
         self._pending = 0  # inbox items not handled yet
 
     @property
-    def store(self):
-        """The keyframes (``loop_keyframes.KeyframeStore``; readable from any thread)."""
-        return self.graph.store
-
-    @property
     def relocalizing(self) -> bool:
         """The camera is not found in the map yet: frames go to ``locate``, not to the stream."""
         return self.localization == "relocalizing"
+
+    @property
+    def candidate_waiting(self) -> bool:
+        """A candidate waits for the model (``run_idle``)."""
+        with self._idle:
+            return bool(self._jobs)
 
     @property
     def wants_frame(self) -> bool:
@@ -298,17 +300,17 @@ class LoopCloser:
             try:  # a changed map waits at most MAP_PERIOD_S for a quiet moment
                 item = self._inbox.get(timeout=MAP_PERIOD_S if self._map_dirty else None)
             except queue.Empty:
-                self._maybe_render()
+                self._render()
                 continue
             try:
                 if item[0] == "stop":
                     return
                 if item[0] == "render":
-                    self._render()
+                    self._render(force=True)
                 else:
                     self._handle(item)
                     if self._inbox.empty():
-                        self._maybe_render()
+                        self._render()
             except Exception as exc:  # the loop thread never dies of one item
                 log.error("loop closure: %s failed: %s: %s", item[0], type(exc).__name__, exc)
             finally:
@@ -318,16 +320,13 @@ class LoopCloser:
                     self._pending -= 1
                     self._idle.notify_all()
 
-    def _maybe_render(self) -> None:
-        """The map is rendered from every keyframe (O(keyframes)): only when it changed, someone
-        wants it, and at most every MAP_PERIOD_S."""
-        if self._map_dirty and self.map_wanted and time.monotonic() - self._map_time >= MAP_PERIOD_S:
-            self._render()
-
-    def _render(self) -> None:
-        c = self.config
-        points, colors = self.store.render(self.corrections, c.map_voxel_size, c.map_max_points)
-        self.map, self._map_dirty, self._map_time = (points, colors, self.map[2] + 1), False, time.monotonic()
+    def _render(self, force: bool = False) -> None:
+        """The map from every keyframe (O(keyframes)): forced (a save), or when it changed, someone
+        wants it and MAP_PERIOD_S passed since the last render."""
+        if force or (self._map_dirty and self.map_wanted and time.monotonic() - self._map_time >= MAP_PERIOD_S):
+            c = self.config
+            points, colors = self.store.render(self.corrections, c.map_voxel_size, c.map_max_points)
+            self.map, self._map_dirty, self._map_time = (points, colors, self.map[2] + 1), False, time.monotonic()
 
     def _handle(self, item) -> None:
         kind, g = item[0], self.graph
@@ -360,6 +359,7 @@ class LoopCloser:
             g.forget(item[1])
         elif kind == "clear":
             self.graph = LoopGraph(self.config, g.journal)
+            self.store = self.graph.store
             self.localization, self._seeding = "", False
             self.markers.clear()
             with self._idle:
@@ -369,6 +369,7 @@ class LoopCloser:
                 g.journal.begin()
         elif kind == "restore":
             self.graph = g = LoopGraph(self.config, g.journal)
+            self.store = g.store
             g.restore(item[1], item[2])
             self.stats = LoopStats(keyframes=len(g.store), accepted=len(g.loops), last_optimisation_ms=g.last_solve_ms)
         elif kind == "relocated":
@@ -415,30 +416,8 @@ class LoopCloser:
         with self._idle:
             self._jobs.append(_Job(kept, kf, self.graph.partner_of(kept), relocate=relocate))
 
-    def _measure(self, job: _Job) -> Measured | str:
-        """The candidate's measurement, or why there is none."""
-        g = self.graph
-        if job.kept.index not in g.node or not (job.relocate or job.current.index in g.node):
-            return "a keyframe of the candidate left the map (rollback or reset)"
-        if job.error or not job.views or len(job.views) != 2:
-            return f"the side session failed: {job.error or 'no results'}"
-        others: tuple[Sim3, ...] = ()
-        if any(not _finite(v) for v in job.views):
-            return "the side session gave non-finite poses, depths or intrinsics"
-        try:
-            if job.partner is not None and job.partner_views and job.partner.index in g.node \
-                    and all(_finite(v) for v in job.partner_views):
-                rel_partner, _, _ = relative_in_stream_units(job.partner, job.current, job.partner_views)
-                if rel_partner is not None:  # kept <- partner through the graph, then partner <- current
-                    between = g.graph.pose(g.node[job.kept.index]).inverse() @ g.graph.pose(g.node[job.partner.index])
-                    others = (between @ rel_partner,)
-            measured = measure(job.kept, job.current, job.views, self.config.check, others)
-        except ValueError as exc:  # the side session's output does not hold together (NaN, inf, shapes)
-            return f"the side session's output cannot be used: {exc}"
-        return measured if measured.accepted else (measured.reason or measured.verdict.reason)
-
     def _decide(self, job: _Job) -> None:
-        measured = self._measure(job)
+        measured = measure_job(job, self.graph, self.config.check)
         if isinstance(measured, str):
             return self._refused(job, measured)
         g = self.graph
@@ -450,7 +429,7 @@ class LoopCloser:
                  "%.1f ms", job.kept.index + 1, job.current.index + 1, measured.verdict.reason,
                  g.graph.node_count, 1e3 * seconds)
         self._publish_corrections()
-        self._mark(job, True, measured.verdict.reason)
+        self.markers.append(marker(job, self.corrections, True, measured.verdict.reason))
 
     def _refused(self, job: _Job, reason: str) -> None:
         self.stats = replace(self.stats, rejected=self.stats.rejected + 1,
@@ -458,19 +437,13 @@ class LoopCloser:
         what = "relocalisation at keyframe %d" if job.relocate else "loop candidate keyframe %d"
         log.info(what + " for frame %d rejected: %s", job.kept.index + 1, job.current.index + 1, reason)
         if not job.relocate:
-            self._mark(job, False, reason)
-
-    def _mark(self, job: _Job, accepted: bool, reason: str) -> None:
-        c = self.corrections
-        kept = c.at(job.kept.index).apply(job.kept.T[:3, 3])
-        current = c.at(job.current.index).apply(job.current.T[:3, 3])
-        self.markers.append(Marker(job.kept.index, job.current.index, accepted, reason, kept, current))
+            self.markers.append(marker(job, self.corrections, False, reason))
 
     # -- relocalisation
     def _decide_relocation(self, job: _Job) -> None:
         if not self.relocalizing or self._seeding:
             return
-        measured = self._measure(job)
+        measured = measure_job(job, self.graph, self.config.check)
         if isinstance(measured, str):
             return self._refused(job, measured)
         seeds = tuple(self.store.around(job.kept.index, self.seed_count))
@@ -483,6 +456,35 @@ class LoopCloser:
         if self.on_relocated is not None:
             self.on_relocated(Relocation(job.kept.index, seeds, self.corrections.at(job.kept.index),
                                          measured.verdict.reason))
+
+
+def measure_job(job: _Job, g: LoopGraph, check: LoopCheck) -> Measured | str:
+    """A verified candidate's measurement (``loop_verify.measure``, with the estimate through its
+    partner keyframe and the graph), or why there is none."""
+    if job.kept.index not in g.node or not (job.relocate or job.current.index in g.node):
+        return "a keyframe of the candidate left the map (rollback or reset)"
+    if job.error or not job.views or len(job.views) != 2:
+        return f"the side session failed: {job.error or 'no results'}"
+    others: tuple[Sim3, ...] = ()
+    if any(not _finite(v) for v in job.views):
+        return "the side session gave non-finite poses, depths or intrinsics"
+    try:
+        if job.partner is not None and job.partner_views and job.partner.index in g.node \
+                and all(_finite(v) for v in job.partner_views):
+            rel_partner, _, _ = relative_in_stream_units(job.partner, job.current, job.partner_views)
+            if rel_partner is not None:  # kept <- partner through the graph, then partner <- current
+                between = g.graph.pose(g.node[job.kept.index]).inverse() @ g.graph.pose(g.node[job.partner.index])
+                others = (between @ rel_partner,)
+        measured = measure(job.kept, job.current, job.views, check, others)
+    except ValueError as exc:  # the side session's output does not hold together (NaN, inf, shapes)
+        return f"the side session's output cannot be used: {exc}"
+    return measured if measured.accepted else (measured.reason or measured.verdict.reason)
+
+
+def marker(job: _Job, c: Corrections, accepted: bool, reason: str) -> Marker:
+    """The ~/loop_closures entry of a decided candidate, at the corrected keyframe positions."""
+    return Marker(job.kept.index, job.current.index, accepted, reason, c.at(job.kept.index).apply(job.kept.T[:3, 3]),
+                  c.at(job.current.index).apply(job.current.T[:3, 3]))
 
 
 def _finite(view: SideView) -> bool:

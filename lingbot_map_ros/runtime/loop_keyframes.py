@@ -60,7 +60,7 @@ class LoopKeyframe:
         """The model input back as uint8 [H, W, 3] (decoded from JPEG)."""
         from PIL import Image
 
-        return np.array(Image.open(io.BytesIO(self.image)).convert("RGB"))
+        return np.array(Image.open(io.BytesIO(self.image)).convert("RGB"))  # writable: the model takes it
 
 
 def depth_thumbnail(depth: np.ndarray, confidence: np.ndarray, K: np.ndarray, conf_threshold: float

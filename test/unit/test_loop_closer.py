@@ -2,7 +2,8 @@
 goes once around a box room and comes back to its first places; the side session is a stand-in
 that knows the true geometry (test/loop_scene.py). Covers detection against the right keyframe,
 the verification (called, measured, accepted), the pose graph's closure and the corrections, the
-rejection of a candidate whose geometry does not hold, and nothing accepted without a revisit."""
+rejection of a candidate whose geometry does not hold or whose side views cannot be measured, and
+nothing accepted without a revisit."""
 from __future__ import annotations
 
 import numpy as np
@@ -128,3 +129,14 @@ def test_a_side_session_that_gives_garbage_costs_the_candidate_not_the_loop_thre
     assert stats.candidates >= 1 and stats.rejected == stats.candidates and stats.accepted == 0, stats
     assert {"intrinsics": "non-finite", "pose": "non-finite", "raises": "illegal memory"}[broken] in stats.last_reason
     assert not got
+
+
+def test_a_kept_keyframes_image_comes_back_writable():
+    """The side session hands it to torch, which warns about a read-only array (and may write into it)."""
+    from lingbot_map_ros.runtime.loop_keyframes import LoopKeyframe, jpeg
+
+    rgb = place_image(3)
+    kf = LoopKeyframe(0, 0.0, np.eye(4), jpeg(rgb), np.zeros(4, np.float32), np.zeros((7, 12), np.float32),
+                      np.zeros((7, 12, 3), np.uint8), K)
+    back = kf.rgb()
+    assert back.flags.writeable and back.shape == rgb.shape and back.dtype == np.uint8
