@@ -55,7 +55,7 @@ class LoopConfig:
     """How loops are found and accepted (the ``loop_*`` node parameters)."""
 
     min_similarity: float = 0.85  # cosine similarity of the descriptors for a candidate
-    min_separation: int = 100  # frames: a candidate is at least this much older than the keyframe
+    min_separation: int = 400  # frames: a candidate is at least this much older than the keyframe
     max_keyframes: int = 5000  # keyframes kept (the oldest goes first)
     check: LoopCheck = field(default_factory=LoopCheck)
     odometry: EdgeNoise = field(default_factory=EdgeNoise)

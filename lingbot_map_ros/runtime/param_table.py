@@ -247,8 +247,8 @@ PARAMETERS: tuple[Param, ...] = (
           "accuracy with the released weights is not measured yet (docs/loop_closure.md)"),
     Param("loop_min_similarity", 0.85, "Loop closure: cosine similarity of two keyframes' place descriptors "
           "that makes the older one a candidate", limits=(0.5, 1.0, 0.0)),
-    Param("loop_min_separation", 100, "Loop closure: a candidate is at least this many frames older than the "
-          "keyframe (keep it above window_frames: the model's window closes its own loops)",
+    Param("loop_min_separation", 400, "Loop closure: a candidate is at least this many frames older than the "
+          "keyframe (keep it above window_frames x keyframe_interval: the model's window closes its own loops)",
           limits=(1, 10_000_000, 1)),
     Param("loop_max_keyframes", 5000, "Loop closure: keyframes kept for places, verification and the map (about "
           "60 KB each in memory; the oldest goes first)", limits=(10, 10_000_000, 1)),

@@ -98,7 +98,7 @@ class NodeSettings:
     health_rotation_std_deg: float = health_default("health_rotation_std_deg")
     loop_closure: bool = False  # runtime/loop_closure.py
     loop_min_similarity: float = 0.85
-    loop_min_separation: int = 100
+    loop_min_separation: int = 400
     loop_max_keyframes: int = 5000
     loop_min_inlier_ratio: float = 0.8
     loop_depth_tolerance: float = 0.05
