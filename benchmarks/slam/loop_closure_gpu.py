@@ -200,6 +200,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--device", default="cuda", help="cpu + --model-config: a smoke run of this script")
     p.add_argument("--model-config", default="", help="architecture JSON (default: the released one)")
+    p.add_argument("--commit", default="", help="the commit measured (default: git's HEAD; the device tool's copy "
+                                                  "of the tree may carry an older .git)")
     args = p.parse_args(argv)
     import torch
 
@@ -208,8 +210,8 @@ def main(argv=None) -> int:
             "model_config": args.model_config}
     settings = resolve_settings(base)
     model = load_model(settings.model, None, args.device, settings.stream.dtype, seed=0)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=ROOT).stdout.strip() or "unknown"
+    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                           cwd=ROOT).stdout.strip() or "unknown"
     device = torch.cuda.get_device_name(0) if args.device.startswith("cuda") else f"cpu ({platform.processor()})"
     result = {"commit": commit, "device": device, "host": platform.node(),
               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
