@@ -6,6 +6,7 @@
    image callback would, and the latency is image stamp -> the pose handed to the sink); the
    frames are ``--frames`` of a real camera loop (``--images``, cycled: the places come back, so
    candidates are found and verified in the inference thread's idle time);
+   then with the occupancy grid on (issue 40: ``grid``, fixed scale, a base frame 0.3 m below);
 2. one verification: the side session (``runtime.loop_verify.ModelSideRunner``) on two frames,
    twice as a candidate costs (kept + current, partner + current), CUDA-synchronised, median;
 3. the loop thread's work per keyframe (JPEG, descriptor, place database, graph update), median.
@@ -99,13 +100,25 @@ def load_frames(folder: Path, width: int) -> list[np.ndarray]:
     return out
 
 
+# the camera's pose in a robot base (z up, 0.3 m below it, looking along x): the grid's ground
+T_CAM_BASE = np.array([[0.0, -1.0, 0.0, 0.0], [0.0, 0.0, -1.0, 0.3], [1.0, 0.0, 0.0, 0.0], [0.0, 0.0, 0.0, 1.0]])
+
+
 def run_rate(model, params: dict, frames: list[np.ndarray], n: int, rate: float, warmup: int) -> dict:
-    """The engine at ``rate`` Hz over ``n`` frames after ``warmup`` untimed ones."""
+    """The engine at ``rate`` Hz over ``n`` frames after ``warmup`` untimed ones (``grid`` in
+    ``params``: the occupancy grid fed on the output thread, as ros/grid_outputs.py attaches it)."""
     settings = resolve_settings(params)
     sessions = CameraSessions(model, {"": (settings.stream, settings.long_stream)})
     session = sessions.sessions[""]
     sink, log = TimingSink(), Log()
     engine = InferenceEngine(session, settings, sink, log, now=time.time)
+    grid = None
+    if settings.grid:
+        from lingbot_map_ros.runtime.grid import GroundFromBase, SequenceGrid, grid_config
+
+        grid = SequenceGrid(grid_config(settings), GroundFromBase(settings.base_frame, 0.0, lambda cam: T_CAM_BASE),
+                            settings.scale_source)
+        engine.seq.attach_grid(grid)
     scheduler = CameraScheduler({"": engine})
     scheduler.start()
     try:
@@ -127,6 +140,10 @@ def run_rate(model, params: dict, frames: list[np.ndarray], n: int, rate: float,
                "latency_ms_median": statistics.median(lat) if lat else None,
                "latency_ms_p95": float(np.percentile(lat, 95)) if lat else None,
                "window_restarts": session.window_index}
+        if grid is not None:
+            snap = grid.snapshot()
+            out.update(grid_ready=bool(snap.ready), grid_cells=int(snap.width) * int(snap.height),
+                       grid_reason=grid.state.reason)
         loop = engine.loop
         if loop is not None:
             loop.flush(30)
@@ -219,6 +236,8 @@ def main(argv=None) -> int:
     result["off"] = run_rate(model, base, frames, args.frames, args.rate, args.warmup)
     result["on"] = run_rate(model, {**base, "loop_closure": True}, frames, args.frames, args.rate, args.warmup)
     result["off_again"] = run_rate(model, base, frames, args.frames, args.rate, args.warmup)  # the noise between runs
+    result["grid"] = run_rate(model, {**base, "grid": True, "scale_source": "fixed", "base_frame": "base_link"},
+                              frames, args.frames, args.rate, args.warmup)
     result["verification"] = verification_cost(model, base, frames, args.repeats)
     result["loop_thread_per_keyframe"] = keyframe_cost(frames, 200)
     args.out.mkdir(parents=True, exist_ok=True)
