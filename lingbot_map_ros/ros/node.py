@@ -239,6 +239,8 @@ class LingBotMapNode(ManagedNode, Node):
             self._made = None
         self._timer_handles, self._rate_timers = [], {}
         for channel in self.channels.values():
+            if channel.engine is not None:  # a job queued after the stop (a save, a timer) started its output
+                channel.engine.stop(JOURNAL_CLOSE_S)  # thread again: stopped and joined before the model goes
             channel.detach()
         self.channels.clear()
         self.tf_shared = self.cameras = self.diagnostics = self.maps = self.map_saving = None
