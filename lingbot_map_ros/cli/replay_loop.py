@@ -73,7 +73,8 @@ class ReplayLoop:
             self._flush()
             if self.closer.candidate_waiting:  # (one at a time; its decision makes no other)
                 settle()
-                self.closer.run_idle()
+                while self.closer.run_idle():  # the candidate, then its partner, with the current frame
+                    pass
                 self._flush()
 
     def finish(self) -> LoopStats:

@@ -190,8 +190,17 @@ class InferenceEngine:
 
     def run_idle(self) -> bool:
         """Work that waits for the inference thread to have nothing else to do (a loop candidate's
-        verification by the model); True when some ran. The scheduler calls it when idle."""
-        return self.loop is not None and self.loop.run_idle()
+        verification by the model, one side-session run at a time, only when it fits before the next
+        frame is due: ``LoopCloser.run_idle``); True when some ran. The scheduler calls it when idle."""
+        if self.loop is None:
+            return False
+        budget = None
+        rate, last = self.input_rate.rate(), self.input_rate.last()
+        if rate > 0 and last is not None:
+            period, waited = 1.0 / rate, self.monotonic() - last
+            if waited < 2.0 * period:  # frames are coming: the next is due a period after the last
+                budget = max(0.0, period - waited)
+        return self.loop.run_idle(budget)
 
     def take_frame(self) -> InputFrame | None:
         """The waiting frame, taken, when this camera's next item is a frame that may run now (no

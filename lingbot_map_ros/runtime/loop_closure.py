@@ -43,7 +43,7 @@ from .corrections import Corrections, rigid
 from .loop_graph import LoopGraph
 from .loop_journal import LoopJournal
 from .loop_keyframes import LoopKeyframe, color_thumbnail, jpeg
-from .loop_verify import Measured, SideRunner, SideView, measure, relative_in_stream_units
+from .loop_verify import Candidate, SideRunner, measure_job
 
 log = logging.getLogger(__name__)
 MARKERS = 50  # closures tried that ~/loop_closures shows
@@ -137,21 +137,6 @@ class Relocation:
     reason: str
 
 
-@dataclass
-class _Job:
-    """A candidate waiting for the model (inference thread) and then for its checks (loop thread).
-    ``relocate``: the current frame is a frame to find in the map (not a keyframe of the graph)."""
-
-    kept: LoopKeyframe
-    current: LoopKeyframe
-    partner: LoopKeyframe | None
-    relocate: bool = False
-    views: list[SideView] | None = None
-    partner_views: list[SideView] | None = None
-    error: str = ""
-
-
-
 class LoopCloser:
     """See the module docstring. ``on_corrections(Corrections)`` is called from the loop thread
     after each change of the corrections; ``on_relocated(Relocation)`` after a verified
@@ -176,10 +161,11 @@ class LoopCloser:
         self._map_dirty = False
         self._map_time = -float("inf")  # monotonic time of the last render
         self._inbox: queue.Queue = queue.Queue()
-        self._jobs: deque[_Job] = deque()  # candidates for the model (at most one waits)
+        self._jobs: deque[Candidate] = deque()  # candidates for the model (at most one waits)
         self._busy = False  # a candidate is being verified
         self._locating = False  # a frame to relocalise is with the loop thread
         self._seeding = False  # a relocalisation was verified: the window is being re-seeded
+        self.side_s: float | None = None  # one side-session run, seconds (a moving average; None: none yet)
         self._thread: threading.Thread | None = None
         self._idle = threading.Condition()
         self._pending = 0  # inbox items not handled yet
@@ -262,22 +248,37 @@ class LoopCloser:
         self._put(("pose", kind, target, np.asarray(covariance, np.float64), int(frame_index),
                    None if T is None else np.asarray(T, np.float64)))
 
-    def run_idle(self) -> bool:
-        """Run a waiting candidate through the model (inference thread, nothing else to do); True
-        when it did."""
+    def run_idle(self, budget_s: float | None = None) -> bool:
+        """One side-session run of the waiting candidate (the candidate with the current frame, then
+        its partner with it) on the inference thread, which has nothing else to do; True when one
+        ran. ``budget_s``: the time until the next frame is expected (None: no frame is): a run that
+        took longer before waits for a longer gap, so that a verification never delays a frame."""
         with self._idle:
             if not self._jobs:
                 return False
-            job = self._jobs.popleft()
+            if budget_s is not None and self.side_s is not None and self.side_s > budget_s:
+                return False
+            job = self._jobs[0]
             self._busy = True
+        started = time.perf_counter()
+        last = True
         try:
             current = job.current.rgb()
-            job.views = self.side.run([job.kept.rgb(), current])
-            if job.partner is not None:
+            if job.views is None:
+                job.views = self.side.run([job.kept.rgb(), current])
+                last = job.partner is None
+            else:
                 job.partner_views = self.side.run([job.partner.rgb(), current])
         except Exception as exc:  # a side session that fails costs the candidate, never the stream
             job.error = f"{type(exc).__name__}: {exc}"
-        self._put(("measured", job))  # counted as pending before it stops being busy: flush never sees a gap
+            last = True
+        took = time.perf_counter() - started
+        self.side_s = took if self.side_s is None else 0.8 * self.side_s + 0.2 * took
+        if last:
+            with self._idle:
+                if self._jobs and self._jobs[0] is job:  # (a clear may have emptied the queue meanwhile)
+                    self._jobs.popleft()
+            self._put(("measured", job))  # counted as pending before it stops being busy: flush never sees a gap
         with self._idle:
             self._busy = False
         return True
@@ -414,9 +415,9 @@ class LoopCloser:
             kf = replace(kf, K=kept.K)
         self.stats = replace(self.stats, candidates=self.stats.candidates + 1)
         with self._idle:
-            self._jobs.append(_Job(kept, kf, self.graph.partner_of(kept), relocate=relocate))
+            self._jobs.append(Candidate(kept, kf, self.graph.partner_of(kept), relocate=relocate))
 
-    def _decide(self, job: _Job) -> None:
+    def _decide(self, job: Candidate) -> None:
         measured = measure_job(job, self.graph, self.config.check)
         if isinstance(measured, str):
             return self._refused(job, measured)
@@ -431,7 +432,7 @@ class LoopCloser:
         self._publish_corrections()
         self.markers.append(marker(job, self.corrections, True, measured.verdict.reason))
 
-    def _refused(self, job: _Job, reason: str) -> None:
+    def _refused(self, job: Candidate, reason: str) -> None:
         self.stats = replace(self.stats, rejected=self.stats.rejected + 1,
                              last_reason=("relocalizing: " if job.relocate else "") + reason)
         what = "relocalisation at keyframe %d" if job.relocate else "loop candidate keyframe %d"
@@ -440,7 +441,7 @@ class LoopCloser:
             self.markers.append(marker(job, self.corrections, False, reason))
 
     # -- relocalisation
-    def _decide_relocation(self, job: _Job) -> None:
+    def _decide_relocation(self, job: Candidate) -> None:
         if not self.relocalizing or self._seeding:
             return
         measured = measure_job(job, self.graph, self.config.check)
@@ -458,39 +459,10 @@ class LoopCloser:
                                          measured.verdict.reason))
 
 
-def measure_job(job: _Job, g: LoopGraph, check: LoopCheck) -> Measured | str:
-    """A verified candidate's measurement (``loop_verify.measure``, with the estimate through its
-    partner keyframe and the graph), or why there is none."""
-    if job.kept.index not in g.node or not (job.relocate or job.current.index in g.node):
-        return "a keyframe of the candidate left the map (rollback or reset)"
-    if job.error or not job.views or len(job.views) != 2:
-        return f"the side session failed: {job.error or 'no results'}"
-    others: tuple[Sim3, ...] = ()
-    if any(not _finite(v) for v in job.views):
-        return "the side session gave non-finite poses, depths or intrinsics"
-    try:
-        if job.partner is not None and job.partner_views and job.partner.index in g.node \
-                and all(_finite(v) for v in job.partner_views):
-            rel_partner, _, _ = relative_in_stream_units(job.partner, job.current, job.partner_views)
-            if rel_partner is not None:  # kept <- partner through the graph, then partner <- current
-                between = g.graph.pose(g.node[job.kept.index]).inverse() @ g.graph.pose(g.node[job.partner.index])
-                others = (between @ rel_partner,)
-        measured = measure(job.kept, job.current, job.views, check, others)
-    except ValueError as exc:  # the side session's output does not hold together (NaN, inf, shapes)
-        return f"the side session's output cannot be used: {exc}"
-    return measured if measured.accepted else (measured.reason or measured.verdict.reason)
-
-
-def marker(job: _Job, c: Corrections, accepted: bool, reason: str) -> Marker:
+def marker(job: Candidate, c: Corrections, accepted: bool, reason: str) -> Marker:
     """The ~/loop_closures entry of a decided candidate, at the corrected keyframe positions."""
     return Marker(job.kept.index, job.current.index, accepted, reason, c.at(job.kept.index).apply(job.kept.T[:3, 3]),
                   c.at(job.current.index).apply(job.current.T[:3, 3]))
-
-
-def _finite(view: SideView) -> bool:
-    """A side view the checks can use: finite pose and intrinsics (depth may hold non-finite pixels:
-    they are left out)."""
-    return bool(np.all(np.isfinite(view.c2w)) and np.all(np.isfinite(view.intrinsics)))
 
 
 __all__ = ["LoopCloser", "LoopConfig", "LoopStats", "KeyframeIn", "Marker", "Relocation", "MARKERS",

@@ -119,5 +119,48 @@ def measure(kept: LoopKeyframe, current: LoopKeyframe, views: list[SideView], ch
     return Measured(kept.index, current.index, rel, verify_loop(a, b, rel, others, check), "")
 
 
-__all__ = ["SideView", "SideRunner", "ModelSideRunner", "Measured", "measure", "depth_scale",
+@dataclass
+class Candidate:
+    """A candidate waiting for the model (inference thread) and then for its checks (loop thread).
+    ``relocate``: the current frame is a frame to find in the map (not a keyframe of the graph)."""
+
+    kept: LoopKeyframe
+    current: LoopKeyframe
+    partner: LoopKeyframe | None
+    relocate: bool = False
+    views: list[SideView] | None = None
+    partner_views: list[SideView] | None = None
+    error: str = ""
+
+
+def measure_job(job: Candidate, g, check: LoopCheck) -> Measured | str:
+    """A verified candidate's measurement (``loop_verify.measure``, with the estimate through its
+    partner keyframe and the graph), or why there is none."""
+    if job.kept.index not in g.node or not (job.relocate or job.current.index in g.node):
+        return "a keyframe of the candidate left the map (rollback or reset)"
+    if job.error or not job.views or len(job.views) != 2:
+        return f"the side session failed: {job.error or 'no results'}"
+    others: tuple[Sim3, ...] = ()
+    if any(not _finite(v) for v in job.views):
+        return "the side session gave non-finite poses, depths or intrinsics"
+    try:
+        if job.partner is not None and job.partner_views and job.partner.index in g.node \
+                and all(_finite(v) for v in job.partner_views):
+            rel_partner, _, _ = relative_in_stream_units(job.partner, job.current, job.partner_views)
+            if rel_partner is not None:  # kept <- partner through the graph, then partner <- current
+                between = g.graph.pose(g.node[job.kept.index]).inverse() @ g.graph.pose(g.node[job.partner.index])
+                others = (between @ rel_partner,)
+        measured = measure(job.kept, job.current, job.views, check, others)
+    except ValueError as exc:  # the side session's output does not hold together (NaN, inf, shapes)
+        return f"the side session's output cannot be used: {exc}"
+    return measured if measured.accepted else (measured.reason or measured.verdict.reason)
+
+
+def _finite(view: SideView) -> bool:
+    """A side view the checks can use: finite pose and intrinsics (depth may hold non-finite pixels:
+    they are left out)."""
+    return bool(np.all(np.isfinite(view.c2w)) and np.all(np.isfinite(view.intrinsics)))
+
+
+__all__ = ["Candidate", "measure_job", "SideView", "SideRunner", "ModelSideRunner", "Measured", "measure", "depth_scale",
            "relative_in_stream_units"]

@@ -140,3 +140,34 @@ def test_a_kept_keyframes_image_comes_back_writable():
                       np.zeros((7, 12, 3), np.uint8), K)
     back = kf.rgb()
     assert back.flags.writeable and back.shape == rgb.shape and back.dtype == np.uint8
+
+
+def test_a_verification_runs_one_side_run_at_a_time_and_only_when_it_fits_before_the_next_frame(scene):
+    """run_idle(budget): a candidate is two side-session runs (with the kept keyframe, then with its
+    partner), one per idle turn; a run that took longer than the time to the next frame waits."""
+    import time as _time
+
+    true, reported, images, side = scene
+
+    class Slow(TrueSideRunner):
+        def run(self, imgs):
+            _time.sleep(0.05)
+            return super().run(imgs)
+
+    slow = Slow(list(zip(images[:N], true[:N])))
+    closer = LoopCloser(LoopConfig(min_separation=20, min_similarity=0.9), slow, lambda c: None)
+    try:
+        frames = list(zip(reported, images, true))
+        for i, (T, rgb, tr) in enumerate(frames):
+            closer.keyframe(keyframe_in(i, T, rgb, tr))
+            assert closer.flush(30)
+            if closer.candidate_waiting:
+                break
+        assert closer.candidate_waiting
+        assert closer.run_idle(budget_s=1.0) and slow.calls == 1 and closer.candidate_waiting  # first run only
+        assert closer.side_s is not None and closer.side_s >= 0.05
+        assert not closer.run_idle(budget_s=0.01) and slow.calls == 1  # no room before the next frame
+        assert closer.run_idle(budget_s=None) and slow.calls == 2 and not closer.candidate_waiting  # no frame due
+        assert closer.flush(30) and closer.stats.accepted + closer.stats.rejected == 1
+    finally:
+        closer.stop()
