@@ -127,6 +127,40 @@ def atomic_write(final: str | Path, write: Callable[[BinaryIO], None]) -> Path:
     return staged.final
 
 
+class GroupWriteError(OSError):
+    """``write_group`` failed: ``committed`` names the files already renamed (in order), ``cause``
+    the error; the temp files of the others are gone."""
+
+    def __init__(self, committed: list[Path], cause: OSError) -> None:
+        super().__init__(cause.errno, cause.strerror or str(cause))
+        self.committed, self.cause = committed, cause
+
+
+def write_group(files: list[tuple[Path, Callable[[BinaryIO], None]]],
+                on_partial: Callable[[list[Path]], None] | None = None) -> None:
+    """Stage every file first (nothing is replaced while one cannot be written), then rename them
+    in order and fsync their folder. GroupWriteError (``committed``: how far the renames got) on an
+    OS error; temp files never outlive a failure; ``on_partial(committed)`` runs after any failure
+    that left some but not all files renamed (whatever the exception)."""
+    staged: list[StagedFile] = []
+    committed: list[Path] = []
+    try:
+        for final, write in files:
+            staged.append(stage(final, write))
+        for item in staged:
+            item.commit()
+            committed.append(item.final)
+        fsync_directory(staged[-1].final.parent)
+    except OSError as exc:
+        raise GroupWriteError(list(committed), exc) from None
+    finally:
+        for item in staged:
+            if item.final not in committed:
+                item.discard()
+        if on_partial is not None and 0 < len(committed) < len(files):
+            on_partial(list(committed))
+
+
 def fsync_directory(folder: str | Path) -> None:
     """fsync a folder so that renames inside it survive a power cut."""
     fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from lingbot_map_ros.io.atomic import StagedFile, fsync_directory, stage
+from lingbot_map_ros.io.atomic import GroupWriteError, write_group
 from lingbot_map_ros.io.export import ply_content, tum_text, write_ply_to, read_ply, read_tum
 
 __all__ = ["MAP_FILE", "MapSaveError", "SaveTag", "TRAJECTORY_FILE", "check_map_pair", "new_save_id",
@@ -144,27 +144,16 @@ def _content(points, colors, stamps, poses, save_id: str) -> tuple[bytes, np.nda
 
 
 def _write_pair(ply: Path, write_ply, tum: Path, write_tum) -> None:
-    """Stage both files, then rename PLY and TUM and fsync the folder; temp files never outlive a failure."""
-    staged: list[StagedFile] = []
-    committed: list[Path] = []
+    """Stage both files, then rename PLY and TUM and fsync the folder (``io.atomic.write_group``)."""
     try:
-        staged.append(stage(ply, write_ply))
-        staged.append(stage(tum, write_tum))
-        for item in staged:
-            item.commit()
-            committed.append(item.final)
-        fsync_directory(ply.parent)
-    except OSError as exc:
-        reason = exc.strerror or str(exc)
-        if len(committed) == 1:
+        write_group([(ply, write_ply), (tum, write_tum)])
+    except GroupWriteError as exc:
+        reason = exc.strerror or str(exc.cause)
+        if len(exc.committed) == 1:
             raise MapSaveError(f"wrote {ply} but not {tum}: {reason}; the two files are not a pair now") from None
-        if committed:
+        if exc.committed:
             raise MapSaveError(f"wrote {ply} and {tum} but could not sync folder {ply.parent}: {reason}") from None
         raise MapSaveError(f"cannot write in {ply.parent}: {reason}") from None
-    finally:
-        for item in staged:
-            if item.final not in committed:
-                item.discard()
 
 
 # ----------------------------------------------------------------------------- checking a pair

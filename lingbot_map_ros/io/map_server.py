@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 from PIL import Image, UnidentifiedImageError
 
-from lingbot_map_ros.io.atomic import STALE_AFTER_S, StagedFile, fsync_directory, stage
+from lingbot_map_ros.io.atomic import STALE_AFTER_S, GroupWriteError, write_group
 from lingbot_map_ros.io.map_save import new_save_id
 from lingbot_map_ros.io.map_yaml import MapFilesError, parse_map_yaml, yaml_float
 
@@ -242,28 +242,16 @@ def _yaml_text(image: str, resolution: float, origin, occupied_thresh: float, fr
 
 
 def _write_pair(image: Path, write_image, yaml_path: Path, write_yaml) -> None:
-    """Stage both files, rename the image then the yaml (the commit point), fsync the folder."""
-    staged: list[StagedFile] = []
-    committed: list[Path] = []
-    try:
-        staged.append(stage(image, write_image))
-        staged.append(stage(yaml_path, write_yaml))
-        for item in staged:
-            item.commit()
-            committed.append(item.final)
-        fsync_directory(yaml_path.parent)
-    except OSError as exc:
-        if yaml_path in committed:
+    """Stage both files, rename the image then the yaml (the commit point), fsync the folder
+    (``io.atomic.write_group``)."""
+    try:  # an image renamed without its yaml was never named by one: it does not stay behind
+        write_group([(image, write_image), (yaml_path, write_yaml)], on_partial=lambda _: _unlink_quietly(image))
+    except GroupWriteError as exc:
+        if yaml_path in exc.committed:
             raise MapFilesError(f"wrote {yaml_path} but could not sync folder {yaml_path.parent}: "
-                                f"{exc.strerror or exc}") from None
-        raise MapFilesError(f"cannot write map files in {yaml_path.parent}: {exc.strerror or exc}; "
+                                f"{exc.strerror or exc.cause}") from None
+        raise MapFilesError(f"cannot write map files in {yaml_path.parent}: {exc.strerror or exc.cause}; "
                             "the previous files are unchanged") from None
-    finally:
-        for item in staged:
-            if item.final not in committed:
-                item.discard()
-        if committed == [image]:  # the yaml never named it: do not leave it behind
-            _unlink_quietly(image)
 
 
 def _previous_image(yaml_path: Path) -> Path | None:

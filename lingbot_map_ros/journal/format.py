@@ -257,6 +257,19 @@ def iter_records(found: Scan) -> Iterator[Record]:
             yield read_record(f, offset)
 
 
+def read_contents(path: str | Path, contents: str, what: str, identity: dict[str, Any] | None = None
+                  ) -> tuple[list[Record], Scan]:
+    """(the good records, the scan) of the journal at ``path`` whose header says ``contents``
+    (the map's, loop closure's); JournalError when it is another kind (``what``: the kind asked
+    for, for the message), was written for another ``identity``, or cannot be read."""
+    found = scan(path)
+    if found.header.get("contents") != contents:
+        raise JournalError(f"{path} is not {what}")
+    if identity is not None and found.header.get("identity") != identity:
+        raise JournalError(f"{path} was written for another model or configuration")
+    return list(iter_records(found)), found
+
+
 def write_journal(f: BinaryIO, header: dict[str, Any], records: list[Record], compression: str | int = 0) -> int:
     """A whole journal (for atomic rewrites and saved sessions); returns the bytes written."""
     n = f.write(encode_header(header))

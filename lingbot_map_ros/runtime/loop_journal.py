@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from ..journal.format import JournalError, Record, iter_records, scan
+from ..journal.format import JournalError, Record, read_contents
 from ..journal.recorder import make_header
 from ..journal.writer import JournalStatus, JournalWriter
 from ..slam import Sim3
@@ -134,12 +134,7 @@ def read_loop_journal(path: str | Path, identity: dict[str, Any] | None = None) 
     if not path.exists():
         return LoopJournalRead([], f"no {path.name}: loop closure starts empty")
     try:
-        found = scan(path)
-        if found.header.get("contents") != CONTENTS:
-            raise JournalError(f"{path} is not a loop-closure journal")
-        if identity is not None and found.header.get("identity") != identity:
-            raise JournalError(f"{path} was written for another model or configuration")
-        records = list(iter_records(found))
+        records, found = read_contents(path, CONTENTS, "a loop-closure journal", identity)
     except JournalError as exc:
         log.warning("loop closure is not restored: %s", exc)
         return LoopJournalRead([], str(exc))

@@ -42,7 +42,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..journal.format import JournalError, Record, iter_records, scan
+from ..journal.format import JournalError, Record, read_contents
 from ..journal.recorder import make_header
 from ..journal.writer import JournalStatus, JournalWriter
 from .mapping import MapAccumulator, PoseEntry, Trajectory
@@ -256,12 +256,7 @@ def restore_map(path: str | Path, map_: MapAccumulator | None, trajectory: Traje
     if not path.exists():
         return RestoredMap(0, 0, 0, f"no {path.name}: the map and path start empty")
     try:
-        found = scan(path)
-        if found.header.get("contents") != CONTENTS:
-            raise JournalError(f"{path} is not a map journal")
-        if identity is not None and found.header.get("identity") != identity:
-            raise JournalError(f"{path} was written for another model or configuration")
-        records = list(iter_records(found))
+        records, found = read_contents(path, CONTENTS, "a map journal", identity)
     except JournalError as exc:
         log.warning("the map and path are not restored: %s", exc)
         return RestoredMap(0, 0, 0, str(exc))

@@ -260,7 +260,7 @@ def hang():
     open(ready, "w").close()
     time.sleep(600)
 
-real_stage, calls = map_save.stage, []
+real_stage, calls = atomic.stage, []
 half_of = {"mid_ply": 1, "mid_tum": 2}.get(mode)  # which staged file is cut half-way
 def stage(final, write):
     calls.append(final)
@@ -273,7 +273,7 @@ def stage(final, write):
             hang()
         return real_stage(final, half)
     return real_stage(final, write)
-map_save.stage = stage
+atomic.stage = stage
 
 real_replace = os.replace
 def replace(src, dst):

@@ -17,7 +17,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from lingbot_map_ros.io import map_server
+from lingbot_map_ros.io import atomic, map_server
 from lingbot_map_ros.io.atomic import STALE_AFTER_S, StagedFile
 from lingbot_map_ros.io.map_server import (FREE_PIXEL, OCCUPIED_PIXEL, UNKNOWN_PIXEL, MapFile, MapFilesError,
                                           grid_to_image, image_to_grid, load_map_files, parse_map_yaml,
@@ -194,7 +194,7 @@ def test_a_full_disk_gives_a_reason_and_leaves_the_old_pair(tmp_path, monkeypatc
     def full(final, write):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(map_server, "stage", full)
+    monkeypatch.setattr(atomic, "stage", full)
     with pytest.raises(MapFilesError, match="cannot write map files in .*No space left on device.*unchanged"):
         save_map_files(tmp_path, asymmetric_map(origin=(1.0, 1.0, 0.0)))
     assert folder_bytes(tmp_path) == before
@@ -219,7 +219,7 @@ def test_a_new_save_replaces_the_pair_and_removes_the_old_image(tmp_path):
 def test_an_exception_during_a_save_leaves_the_old_pair(tmp_path, monkeypatch, point):
     old = save_map_files(tmp_path, asymmetric_map())
     before = folder_bytes(tmp_path)
-    real_stage, real_commit = map_server.stage, StagedFile.commit
+    real_stage, real_commit = atomic.stage, StagedFile.commit
 
     def stage(final, write):
         if final.suffix == (".pgm" if point == "writing the image" else ".yaml") and point.startswith("writing"):
@@ -234,7 +234,7 @@ def test_an_exception_during_a_save_leaves_the_old_pair(tmp_path, monkeypatch, p
             raise RuntimeError("injected")
         return real_commit(self)
 
-    monkeypatch.setattr(map_server, "stage", stage)
+    monkeypatch.setattr(atomic, "stage", stage)
     monkeypatch.setattr(StagedFile, "commit", commit)
     with pytest.raises(RuntimeError, match="injected"):
         save_map_files(tmp_path, asymmetric_map(origin=(9.0, 9.0, 0.0)))
