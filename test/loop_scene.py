@@ -152,6 +152,7 @@ class SceneInner:
         self._s, self.reported, self.true = inner, reported, true
         self._origin: int | None = None
         self.calls = 0
+        self.blind: set[int] = set()  # identities whose confidence collapses (a lost track)
 
     def __getattr__(self, name):
         return getattr(self._s, name)
@@ -175,7 +176,8 @@ class SceneInner:
         h, w = r.depth.shape if r.depth is not None else (H, W)
         pose_enc = np.concatenate([c2w[:3, 3], matrix_to_quaternion(c2w[:3, :3]), np.asarray(r.pose_enc)[7:9]])
         return replace(r, c2w=c2w, pose_enc=pose_enc.astype(np.asarray(r.pose_enc).dtype), intrinsics=K.copy(),
-                       depth=room_depth(self.true[ident], K, h, w), confidence=np.full((h, w), 5.0, np.float32))
+                       depth=room_depth(self.true[ident], K, h, w),
+                       confidence=np.full((h, w), 0.0 if ident in self.blind else 5.0, np.float32))
 
 
 __all__ = ["TAG", "tagged", "tag_of", "SceneInner", "ROOM", "H", "W", "K", "room_depth", "place_image", "yaw_pose", "circuit", "drifted", "TrueSideRunner"]

@@ -214,6 +214,8 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=60)
     p.add_argument("--width", type=int, default=518)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--runs", default="off,on,off_again,grid",
+                   help="which rate runs, in this order (off, on, off_again, grid; comma-separated)")
     p.add_argument("--out", type=Path, default=Path("."))
     p.add_argument("--device", default="cuda", help="cpu + --model-config: a smoke run of this script")
     p.add_argument("--model-config", default="", help="architecture JSON (default: the released one)")
@@ -233,11 +235,13 @@ def main(argv=None) -> int:
     result = {"commit": commit, "device": device, "host": platform.node(),
               "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]), "date": time.strftime("%Y-%m-%d %H:%M:%S"),
               "frames_in_loop": len(frames), "resolution": list(frames[0].shape[:2]), "weights": "random (seed 0)"}
-    result["off"] = run_rate(model, base, frames, args.frames, args.rate, args.warmup)
-    result["on"] = run_rate(model, {**base, "loop_closure": True}, frames, args.frames, args.rate, args.warmup)
-    result["off_again"] = run_rate(model, base, frames, args.frames, args.rate, args.warmup)  # the noise between runs
-    result["grid"] = run_rate(model, {**base, "grid": True, "scale_source": "fixed", "base_frame": "base_link"},
-                              frames, args.frames, args.rate, args.warmup)
+    variants = {"off": base, "on": {**base, "loop_closure": True},
+                "off_again": base,  # the noise between runs
+                "grid": {**base, "grid": True, "scale_source": "fixed", "base_frame": "base_link"}}
+    for name in args.runs.split(","):
+        if name not in variants:
+            p.error(f"--runs: unknown run {name!r} (one of {', '.join(variants)})")
+        result[name] = run_rate(model, variants[name], frames, args.frames, args.rate, args.warmup)
     result["verification"] = verification_cost(model, base, frames, args.repeats)
     result["loop_thread_per_keyframe"] = keyframe_cost(frames, 200)
     args.out.mkdir(parents=True, exist_ok=True)

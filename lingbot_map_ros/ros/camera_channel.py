@@ -73,7 +73,7 @@ class CameraChannel:
         tf = self.outputs.tf
         self.engine = InferenceEngine(session, s, self.outputs, self.log, now=now, odom_position=tf.camera_position,
                                       camera_pose=tf.camera_pose, make_stamp=stamp_of_ns, journal=journal)
-        if s.scale_source == "odometry" or s.on_lost == "reset":
+        if s.scale_source == "odometry" or s.on_lost != "continue":
             tf.start()  # its buffer serves the odom -> camera look-ups (scale, lost-reset map)
         return self.engine
 
@@ -125,7 +125,7 @@ class CameraChannel:
         """A managed node's cleanup (after ``unsubscribe``, its services destroyed, the engine stopped):
         drop the engine and the outputs. An executor may hold a destroyed subscription or service of
         this channel until it next wakes; through the channel it must not keep the model alive."""
-        self.engine = self.outputs = None
+        self.engine = self.outputs = self._heartbeat = None  # the last heartbeat command holds the engine
 
     def create_services(self, service_node: Node, node_name: str, group) -> list:
         """~/[<camera>/]reset, set_deferred_eviction, commit_eviction, rollback_last_frame on the
@@ -154,7 +154,7 @@ class CameraChannel:
         (about one step), so that a read right after the set sees them; a longer step (the first
         frame's compilation) is not waited for."""
         self.settings = s
-        if s.publish_tf or s.on_lost == "reset":
+        if s.publish_tf or s.on_lost != "continue":
             self.outputs.tf.start()  # the tf2 broadcaster/listener, made once, on this (executor) thread
         self.engine.configure(s).wait(SETTINGS_WAIT_S)
 

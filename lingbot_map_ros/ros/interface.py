@@ -69,7 +69,7 @@ class Endpoint:
 
 
 P, S, V = "publisher", "subscription", "service"
-_TF_ON = "publish_tf or scale_source == 'odometry' or on_lost == 'reset' or (several and base_frame != '')"
+_TF_ON = "publish_tf or scale_source == 'odometry' or on_lost != 'continue' or (several and base_frame != '')"
 
 ENDPOINTS: tuple[Endpoint, ...] = (
     # -- inputs

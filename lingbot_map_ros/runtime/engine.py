@@ -323,7 +323,7 @@ class InferenceEngine:
         seq = self.seq
         if not all(np.isfinite(r.c2w).all() for r in results):
             self.recovery.non_finite_pose(results, frames)
-            self.recovery.reset_if_lost(frames[-1].stamp)
+            self._if_lost(frames[-1])
             return
         if seq.anchor.aligning:
             seq.anchor.align(results, frames)
@@ -342,7 +342,15 @@ class InferenceEngine:
         if published:
             seq.hand_over_path()
         self.reporter.refresh_stats()
-        self.recovery.reset_if_lost(frames[-1].stamp)
+        self._if_lost(frames[-1])
+
+    def _if_lost(self, frame: InputFrame) -> None:
+        """A lost track with on_lost reset (a new sequence) or relocalize (the camera looked for in the
+        keyframe map; a new sequence when there is none to look in)."""
+        on_lost = self.settings.on_lost
+        reasons = self.seq.tracking.lost_reason(on_lost)
+        if reasons is not None and not (on_lost == "relocalize" and self.loop_link.relocalize_lost(reasons, frame)):
+            self.recovery.start_over(reasons, frame.stamp)
 
     def _publish(self, r: FrameResult, frame: InputFrame, s: NodeSettings, hold: bool, protect: int | None) -> bool:
         """Apply and publish one frame; False when its outputs were dropped (non-finite depth)."""

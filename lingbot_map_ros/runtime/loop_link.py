@@ -11,6 +11,9 @@ sequence through the inference thread, between two frames (``InferenceEngine.sub
   says so on ~/status (``frames_not_localized``);
 - a resumed journal or a loaded session takes its loop closure back (``restore``), and a loaded
   session relocalises (the camera may be anywhere in its map);
+- a lost track with ``on_lost=relocalize`` relocalises too (``relocalize_lost``): the sequence, its
+  path and the keyframe map stay, the window is re-seeded where the camera is found; after
+  ``relocalize_timeout`` seconds of stamps without a place it gives up (a new sequence);
 - a pose from outside (``~/set_pose``, ``~/pose_prior``) is checked against the path and the
   keyframes and handed to the graph (``pose_input``).
 """
@@ -32,6 +35,7 @@ from .loop_verify import ModelSideRunner, SideRunner
 from .pose_inputs import PoseInput, PoseRefused, check_pose_input, to_model_units
 
 RESTORE_FLUSH_S = 60.0  # how long a resume waits for the loop thread to rebuild the graph
+LOST_FLUSH_S = 5.0  # how long a lost track waits for the loop thread to take the search (keyframes queued before)
 
 
 class LoopLink:
@@ -41,6 +45,7 @@ class LoopLink:
 
     def __init__(self, engine, side: SideRunner | None = None) -> None:
         self.engine = engine
+        self.lost_at: float | None = None  # stamp (s) of the frame that lost the track, while relocalising after it
         settings, session, journal = engine.settings, engine.session, engine.journal
         if not settings.loop_closure:
             return
@@ -78,6 +83,7 @@ class LoopLink:
             loop.relocalize()
             return
         first = e.session.frames_pushed
+        self.lost_at = None
         seq.correct(seq.corrections.with_entry(first, reloc.correction))
         loop.relocated(first, reloc.kept)
         seq.set_state(State.INITIALIZING, f"relocalized at keyframe {reloc.kept + 1} ({reloc.reason}); the next "
@@ -85,11 +91,37 @@ class LoopLink:
         e.log.info(seq.text)
         e.reporter.publish(seq.text, None)
 
+    def relocalize_lost(self, reasons: str, frame: InputFrame) -> bool:
+        """on_lost=relocalize: the track was lost at ``frame`` (``reasons``). The camera is looked for
+        in the whole keyframe map: the next frames go to ``locate`` and are not posed until it is
+        found; the sequence (path, map, keyframes, numbering) stays. False (nothing done) when the
+        map has fewer keyframes than a window needs to be re-seeded with."""
+        e = self.engine
+        loop, seq = e.loop, e.seq
+        if loop is None or len(loop.store) < loop.seed_count:
+            return False
+        seq.tracking.clear()  # judged afresh once re-seeded
+        loop.relocalize()
+        self.lost_at = frame.stamp_s
+        seq.set_state(State.INITIALIZING, f"tracking lost ({reasons}): relocalizing in the map of {len(loop.store)} "
+                                          "keyframes; no pose until the camera is found")
+        e.log.warning(seq.text)
+        e.reporter.publish(seq.text, frame.stamp)
+        loop.flush(LOST_FLUSH_S)  # the next frame looked for, not stepped (unless the loop thread is slow)
+        return True
+
     def locate(self, frame: InputFrame, image: Any) -> None:
-        """Relocalising: the frame is looked for in the map (one at a time), not posed."""
+        """Relocalising: the frame is looked for in the map (one at a time), not posed. After a lost
+        track, ``relocalize_timeout`` seconds of stamps without a place start a new sequence."""
         e = self.engine
         loop, seq = e.loop, e.seq
         seq.count("frames_not_localized")
+        timeout = e.settings.relocalize_timeout
+        if self.lost_at is not None and timeout > 0 and frame.stamp_s - self.lost_at > timeout:
+            self.lost_at = None
+            e.recovery.start_over(f"not found in the map within relocalize_timeout {timeout:g} s", frame.stamp)
+            loop.flush(LOST_FLUSH_S)  # the loop closer cleared before the next frame: it is stepped again
+            return
         if loop.wants_frame:
             data = image.detach().cpu().numpy() if hasattr(image, "detach") else np.asarray(image)
             loop.locate(as_rgb(data), frame.stamp_s)
@@ -104,6 +136,7 @@ class LoopLink:
         loop = e.loop
         if loop is None:
             return
+        self.lost_at = None
         loop.restore(records, next_frame)
         if relocalize:
             loop.relocalize()
@@ -156,4 +189,4 @@ class LoopLink:
         return f"prior on keyframe {kf.index + 1} (frame {entry.frame_index + 1} at the given pose)"
 
 
-__all__ = ["LoopLink", "RESTORE_FLUSH_S"]
+__all__ = ["LoopLink", "RESTORE_FLUSH_S", "LOST_FLUSH_S"]

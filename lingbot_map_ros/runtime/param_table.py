@@ -22,7 +22,7 @@ TF_MODES = ("auto", "map_to_odom", "map_to_base", "map_to_camera")
 JOURNAL_COMPRESSIONS = ("lz4", "zlib", "none")  # journal.format.COMPRESSIONS (not imported: that pulls in torch)
 DEVICES_HELP = "auto (CUDA when available, else CPU), cpu, cuda or cuda:N"
 ON_TIME_JUMP = ("reset", "drop")
-ON_LOST = ("continue", "reset")
+ON_LOST = ("continue", "reset", "relocalize")
 SCALE_SOURCES = ("none", "fixed", "odometry", "depth")
 DECISION_DEFAULTS = ("keep", "drop")
 _HEALTH_DEFAULTS = HealthConfig()
@@ -144,8 +144,13 @@ PARAMETERS: tuple[Param, ...] = (
           "older than the last one are dropped until the stamps pass it again", choices=ON_TIME_JUMP,
           dynamic=True),
     Param("on_lost", "continue", "continue: keep the sequence when tracking health becomes lost (outputs carry a "
-          "large covariance); reset: start a new sequence at once (logged, counted in lost_resets)",
+          "large covariance); reset: start a new sequence at once (logged, counted in lost_resets); relocalize "
+          "(needs loop_closure): look for the camera in the whole keyframe map, no pose until it is found, then "
+          "go on in the same map (counted in lost_resets; see relocalize_timeout)",
           choices=ON_LOST, dynamic=True),
+    Param("relocalize_timeout", 0.0, "on_lost relocalize: seconds of image stamps after the loss without finding "
+          "the camera before it gives up and starts a new sequence as on_lost reset does (the keyframe map is "
+          "dropped with it); 0 = keep looking", limits=(0.0, 86400.0, 0.0), dynamic=True),
     # -- tracking health thresholds (robot/health.py; heuristics, see the README)
     Param("health_degraded_valid_fraction", health_default("health_degraded_valid_fraction"), "Tracking health: a frame whose fraction of confident pixels "
           "(confidence above conf_threshold) is below this is suspect (low_confidence: tracking -> degraded)",

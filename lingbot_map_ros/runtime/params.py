@@ -80,6 +80,7 @@ class NodeSettings:
     time_jump_threshold: float = 1.0
     on_time_jump: str = "reset"
     on_lost: str = "continue"
+    relocalize_timeout: float = 0.0  # on_lost relocalize (runtime/loop_link.py)
     undistort: bool = True
     scale_source: str = "none"
     metric_scale: float = 1.0
@@ -182,6 +183,9 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
     if v["tf_mode"] == "map_to_base" and not v["base_frame"]:
         raise ConfigError("tf_mode map_to_base needs a non-empty base_frame")
 
+    if v["on_lost"] == "relocalize" and not v["loop_closure"]:
+        raise ConfigError("on_lost 'relocalize' looks for the camera in the keyframe map of loop closure: set "
+                          "loop_closure true, or on_lost 'reset' or 'continue'")
     cameras = check_camera_names(v["cameras"])
     if (v["state_directory"] or v["load_session"]) and v["camera_batching"] and cameras:
         raise ConfigError("state_directory and load_session journal each camera's own steps; camera_batching "
@@ -206,7 +210,7 @@ _PLAIN_FIELDS = ("gpu_memory_check", "gpu_memory_budget_gib", "camera_batching",
                  "publish_depth", "output_directory", "state_directory", "journal_map", "journal_compression", "load_session", "publish_tf", "tf_mode", "map_frame", "odom_frame",
                  "base_frame", "camera_frame", "camera_tf_frame", "deferred_eviction_timeout",
                  "keyframe_decision_timeout", "keyframe_decision_default", "time_jump_threshold", "on_time_jump",
-                 "on_lost", "undistort", "scale_source", "metric_scale", "scale_wait_for_convergence", "deferred_eviction",
+                 "on_lost", "relocalize_timeout", "undistort", "scale_source", "metric_scale", "scale_wait_for_convergence", "deferred_eviction",
                  "loop_closure", "loop_min_similarity", "loop_min_separation", "loop_max_keyframes",
                  "loop_min_inlier_ratio", "loop_depth_tolerance", "loop_min_overlap", "loop_robust_kernel", "loop_prior_max_dt") + tuple(HEALTH_PARAMETERS)
 _PLAIN_FIELDS += ("managed", "grid", "grid_resolution", "grid_min_height", "grid_max_height", "grid_max_range",

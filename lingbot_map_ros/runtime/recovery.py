@@ -6,8 +6,9 @@
   sequence (state ERROR, then INITIALIZING).
 - A non-finite pose: the frame leaves the cache when it was stored (for the scale frames: all
   of them), its outputs are dropped; a non-finite depth drops the outputs only.
-- A lost track with ``on_lost=reset``: a new sequence, placed in the same map frame through
-  odometry when it can be (``anchor.MapAnchor``), else at a new origin.
+- A lost track with ``on_lost=reset`` (or ``relocalize`` that gave up: ``loop_link.LoopLink``):
+  a new sequence, placed in the same map frame through odometry when it can be
+  (``anchor.MapAnchor``), else at a new origin.
 - ``clear_sequence``: the one way a camera forgets its sequence (the session's cache, the
   ``Sequence``'s path, map, decisions, health and scale).
 
@@ -117,23 +118,20 @@ class Recovery:
         self.reporter.publish("dropped: non-finite depth", frame.stamp, frame_index=r.frame_index + 1)
 
     # ------------------------------------------------------------------ lost track
-    def reset_if_lost(self, stamp: Any) -> None:
-        """on_lost=reset: a lost track starts a new sequence (logged, counted in lost_resets), placed
-        in the same map frame through odometry when it can be (``MapAnchor``)."""
+    def start_over(self, reasons: str, stamp: Any) -> None:
+        """A lost track (``reasons``) ends the sequence (on_lost=reset, or relocalize that gave up): a
+        new one starts, placed in the same map frame through odometry when it can be (``MapAnchor``)."""
         seq = self.seq
-        reasons = seq.tracking.lost_reason(self.settings().on_lost)
-        if reasons is None:
-            return
         pending, why = seq.anchor.lost()
         self.clear_sequence(keep_map_frame=True)
         if pending is not None:
             seq.anchor.continue_from(pending)
-            self.log.warning(f"tracking lost ({reasons}): on_lost=reset, starting a new sequence; it continues the "
+            self.log.warning(f"tracking lost ({reasons}): starting a new sequence; it continues the "
                              f"map from the last good pose (frame {pending.good.index}) through odometry")
             text = f"tracking lost ({reasons}): new sequence, aligned to the last good pose through odometry"
         else:
             seq.anchor.new_origin()
-            self.throttle.emit(self.log.warning, f"tracking lost ({reasons}): on_lost=reset starts a new sequence at "
+            self.throttle.emit(self.log.warning, f"tracking lost ({reasons}): starting a new sequence at "
                                f"a NEW map origin (the map frame jumps): {why}", kind="lost origin")
             text = f"tracking lost ({reasons}): new sequence at a new map origin ({why})"
         seq.set_state(State.INITIALIZING, text)

@@ -45,8 +45,9 @@ class TrackingJudge:
         return status
 
     def lost_reason(self, on_lost: str) -> str | None:
-        """With ``on_lost=reset`` and a lost track: why it is lost (counted as a lost reset); else None."""
-        if on_lost != "reset" or self.health.state != TrackingState.LOST:
+        """With ``on_lost`` reset or relocalize and a lost track: why it is lost (counted in
+        ``lost_resets``); else None."""
+        if on_lost not in ("reset", "relocalize") or self.health.state != TrackingState.LOST:
             return None
         self.lost_resets += 1
         return ", ".join(self.reasons) or "lost"

@@ -24,7 +24,7 @@ from lingbot_map_ros.geometry import optical_pose_to_map
 from lingbot_map_ros.runtime.engine import InferenceEngine
 from lingbot_map_ros.runtime.frames import InputFrame
 from lingbot_map_ros.runtime.journaling import open_camera_journal, save_sessions
-from lingbot_map_ros.runtime.params import resolve_settings
+from lingbot_map_ros.runtime.params import ConfigError, resolve_settings
 from lingbot_map_ros.runtime.scheduler import CameraScheduler
 from lingbot_map_ros.stream.long_stream import LongStreamSession
 from lingbot_map_ros.stream.session import StreamingSession
@@ -229,6 +229,112 @@ def test_relocalizes_a_saved_session_onto_its_keyframes(tiny_model, tmp_path, sc
             assert np.allclose(posed[:3, :3], saved_poses[j][:3, :3], atol=2e-3)
     finally:
         second.stop()
+
+
+def lost_scene(reported, true, first: int):
+    """The scene's first ``first`` frames, then three frames whose confidence collapses (identities
+    40-42: the camera still at place ``first - 1``; a lost track with health_lost_after 2), four of
+    places not in the map (43-46) and places 3, 4, 5 of the first window seen again (50-52)."""
+    reported2, true2 = dict(reported), dict(true)
+    blind = {40: first - 1, 41: first - 1, 42: first - 1}
+    for k, j in blind.items():
+        reported2[k], true2[k] = reported[j], true[j]
+    strangers = {}
+    for k in range(43, 47):
+        reported2[k], true2[k] = reported[first - 1], true[0]
+        strangers[k] = tagged(place_image(500 + k), k)
+    again = {50 + j: j for j in (3, 4, 5)}  # identity -> the frame of the first pass whose place it shows
+    for k, j in again.items():
+        reported2[k], true2[k] = reported[j], true[j]
+    return reported2, true2, blind, strangers, again
+
+
+def test_a_lost_track_relocalizes_in_its_own_map_and_goes_on(tiny_model, tmp_path, scene):
+    """Geometry (stand-in), on_lost=relocalize: after more than a window, the confidence collapses
+    and tracking is lost; the sequence stays (path, keyframes, numbering), frames of places not in
+    the map are neither posed nor stepped, and frames of the first window's places relocalize the
+    camera: the frames after it are posed where the first pass saw their places."""
+    reported, true, images, side = scene
+    first = 20
+    reported2, true2, blind, strangers, again = lost_scene(reported, true, first)
+    settings = settings_of(tmp_path, publish_path=True, on_lost="relocalize", health_lost_after=2)
+    run = Run(tiny_model, settings, reported2, true2, side)
+    run.inner.blind = set(blind)
+    try:
+        for i, image in enumerate(images[:first]):
+            run.show(image, 1000.0 + i)
+        assert run.session.window_index >= 2
+        first_pass = {j: map_pose(run, j) for j in range(first)}
+        loop, seq = run.engine.loop, run.engine.seq
+        for n, (k, j) in enumerate(blind.items()):
+            run.show(tagged(place_image(j % N), k), 1100.0 + n)
+            if loop.relocalizing:
+                break
+        assert loop.relocalizing, [st.state_text for st, _ in run.sink.statuses[-3:]]
+        assert seq.tracking.lost_resets == 1 and len(loop.store) >= first
+        assert "relocalizing in the map" in run.sink.statuses[-1][0].state_text
+        pushed = run.session.frames_pushed
+        posed = len(run.sink.frames)
+        for n, (k, image) in enumerate(strangers.items()):
+            run.show(image, 1200.0 + n)
+        assert loop.relocalizing and len(run.sink.frames) == posed and run.session.frames_pushed == pushed
+        assert seq.counter_values().frames_not_localized == len(strangers)
+        assert run.sink.statuses[-1][0].localization == "relocalizing"
+        shown = []
+        for n, (k, j) in enumerate(again.items()):
+            run.show(tagged(place_image(j % N), k), 1300.0 + n)
+            shown.append(j)
+            if not loop.relocalizing:
+                break
+        assert loop.localization == "localized", (loop.stats, [r for r in run.engine.log.lines if "reloc" in r[1]])
+        assert {e.frame_index for e in seq.path.entries()} >= set(range(first))  # the sequence went on
+        assert seq.tracking.lost_resets == 1 and len(loop.store) >= first
+        rest = [(k, j) for k, j in again.items() if j not in shown]
+        assert rest, "relocalized only at the last frame"
+        for n, (k, j) in enumerate(rest):
+            run.show(tagged(place_image(j % N), k), 1400.0 + n)
+            T = run.sink.frames[-1].T_map_cam
+            assert run.sink.frames[-1].frame_index >= pushed  # numbered on after the lost frames
+            np.testing.assert_allclose(T[:3, 3], first_pass[j][:3, 3], atol=2e-3, err_msg=f"place {j}")
+            np.testing.assert_allclose(T[:3, :3], first_pass[j][:3, :3], atol=2e-3, err_msg=f"place {j}")
+    finally:
+        run.stop()
+
+
+def test_a_lost_track_not_found_within_the_timeout_starts_a_new_sequence(tiny_model, tmp_path, scene):
+    """on_lost=relocalize with relocalize_timeout 2 s: places not in the map for longer than that
+    (image stamps) give up the search: a new sequence starts (the keyframe map with it), frames are
+    stepped again and ~/status says why; on_lost=relocalize without loop closure is refused."""
+    reported, true, images, side = scene
+    first = 6
+    reported2, true2, blind, strangers, _ = lost_scene(reported, true, first)
+    settings = settings_of(tmp_path, on_lost="relocalize", health_lost_after=2, relocalize_timeout=2.0)
+    run = Run(tiny_model, settings, reported2, true2, side)
+    run.inner.blind = set(blind)
+    try:
+        for i, image in enumerate(images[:first]):
+            run.show(image, 1000.0 + i)
+        loop, seq = run.engine.loop, run.engine.seq
+        for n, (k, j) in enumerate(blind.items()):
+            run.show(tagged(place_image(j % N), k), 1100.0 + n)
+            if loop.relocalizing:
+                break
+        assert loop.relocalizing
+        lost_at = run.engine.loop_link.lost_at
+        stamps = [lost_at + 1.0, lost_at + 1.9, lost_at + 2.5]  # the third is past the timeout
+        for stamp, (k, image) in zip(stamps, strangers.items()):
+            run.show(image, stamp)
+        assert not loop.relocalizing and loop.localization == "" and len(loop.store) == 0
+        text = run.sink.statuses[-1][0].state_text
+        assert "not found in the map within relocalize_timeout 2 s" in text and "new sequence" in text, text
+        assert seq.counter_values().frames_not_localized == 3 and seq.tracking.lost_resets == 1
+        pushed = run.session.frames_pushed
+        run.show(list(strangers.values())[-1], lost_at + 3.0)
+        assert run.session.frames_pushed > pushed or run.engine.recovery.collected  # stepped again
+    finally:
+        run.stop()
+    with pytest.raises(ConfigError, match="on_lost 'relocalize' looks for the camera .* set loop_closure true"):
+        resolve_settings({**BASE, "loop_closure": False, "on_lost": "relocalize"})
 
 
 def test_closure_and_pose_graph_survive_a_kill_with_the_same_graph_path_and_map(tiny_model, tmp_path, scene):

@@ -385,3 +385,52 @@ def pose_matrix(msg: PoseStamped) -> np.ndarray:
     T[:3, :3] = quaternion_to_matrix(np.array([q.x, q.y, q.z, q.w]))
     T[:3, 3] = (p.x, p.y, p.z)
     return T
+
+
+def holders(obj: Any, depth: int = 16, limit: int = 12) -> str:
+    """What keeps ``obj`` alive, for a failure message: chains of referrers (type names, and the key
+    where a dict holds it), breadth first from ``obj`` up to a module or a frame, at most ``depth``
+    steps. Only used after an assertion about a release has failed."""
+    import gc
+    import inspect
+    import types
+
+    frozen = gc.get_freeze_count()
+    gc.unfreeze()  # the collector does not look into frozen objects for referrers
+    gc.collect()
+    this = inspect.currentframe()
+    objs, paths, found = [obj], [[type(obj).__name__]], []
+    seen = {id(obj)}
+    i = 0
+    while i < len(objs) and len(found) < limit and len(objs) < 20000:
+        target, path = objs[i], paths[i]
+        i += 1
+        for r in gc.get_referrers(target):
+            if r is this or r is objs or r is paths:
+                continue
+            if isinstance(r, types.FrameType):
+                found.append(" <- ".join(path + [f"frame {r.f_code.co_name} ({r.f_code.co_filename}:{r.f_lineno})"]))
+            elif isinstance(r, dict) and "__name__" in r and "__spec__" in r:
+                found.append(" <- ".join(path + [f"module {r['__name__']}"]))
+            elif len(path) < depth and id(r) not in seen:
+                seen.add(id(r))
+                label = type(r).__name__
+                if isinstance(r, dict):
+                    label = next((f"dict[{k!r}]" for k, v in r.items() if v is target), "dict")
+                objs.append(r)
+                paths.append(path + [label])
+    # Running functions' locals are not objects the collector sees: look through every thread's stack.
+    holding = {id(o): p for o, p in zip(objs, paths)}
+    names = {t.ident: t.name for t in threading.enumerate()}
+    for ident, frame in sys._current_frames().items():
+        while frame is not None and len(found) < limit:
+            if frame is not this and frame.f_back is not this:
+                for local, value in frame.f_locals.items():
+                    if id(value) in holding:
+                        code = frame.f_code
+                        found.append(" <- ".join(holding[id(value)] + [
+                            f"local {local} of {code.co_name} ({code.co_filename}:{frame.f_lineno}) "
+                            f"on thread {names.get(ident, ident)}"]))
+            frame = frame.f_back
+    return "\n".join(found) or (f"no holder within {depth} steps ({frozen} objects were frozen; "
+                                f"{sys.getrefcount(obj) - 3} references the collector cannot see)")
