@@ -48,6 +48,10 @@ from .loop_verify import Candidate, SideRunner, measure_job
 log = logging.getLogger(__name__)
 MARKERS = 50  # closures tried that ~/loop_closures shows
 MAP_PERIOD_S = 2.0  # the keyframes' map is rendered at most this often (and only when it is wanted)
+# A candidate that found no gap between frames long enough for its side run in this long runs in the
+# next gap anyway (one frame waits for it): where a side run is longer than the time between two
+# frames (a slower GPU, SDPA), loop closure would otherwise never verify one.
+MAX_DEFER_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -252,13 +256,15 @@ class LoopCloser:
         """One side-session run of the waiting candidate (the candidate with the current frame, then
         its partner with it) on the inference thread, which has nothing else to do; True when one
         ran. ``budget_s``: the time until the next frame is expected (None: no frame is): a run that
-        took longer before waits for a longer gap, so that a verification never delays a frame."""
+        took longer before waits for a longer gap, so that a verification does not delay a frame,
+        unless its candidate has waited MAX_DEFER_S for one (then one frame waits for it)."""
         with self._idle:
             if not self._jobs:
                 return False
-            if budget_s is not None and self.side_s is not None and self.side_s > budget_s:
-                return False
             job = self._jobs[0]
+            if (budget_s is not None and self.side_s is not None and self.side_s > budget_s
+                    and time.monotonic() - job.queued_at < MAX_DEFER_S):
+                return False
             self._busy = True
         started = time.perf_counter()
         last = True

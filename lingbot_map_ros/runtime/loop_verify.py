@@ -20,7 +20,8 @@ kept keyframe, moved through the pose graph) must agree with it. numpy only.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
@@ -131,6 +132,7 @@ class Candidate:
     views: list[SideView] | None = None
     partner_views: list[SideView] | None = None
     error: str = ""
+    queued_at: float = field(default_factory=time.monotonic)  # when it started waiting for the model
 
 
 def measure_job(job: Candidate, g, check: LoopCheck) -> Measured | str:

@@ -11,7 +11,7 @@ import pytest
 
 from lingbot_map_ros.geometry import optical_pose_to_map
 from lingbot_map_ros.runtime.corrections import Corrections
-from lingbot_map_ros.runtime.loop_closure import KeyframeIn, LoopCloser, LoopConfig
+from lingbot_map_ros.runtime.loop_closure import MAX_DEFER_S, KeyframeIn, LoopCloser, LoopConfig
 from lingbot_map_ros.runtime.loop_keyframes import depth_thumbnail
 from lingbot_map_ros.slam import LoopCheck
 
@@ -169,5 +169,18 @@ def test_a_verification_runs_one_side_run_at_a_time_and_only_when_it_fits_before
         assert not closer.run_idle(budget_s=0.01) and slow.calls == 1  # no room before the next frame
         assert closer.run_idle(budget_s=None) and slow.calls == 2 and not closer.candidate_waiting  # no frame due
         assert closer.flush(30) and closer.stats.accepted + closer.stats.rejected == 1
+        # never a gap long enough (a side run longer than the time between frames): after MAX_DEFER_S of
+        # waiting the candidate runs in a short gap anyway, or loop closure would never verify one
+        for i, (T, rgb, tr) in enumerate(frames[len(frames) // 2:], start=len(frames)):
+            closer.keyframe(keyframe_in(i, T, rgb, tr))
+            assert closer.flush(30)
+            if closer.candidate_waiting:
+                break
+        assert closer.candidate_waiting
+        calls = slow.calls
+        assert not closer.run_idle(budget_s=0.01) and slow.calls == calls
+        with closer._idle:
+            closer._jobs[0].queued_at -= MAX_DEFER_S  # as if it had waited that long
+        assert closer.run_idle(budget_s=0.01) and slow.calls == calls + 1
     finally:
         closer.stop()
