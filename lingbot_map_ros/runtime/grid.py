@@ -27,7 +27,10 @@ What the sequence's own changes do to the grid:
   the history and the ground reference: the next metric frame starts a new grid;
 - a rollback (``forget_from``, a keyframe dropped over ~/rollback_last_frame) removes the frames
   from the history but keeps their cells: the frame was tracked, its pose finite, and what it saw
-  (free space, obstacles) stays true; the session forgets its tokens, not the observation.
+  (free space, obstacles) stays true; the session forgets its tokens, not the observation;
+- loop closure's corrections (``correct``: a closed loop, a relocalisation, a pose from outside)
+  move each frame by its keyframe's correction before its transform, as the published map does:
+  the grid is rebuilt from the history when they change (cells older than it are forgotten).
 
 Threads: every change runs on the camera's output thread (the sequence queues them in order
 with the frames); ``snapshot`` and ``state`` may be read from any thread (the builder's lock,
@@ -44,6 +47,7 @@ import numpy as np
 
 from ..robot.map_offset import OutputTransform
 from ..robot.occupancy import GridConfig, GridFrame, GridSnapshot, GroundReference, OccupancyGridBuilder
+from .corrections import Corrections
 
 HISTORY_FRAMES = 200  # frames kept for a rebuild (when the grid turns on, when the transform changes)
 HISTORY_POINTS = 4000  # points kept per frame of the history (every k-th)
@@ -123,6 +127,7 @@ class SequenceGrid:
         self._history_points = history_points
         self._reference: GroundReference | None = None
         self._transform: OutputTransform | None = None  # the transform the cells were made with
+        self._corrections = Corrections()  # loop closure's, the cells were made with (identity without)
         self._frames = self._rebuilds = 0
         self.state = GridState()
 
@@ -141,14 +146,15 @@ class SequenceGrid:
                    f"{self.scale_source}) to converge")
             return self._off(f"grid off: no metric scale ({why})")
         if self._reference is None:
-            reference, why = self.ground.reference(transform.pose(T_seq_cam), camera_frame)
+            reference, why = self.ground.reference(transform.pose(self._corrections.pose(frame_index, T_seq_cam)),
+                                                   camera_frame)
             if reference is None:
                 return self._off(why)
             self._reference = reference
         if self._transform is None or transform != self._transform:
             self._rebuild(transform)  # the history (this frame included) in the new transform
             return True
-        result = self.builder.add_frame(transform.pose(T_seq_cam)[:3, 3], transform.points(points))
+        result = self.builder.add_frame(*self._placed(frame_index, centre, points, transform))
         if not result.applied:
             return self._off(f"grid: frame {frame_index + 1} not added: {result.reason}")
         self._frames += 1
@@ -160,10 +166,19 @@ class SequenceGrid:
         while self._history and self._history[-1][0] >= frame_index:
             self._history.pop()
 
+    def correct(self, corrections: Corrections) -> None:
+        """Loop closure's corrections changed: the cells are made again from the history with them."""
+        if corrections.version == self._corrections.version and len(corrections) == len(self._corrections):
+            return
+        self._corrections = corrections
+        if self._transform is not None and self._reference is not None:
+            self._rebuild(self._transform)
+
     def clear(self) -> None:
-        """A new sequence: no cells, no history, no ground reference."""
+        """A new sequence: no cells, no history, no ground reference, no corrections."""
         self._history.clear()
         self._reference = self._transform = None
+        self._corrections = Corrections()
         self._frames = 0
         self.builder.set_reference(None, metric=False)  # clears the cells
         self.state = GridState(reason="grid off: a new sequence started (no frame yet)",
@@ -171,11 +186,19 @@ class SequenceGrid:
 
     def _rebuild(self, transform: OutputTransform) -> None:
         self.builder.set_reference(self._reference, metric=True)
-        frames = [GridFrame(transform.pose(_pose_at(c))[:3, 3], transform.points(p)) for _, c, p in self._history]
+        frames = [GridFrame(*self._placed(i, c, p, transform)) for i, c, p in self._history]
         result = self.builder.rebuild(frames)
         self._transform = transform
         self._frames, self._rebuilds = len(frames) - result.frames_skipped, self._rebuilds + 1
         self._publish_state()
+
+    def _placed(self, frame_index: int, centre: np.ndarray, points: np.ndarray,
+                transform: OutputTransform) -> tuple[np.ndarray, np.ndarray]:
+        """A frame's camera centre and points as published: its keyframe's correction, then ``transform``."""
+        if not self._corrections.identity:
+            c = self._corrections.at(frame_index)
+            centre, points = c.apply(centre), c.apply(points).astype(np.float32)
+        return transform.pose(_pose_at(centre))[:3, 3], transform.points(points)
 
     def _off(self, reason: str) -> bool:
         if self.state.reason != reason:

@@ -168,6 +168,9 @@ class Sequence:
         """Loop closure re-solved the pose graph: every pose of the sequence moves by its keyframe's
         correction from now on (the path, the map and what leaves are derived from it)."""
         self.corrections = corrections
+        if self.grid is not None:  # rebuilt with them on the output thread, in order with the frames
+            grid = self.grid
+            self.outputs.op(lambda: grid.correct(corrections))
         self.hand_over_path()
 
     def hand_over_path(self) -> None:

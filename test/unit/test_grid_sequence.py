@@ -13,9 +13,11 @@ import pytest
 from lingbot_map_ros.robot.occupancy import FREE, OCCUPIED, UNKNOWN
 from lingbot_map_ros.runtime.engine import InferenceEngine
 from lingbot_map_ros.runtime.frames import InputFrame
+from lingbot_map_ros.runtime.corrections import Corrections
 from lingbot_map_ros.runtime.grid import GroundFromBase, SequenceGrid, grid_config
 from lingbot_map_ros.runtime.params import resolve_settings
 from lingbot_map_ros.config import ConfigError
+from lingbot_map_ros.slam import Sim3
 
 from engine_fakes import Log, Sink
 from room_scene import CAMERA, RESOLUTION, ROOM_X, ROOM_Y, SCALE, RoomSession, T_cam_base, classes
@@ -128,3 +130,32 @@ def test_bad_grid_parameters_are_refused_naming_them(values, message):
     with pytest.raises(ConfigError, match=message):
         resolve_settings({"image_width": 42, "device": "cpu", "grid": True, **values})
     resolve_settings({"image_width": 42, "device": "cpu", "grid": False, **values})  # off: not checked
+
+
+def test_loop_corrections_move_the_grid_with_the_map():
+    """A loop closure's correction (a Sim(3) per keyframe, as ``Sequence.correct`` gets it) moves the
+    grid's cells as it moves the published map: 0.5 model units along the map's x (× the metric
+    scale) shift the walls by that many metres, the free inside with them; identity corrections
+    give the grid back."""
+    engine, _ = room_engine()
+    run(engine, 12)
+    grid = engine.seq.grid
+
+    def occupied_x(snap) -> float:
+        cells = snap.cells()
+        _, i = np.nonzero(cells == OCCUPIED)
+        return float(np.mean(snap.origin_xy[0] + (i + 0.5) * snap.resolution))
+
+    before = grid.snapshot()
+    x0, rebuilds = occupied_x(before), grid.state.rebuilds
+    engine.seq.correct(Corrections({0: Sim3(np.eye(3), np.array([0.5, 0.0, 0.0]), 1.0)}, version=1))
+    assert engine.outputs.flush(30.0)
+    moved = grid.snapshot()
+    assert grid.state.rebuilds == rebuilds + 1 and grid.state.on
+    assert occupied_x(moved) - x0 == pytest.approx(0.5 * SCALE, abs=RESOLUTION)
+    run(engine, 2)  # new frames land with the correction too: the walls stay where they moved
+    assert occupied_x(grid.snapshot()) - x0 == pytest.approx(0.5 * SCALE, abs=RESOLUTION)
+    engine.seq.correct(Corrections(version=2))
+    assert engine.outputs.flush(30.0)
+    back = grid.snapshot()
+    assert occupied_x(back) == pytest.approx(x0, abs=RESOLUTION)
