@@ -301,7 +301,7 @@ def test_a_lost_track_relocalizes_in_its_own_map_and_goes_on(tiny_model, tmp_pat
         run.stop()
 
 
-def test_a_lost_track_not_found_within_the_timeout_starts_a_new_sequence(tiny_model, tmp_path, scene):
+def test_a_lost_track_not_relocalized_within_the_timeout_starts_a_new_sequence(tiny_model, tmp_path, scene):
     """on_lost=relocalize with relocalize_timeout 2 s: places not in the map for longer than that
     (image stamps) give up the search: a new sequence starts (the keyframe map with it), frames are
     stepped again and ~/status says why; on_lost=relocalize without loop closure is refused."""
