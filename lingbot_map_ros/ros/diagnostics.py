@@ -1,15 +1,20 @@
-"""A camera's /diagnostics entries: input, output, tracking, scale, cache, intrinsics (built on the
-node's timer thread from values the inference thread replaces as a whole)."""
+"""The node's /diagnostics: the clock (``ClockWatch``), the shared pool and each camera's entries
+(input, output, tracking, scale, cache, intrinsics, journal, loop closure, grid), built on the
+node's timer thread from values the inference thread replaces as a whole (``node_diagnostics``)."""
 from __future__ import annotations
 
 import statistics
+from typing import Any
 
-from diagnostic_msgs.msg import DiagnosticStatus
+from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from rclpy.clock import Clock
+from std_msgs.msg import Header
 
 from lingbot_map_ros.msg import Status
 
 from .camera_channel import ARRIVAL_WINDOW, CameraChannel
 from .common import diag
+from .sessions import journal_diag
 
 
 def input_diag(channel: CameraChannel, label: str) -> DiagnosticStatus:
@@ -123,4 +128,49 @@ def loop_diag(channel: CameraChannel, label: str) -> DiagnosticStatus:
     return diag(f"{label}: loop closure", level, message, values)
 
 
-__all__ = ["input_diag", "state_diags", "intrinsics_diag", "tracking_diag", "scale_diag", "loop_diag"]
+class ClockWatch:
+    """Whether ROS time moves: with use_sim_time, /clock may never come or stall (``problem``)."""
+
+    def __init__(self, node, steady: Clock) -> None:
+        self.node, self.steady = node, steady
+        self._seen: tuple[int, float] | None = None  # (ROS time ns, steady s) when it last moved
+
+    def problem(self) -> str:
+        """'no clock: ...' when use_sim_time is on and ROS time has not moved for 2 s, else ''."""
+        if not self.node.get_parameter("use_sim_time").value:
+            self._seen = None
+            return ""
+        now_ns, steady = self.node.get_clock().now().nanoseconds, self.steady.now().nanoseconds * 1e-9
+        if self._seen is None or now_ns != self._seen[0]:
+            self._seen = (now_ns, steady)
+        stalled = steady - self._seen[1]
+        if now_ns == 0 or stalled >= 2.0:
+            return ("no clock: use_sim_time is true and /clock " +
+                    ("was never received" if now_ns == 0 else f"has not advanced for {stalled:.0f} s"))
+        return ""
+
+
+def node_diagnostics(node: Any, clock: str) -> DiagnosticArray:
+    """/diagnostics of a configured ``node`` (``LingBotMapNode``): the clock (``clock``: its problem or
+    ""), the shared pool (several cameras) and every camera's entries (the node's one camera under the
+    node's name, a listed camera's under "<node>: <camera>")."""
+    name = node.get_fully_qualified_name()
+    statuses = [diag(f"{name}: clock", DiagnosticStatus.WARN if clock else DiagnosticStatus.OK,
+                     clock or "ok", {"use_sim_time": node.get_parameter("use_sim_time").value})]
+    if node.sessions.storage is not None:  # a K/V storage several cameras share
+        statuses.append(node.cameras.pool_diag(name, node.scheduler))
+    for camera, channel in node.channels.items():
+        label = f"{name}: {camera}" if camera else name
+        statuses.append(input_diag(channel, label))
+        statuses += state_diags(channel, label)
+        journal = journal_diag(label, channel.engine)
+        if journal is not None:
+            statuses.append(journal)
+        statuses.append(node.cameras.map_frame_diag(label, camera, channel.outputs.placement().frame,
+                                                    node.scheduler.served.get(camera, 0)))
+        if node.grid is not None and node.grid.channel is channel:
+            statuses.append(node.grid.diag(label))
+    return DiagnosticArray(header=Header(stamp=node.get_clock().now().to_msg()), status=statuses)
+
+
+__all__ = ["ClockWatch", "node_diagnostics", "input_diag", "state_diags", "intrinsics_diag", "tracking_diag", "scale_diag", "loop_diag"]

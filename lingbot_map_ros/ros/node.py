@@ -74,33 +74,32 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from diagnostic_msgs.msg import DiagnosticArray, DiagnosticStatus
+from diagnostic_msgs.msg import DiagnosticArray
 from rcl_interfaces.msg import SetParametersResult
 from rclpy.callback_groups import MutuallyExclusiveCallbackGroup, ReentrantCallbackGroup
 from rclpy.clock import Clock, ClockType
 from rclpy.exceptions import ParameterException
 from rclpy.lifecycle import LifecyclePublisher
 from rclpy.node import Node
-from std_msgs.msg import Header
 
 from lingbot_map_ros.srv import SaveMap
 
 from ..config import ConfigError
 from ..journal import JournalError
 from ..runtime.frames import StatusFields
-from ..runtime.journaling import SessionError
+from ..runtime.journaling import SessionError, close_journals
 from ..runtime.params import NodeSettings, check_value
 from ..runtime.scheduler import CameraScheduler
 from .camera_channel import CameraChannel
 from .camera_set import CameraSet
-from .common import NODE_NAME, SERVICE_QOS, diag, qos_profile
+from .common import NODE_NAME, SERVICE_QOS, qos_profile
 from .conversions import compressed_to_rgb, image_to_rgb
-from .diagnostics import input_diag, state_diags
+from .diagnostics import ClockWatch, node_diagnostics
 from .grid_outputs import GridOutput
 from .lifecycle import ManagedNode
 from .map_outputs import MapSaving, MapTopics
 from .node_parameters import PARAMETER_TABLE, declare_parameters, read_parameters, settings_after
-from .sessions import SessionServices, journal_diag, open_journals
+from .sessions import SessionServices, open_journals
 from .startup import (FASTDDS_WARNING, ForwardToRos, StartupError, fastdds_without_profile, load_sessions,
                       release_memory)
 from .tf_tools import SharedTf
@@ -149,7 +148,7 @@ class LingBotMapNode(ManagedNode, Node):
         # Timers run on the steady clock: with use_sim_time and no /clock, /diagnostics and the
         # status heartbeat go on (and say so) instead of stopping without a word.
         self._steady = Clock(clock_type=ClockType.STEADY_TIME)
-        self._sim_time_seen: tuple[int, float] | None = None  # (ROS time ns, steady s) when it last moved
+        self._clock_watch = ClockWatch(self, self._steady)
         self._timer_handles: list = []
         self._rate_timers: dict[str, Any] = {}
         self.add_on_set_parameters_callback(self._check_parameters)
@@ -358,25 +357,11 @@ class LingBotMapNode(ManagedNode, Node):
 
     # ------------------------------------------------------------------ timers
     def _on_second(self) -> None:
-        clock = self._clock_problem()
+        clock = self._clock_watch.problem()
         for channel in self.channels.values():
             channel.beat(clock)
             channel.outputs.publish_loop_closures(channel.engine.loop, channel.engine.seq.anchor.output)
-        self.diagnostics.publish(self._diagnostics(clock))
-
-    def _clock_problem(self) -> str:
-        """'no clock: ...' when use_sim_time is on and ROS time has not moved for 2 s, else ''."""
-        if not self.get_parameter("use_sim_time").value:
-            self._sim_time_seen = None
-            return ""
-        now_ns, steady = self.get_clock().now().nanoseconds, self._steady.now().nanoseconds * 1e-9
-        if self._sim_time_seen is None or now_ns != self._sim_time_seen[0]:
-            self._sim_time_seen = (now_ns, steady)
-        stalled = steady - self._sim_time_seen[1]
-        if now_ns == 0 or stalled >= 2.0:
-            return ("no clock: use_sim_time is true and /clock " +
-                    ("was never received" if now_ns == 0 else f"has not advanced for {stalled:.0f} s"))
-        return ""
+        self.diagnostics.publish(node_diagnostics(self, clock))
 
     def _flush_paths(self) -> None:
         for channel in self.channels.values():
@@ -387,27 +372,6 @@ class LingBotMapNode(ManagedNode, Node):
         # timer (until it wakes) must not keep the grid, and with it the engine and the model, alive
         if self.grid is not None:
             self.grid.publish()
-
-    def _diagnostics(self, clock: str) -> DiagnosticArray:
-        """/diagnostics: the clock, the shared pool (several cameras) and every camera's entries (the
-        node's one camera under the node's name, a listed camera's under "<node>: <camera>")."""
-        name = self.get_fully_qualified_name()
-        statuses = [diag(f"{name}: clock", DiagnosticStatus.WARN if clock else DiagnosticStatus.OK,
-                         clock or "ok", {"use_sim_time": self.get_parameter("use_sim_time").value})]
-        if self.sessions.storage is not None:  # a K/V storage several cameras share
-            statuses.append(self.cameras.pool_diag(name, self.scheduler))
-        for camera, channel in self.channels.items():
-            label = f"{name}: {camera}" if camera else name
-            statuses.append(input_diag(channel, label))
-            statuses += state_diags(channel, label)
-            journal = journal_diag(label, channel.engine)
-            if journal is not None:
-                statuses.append(journal)
-            statuses.append(self.cameras.map_frame_diag(label, camera, channel.outputs.placement().frame,
-                                                        self.scheduler.served.get(camera, 0)))
-            if self.grid is not None and self.grid.channel is channel:
-                statuses.append(self.grid.diag(label))
-        return DiagnosticArray(header=Header(stamp=self.get_clock().now().to_msg()), status=statuses)
 
     # ------------------------------------------------------------------ shutdown
     def shutdown(self) -> None:
@@ -424,21 +388,9 @@ class LingBotMapNode(ManagedNode, Node):
             return
         self.scheduler.stop()
         for camera, channel in self.channels.items():  # what was journaled reaches the disk
-            engine = channel.engine
-            if engine is None:
-                continue
-            written = []
-            if engine.journal is not None and engine.journal.writer is not None:
-                engine.journal.writer.close(timeout=JOURNAL_CLOSE_S)
-                written.append(("journal", engine.journal.writer.status()))
-            if engine.seq.map_journal is not None:
-                engine.seq.map_journal.close(timeout=JOURNAL_CLOSE_S)
-                written.append(("map journal", engine.seq.map_journal.status()))
-            if written:  # what journaling cost the disk (docs/sessions.md)
-                self.get_logger().info(f"{camera or 'camera'}: " + "; ".join(
-                    f"{what} {st.bytes_written / 1e6:.1f} MB written in {st.seconds:.1f} s"
-                    f" ({st.bytes_written / 1e6 / max(st.seconds, 1e-9):.2f} MB/s, {st.rewrites} rewrites)"
-                    for what, st in written))
+            cost = close_journals(channel.engine, JOURNAL_CLOSE_S) if channel.engine is not None else ""
+            if cost:
+                self.get_logger().info(f"{camera or 'camera'}: {cost}")
         self.scheduler = None
 
 

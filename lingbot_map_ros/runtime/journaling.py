@@ -271,6 +271,21 @@ def save_sessions(sessions: dict[str, JournalRecorder | None], folder: Path, map
     return total
 
 
+def close_journals(engine: Any, timeout: float) -> str:
+    """A stopped camera's journals closed (what was queued reaches the disk, ``timeout`` s at most
+    each); what journaling cost the disk as one line ("" without journals; docs/sessions.md)."""
+    written = []
+    if engine.journal is not None and engine.journal.writer is not None:
+        engine.journal.writer.close(timeout=timeout)
+        written.append(("journal", engine.journal.writer.status()))
+    if engine.seq.map_journal is not None:
+        engine.seq.map_journal.close(timeout=timeout)
+        written.append(("map journal", engine.seq.map_journal.status()))
+    return "; ".join(f"{what} {st.bytes_written / 1e6:.1f} MB written in {st.seconds:.1f} s"
+                     f" ({st.bytes_written / 1e6 / max(st.seconds, 1e-9):.2f} MB/s, {st.rewrites} rewrites)"
+                     for what, st in written)
+
+
 __all__ = ["ANCHOR_STATE", "COUNTERS_STATE", "JOURNALING_OFF", "JournalNotes", "SESSIONS_OFF", "Resumed",
-           "SessionError", "camera_folder", "check_saved", "journal_label", "load_saved", "open_camera_journal", "save_sessions",
+           "SessionError", "camera_folder", "check_saved", "close_journals", "journal_label", "load_saved", "open_camera_journal", "save_sessions",
            "session_folder"]

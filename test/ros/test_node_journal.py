@@ -28,6 +28,7 @@ from lingbot_map_ros.journal import JOURNAL_NAME  # noqa: E402
 from lingbot_map_ros.journal.format import JournalError, iter_records, scan  # noqa: E402
 from lingbot_map_ros.io.export import read_ply, read_tum  # noqa: E402
 from lingbot_map_ros.msg import FrameInfo, Status  # noqa: E402
+from lingbot_map_ros.ros.diagnostics import node_diagnostics  # noqa: E402
 from lingbot_map_ros.runtime.map_journal import MAP_JOURNAL_NAME  # noqa: E402
 from lingbot_map_ros.srv import LoadSession, SaveMap, SaveSession  # noqa: E402
 
@@ -425,7 +426,7 @@ def test_a_full_disk_pauses_the_journal_and_inference_goes_on(fixtures, frames, 
         journal = node.node.channels[""].engine.journal
 
         def entry():
-            return next(s for s in node.node._diagnostics("").status if s.name.endswith(": journal"))
+            return next(s for s in node_diagnostics(node.node, "").status if s.name.endswith(": journal"))
         try:
             robot.ready(node)
             for k in range(10):
