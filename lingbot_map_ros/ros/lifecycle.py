@@ -64,11 +64,6 @@ class ManagedNode(LifecycleNodeMixin):
         LifecycleNodeMixin.__init__(self, enable_communication_interface=True)
         self._lifecycle_on = True
 
-    @property
-    def lifecycle_state(self) -> str:
-        """The state's label (unconfigured, inactive, active, finalized); "active" for a plain node."""
-        return self._state_machine.current_state[1] if self._lifecycle_on else "active"
-
     def create_publisher(self, msg_type, topic, qos_profile, **kwargs) -> Any:
         """A managed node's publishers are lifecycle publishers (enabled while active)."""
         if not self._lifecycle_on:

@@ -33,7 +33,7 @@ from visualization_msgs.msg import Marker, MarkerArray
 from lingbot_map_ros.msg import FrameInfo, Status
 
 from ..robot.map_offset import OutputTransform
-from ..runtime.corrections import Corrections
+from ..runtime.corrections import NO_CORRECTIONS, Corrections
 from ..runtime.frames import FrameOutput, FrameSummary, StatusFields
 from ..runtime.mapping import PoseEntry
 from ..runtime.multi_map import MapAligner, Placement, transform_points, unpublished
@@ -80,7 +80,7 @@ class RosOutputs:
         self._tf_mode = tf_settings.tf_mode  # this camera's own (kept across parameter sets)
         self.latest_stamp = TimeMsg()
         self._path_lock = threading.Lock()
-        self._path: tuple[list[PoseEntry], OutputTransform, Corrections] = ([], OutputTransform(), Corrections())
+        self._path: tuple[list[PoseEntry], OutputTransform, Corrections] = ([], OutputTransform(), NO_CORRECTIONS)
         self._path_dirty = False
         self._path_made: tuple | None = None  # what the cached pose messages were made for
         self._placed_lock = threading.Lock()
@@ -181,7 +181,8 @@ class RosOutputs:
         (``transform``: scale, map offset; ``corrections``: loop closure's); ``flush_path`` (a timer)
         publishes it at path_publish_rate."""
         with self._path_lock:
-            self._path = (entries, transform or OutputTransform(), corrections or Corrections())
+            self._path = (entries, transform or OutputTransform(),
+                          corrections if corrections is not None else NO_CORRECTIONS)
             self._path_dirty = True
 
     def flush_path(self) -> None:

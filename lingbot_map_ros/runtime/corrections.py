@@ -13,12 +13,14 @@ pose, the path and the map are derived from it when they are published. numpy on
 from __future__ import annotations
 
 import bisect
+import itertools
 
 import numpy as np
 
 from ..slam import Sim3
 
 IDENTITY = Sim3.identity()
+_VERSIONS = itertools.count(1)  # every set of corrections made gets its own number (any thread: atomic)
 
 
 class Corrections:
@@ -26,11 +28,13 @@ class Corrections:
 
     __slots__ = ("indices", "_sims", "version")
 
-    def __init__(self, by_index: dict[int, Sim3] | None = None, version: int = 0) -> None:
+    def __init__(self, by_index: dict[int, Sim3] | None = None) -> None:
         items = sorted((by_index or {}).items())
         self.indices = [int(i) for i, _ in items]
         self._sims = [s for _, s in items]
-        self.version = version  # moves with every optimisation (caches compare it)
+        # unique to this set (caches compare it): the loop thread's and the inference thread's
+        # (a relocalisation's entry) never give two different sets the same number
+        self.version = next(_VERSIONS)
 
     def __len__(self) -> int:
         return len(self.indices)
@@ -62,8 +66,11 @@ class Corrections:
 
     def with_entry(self, frame_index: int, correction: Sim3) -> "Corrections":
         """These corrections and ``correction`` from ``frame_index`` on (until a later entry)."""
-        return Corrections({**dict(self.items()), int(frame_index): correction}, self.version + 1)
+        return Corrections({**dict(self.items()), int(frame_index): correction})
 
+
+
+NO_CORRECTIONS = Corrections()  # the identity, shared (one version: caches keep what they made)
 
 def correct_pose(correction: Sim3, T: np.ndarray) -> np.ndarray:
     """A rigid camera pose [4, 4] moved by a Sim(3): rotation ``R_C·R``, centre ``C(t)``."""
@@ -87,4 +94,4 @@ def rigid(T: np.ndarray) -> np.ndarray:
     return out
 
 
-__all__ = ["Corrections", "correct_pose", "rigid", "IDENTITY"]
+__all__ = ["Corrections", "NO_CORRECTIONS", "correct_pose", "rigid", "IDENTITY"]

@@ -47,7 +47,7 @@ import numpy as np
 
 from ..robot.map_offset import OutputTransform
 from ..robot.occupancy import GridConfig, GridFrame, GridSnapshot, GroundReference, OccupancyGridBuilder
-from .corrections import Corrections
+from .corrections import NO_CORRECTIONS, Corrections
 
 HISTORY_FRAMES = 200  # frames kept for a rebuild (when the grid turns on, when the transform changes)
 HISTORY_POINTS = 4000  # points kept per frame of the history (every k-th)
@@ -127,7 +127,7 @@ class SequenceGrid:
         self._history_points = history_points
         self._reference: GroundReference | None = None
         self._transform: OutputTransform | None = None  # the transform the cells were made with
-        self._corrections = Corrections()  # loop closure's, the cells were made with (identity without)
+        self._corrections = NO_CORRECTIONS  # loop closure's, the cells were made with (identity without)
         self._frames = self._rebuilds = 0
         self.state = GridState()
 
@@ -168,7 +168,7 @@ class SequenceGrid:
 
     def correct(self, corrections: Corrections) -> None:
         """Loop closure's corrections changed: the cells are made again from the history with them."""
-        if corrections.version == self._corrections.version and len(corrections) == len(self._corrections):
+        if corrections.version == self._corrections.version:
             return
         self._corrections = corrections
         if self._transform is not None and self._reference is not None:
@@ -178,7 +178,7 @@ class SequenceGrid:
         """A new sequence: no cells, no history, no ground reference, no corrections."""
         self._history.clear()
         self._reference = self._transform = None
-        self._corrections = Corrections()
+        self._corrections = NO_CORRECTIONS
         self._frames = 0
         self.builder.set_reference(None, metric=False)  # clears the cells
         self.state = GridState(reason="grid off: a new sequence started (no frame yet)",

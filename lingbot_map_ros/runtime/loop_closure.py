@@ -393,7 +393,7 @@ class LoopCloser:
         self._publish_corrections()
 
     def _publish_corrections(self) -> None:
-        self.corrections = self.graph.corrections(self.corrections.version + 1)
+        self.corrections = self.graph.corrections()
         self.on_corrections(self.corrections)
 
     # -- candidates

@@ -122,7 +122,7 @@ class LoopGraph:
         return seconds
 
     # ------------------------------------------------------------------ queries
-    def corrections(self, version: int = 0) -> Corrections:
+    def corrections(self) -> Corrections:
         """Every keyframe's correction (map <- sequence) from the graph's solution, and the
         relocalised stretches' (their keyframe's until they have their own)."""
         by_index: dict[int, Sim3] = {}
@@ -138,7 +138,7 @@ class LoopGraph:
                     by_index[first] = by_index[kept]
         if not by_index and not np.allclose(self.frame.matrix(), np.eye(4)):
             by_index[0] = self.frame  # ~/set_pose before any keyframe
-        return Corrections(by_index, version)
+        return Corrections(by_index)
 
     def keyframe_at_or_before(self, frame_index: int) -> LoopKeyframe | None:
         indices = [i for i in self.store.indices() if i <= frame_index and i in self.node]

@@ -134,12 +134,6 @@ class KeyframeStore:
         with self._lock:
             return list(self._items)
 
-    def nearest_stamp(self, stamp_s: float) -> LoopKeyframe | None:
-        """The keyframe whose stamp is nearest ``stamp_s`` (None while empty)."""
-        with self._lock:
-            items = list(self._items.values())
-        return min(items, key=lambda kf: abs(kf.stamp_s - stamp_s)) if items else None
-
     def around(self, index: int, count: int) -> list[LoopKeyframe]:
         """``count`` consecutive keyframes (oldest first) that hold keyframe ``index``, as centred on
         it as the store allows; fewer when the store holds fewer."""

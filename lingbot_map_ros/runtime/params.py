@@ -120,8 +120,11 @@ class NodeSettings:
     grid_base_height: float = 0.0
     grid_publish_rate: float = 1.0
 
-    def __post_init__(self) -> None:
+    def __post_init__(self) -> None:  # also for every run-time change (``dataclasses.replace``)
         health_config_from(self)  # the health thresholds together (ConfigError names the parameters)
+        if self.on_lost == "relocalize" and not self.loop_closure:
+            raise ConfigError("on_lost 'relocalize' looks for the camera in the keyframe map of loop closure: set "
+                              "loop_closure true, or on_lost 'reset' or 'continue'")
 
 
 def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lambda _m: None,
@@ -183,7 +186,6 @@ def resolve_settings(values: Mapping[str, Any], log: Callable[[str], None] = lam
     if v["tf_mode"] == "map_to_base" and not v["base_frame"]:
         raise ConfigError("tf_mode map_to_base needs a non-empty base_frame")
 
-    check_on_lost(v["on_lost"], v["loop_closure"])
     cameras = check_camera_names(v["cameras"])
     if (v["state_directory"] or v["load_session"]) and v["camera_batching"] and cameras:
         raise ConfigError("state_directory and load_session journal each camera's own steps; camera_batching "
@@ -258,13 +260,6 @@ def resolve_device(device: str, dtype: str, cuda_available: Callable[[], bool] =
     return device, dtype, "; ".join(notes)
 
 
-def check_on_lost(on_lost: str, loop_closure: bool) -> None:
-    """ConfigError for on_lost relocalize without loop closure (no keyframe map to look in)."""
-    if on_lost == "relocalize" and not loop_closure:
-        raise ConfigError("on_lost 'relocalize' looks for the camera in the keyframe map of loop closure: set "
-                          "loop_closure true, or on_lost 'reset' or 'continue'")
-
-
 def apply_dynamic(settings: NodeSettings, name: str, value: Any) -> NodeSettings:
     """``settings`` with the run-time parameter ``name`` set to ``value`` (checked: ConfigError names the
     problem; read-only parameters are refused)."""
@@ -278,9 +273,7 @@ def apply_dynamic(settings: NodeSettings, name: str, value: Any) -> NodeSettings
     check_value(p, value)
     if isinstance(p.default, float):
         value = float(value)
-    changed = replace(settings, **{name: value})
-    check_on_lost(changed.on_lost, changed.loop_closure)
-    return changed
+    return replace(settings, **{name: value})
 
 
 # ------------------------------------------------------------------ several cameras

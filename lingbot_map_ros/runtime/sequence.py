@@ -160,7 +160,7 @@ class Sequence:
         self.tracking.clear()
         self.focal.clear()
         self.anchor.clear(keep_map_frame)
-        self.corrections = Corrections(version=self.corrections.version + 1)
+        self.corrections = Corrections()
         if self.loop is not None:
             self.loop.clear()
 

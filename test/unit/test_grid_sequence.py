@@ -148,14 +148,14 @@ def test_loop_corrections_move_the_grid_with_the_map():
 
     before = grid.snapshot()
     x0, rebuilds = occupied_x(before), grid.state.rebuilds
-    engine.seq.correct(Corrections({0: Sim3(np.eye(3), np.array([0.5, 0.0, 0.0]), 1.0)}, version=1))
+    engine.seq.correct(Corrections({0: Sim3(np.eye(3), np.array([0.5, 0.0, 0.0]), 1.0)}))
     assert engine.outputs.flush(30.0)
     moved = grid.snapshot()
     assert grid.state.rebuilds == rebuilds + 1 and grid.state.on
     assert occupied_x(moved) - x0 == pytest.approx(0.5 * SCALE, abs=RESOLUTION)
     run(engine, 2)  # new frames land with the correction too: the walls stay where they moved
     assert occupied_x(grid.snapshot()) - x0 == pytest.approx(0.5 * SCALE, abs=RESOLUTION)
-    engine.seq.correct(Corrections(version=2))
+    engine.seq.correct(Corrections())
     assert engine.outputs.flush(30.0)
     back = grid.snapshot()
     assert occupied_x(back) == pytest.approx(x0, abs=RESOLUTION)

@@ -184,3 +184,17 @@ def test_a_verification_runs_one_side_run_at_a_time_and_only_when_it_fits_before
         assert closer.run_idle(budget_s=0.01) and slow.calls == calls + 1
     finally:
         closer.stop()
+
+
+def test_corrections_made_on_two_threads_never_share_a_version():
+    """Caches (the path's messages, the grid) rebuild when the corrections' version moves. A
+    relocalisation's entry (inference thread, ``with_entry``) and the loop thread's next solution
+    are different sets: they must not carry the same number, as ``version + 1`` on both sides did."""
+    from lingbot_map_ros.slam import Sim3
+
+    loop_side = Corrections({0: Sim3.identity()})
+    relocated = loop_side.with_entry(5, Sim3(np.eye(3), np.array([1.0, 0.0, 0.0]), 1.0))
+    next_solution = Corrections({0: Sim3.identity(), 5: Sim3.identity()})
+    versions = {loop_side.version, relocated.version, next_solution.version, Corrections().version}
+    assert len(versions) == 4
+    assert relocated.pose(6, np.eye(4))[0, 3] == 1.0 and loop_side.pose(6, np.eye(4))[0, 3] == 0.0
