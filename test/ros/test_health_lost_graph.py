@@ -145,6 +145,8 @@ def run(fixtures):
             if k == 6:
                 session.arm(1)
             robot.send(node, k, imgs[k])
+            if k == 6:  # a heartbeat (same stamp, the sequence's own text) follows the drop's status, as on slow CI
+                robot.wait(lambda: len(robot.statuses(6)) >= 2, "a heartbeat after the dropped frame")
         node.node.set_parameters([Parameter("on_lost", value="reset")])
         for k in range(10, 16):
             if k == 12:
@@ -163,9 +165,11 @@ def test_status_goes_tracking_lost_and_back_to_tracking(run):
     _, robot = run
     states = [last_state(robot, k) for k in range(2, 10)]
     assert states == ["tracking"] * 4 + ["lost", "lost", "lost", "tracking"], states
-    dropped = robot.statuses(6)[-1]
-    assert (dropped.tracking_reasons, dropped.lost_resets) == ("non_finite", 0)
-    assert "non-finite pose" in dropped.state_text
+    # the drop's own status (a heartbeat may follow it with the same stamp and the sequence's text)
+    dropped = [s for s in robot.statuses(6) if "non-finite pose" in s.state_text]
+    assert dropped, [s.state_text for s in robot.statuses(6)]
+    assert (dropped[-1].tracking_state, dropped[-1].tracking_reasons, dropped[-1].lost_resets) == \
+        ("lost", "non_finite", 0)
 
 
 def test_on_lost_reset_counts_and_continues_from_the_last_good_pose(run):
