@@ -44,11 +44,12 @@ def render_depth(angle: float) -> np.ndarray:
     return t  # the ray's z component is 1: its parameter is the z-depth
 
 
-def frame_result(index: int, angle: float):
+def frame_result(index: int, angle: float, origin: float = 0.0):
     """The stand-in session's result for frame ``index``: the camera at the map origin turned by
-    ``angle``, its depth in model units."""
+    ``angle``, its depth in model units; ``origin``: the angle of the sequence's first camera (its
+    map frame's heading: the pose is turned by ``angle - origin`` in it)."""
     T_map_cam = np.eye(4)
-    T_map_cam[:3, :3] = yaw(angle) @ BODY_FROM_OPTICAL
+    T_map_cam[:3, :3] = yaw(angle - origin) @ BODY_FROM_OPTICAL
     c2w = OPTICAL_TO_REP103.T @ T_map_cam  # the model's world: the first camera's optical axes
     depth = (render_depth(angle) / SCALE).astype(np.float32)
     K = np.array([[FOCAL, 0, WIDTH / 2], [0, FOCAL, HEIGHT / 2], [0, 0, 1]])
@@ -58,10 +59,13 @@ def frame_result(index: int, angle: float):
 
 
 class RoomSession:
-    """Each step gives the next frame of a turn in place (``frames`` steps of 360 / frames degrees)."""
+    """Each step gives the next frame of a turn in place (``frames`` steps of ``sweep`` / frames radians
+    from ``start``: a full turn from the room's x axis by default); its map frame is its first pose's
+    (turned by ``start`` in the room)."""
 
-    def __init__(self, frames: int = 12) -> None:
+    def __init__(self, frames: int = 12, start: float = 0.0, sweep: float = 2 * math.pi) -> None:
         self.pushed, self.frames = 0, frames
+        self.start, self.sweep = start, sweep
         self.window_index, self.deferred_eviction, self.device = 0, False, None
         self.cfg = SimpleNamespace(num_scale_frames=1)
 
@@ -75,7 +79,7 @@ class RoomSession:
     def submit(self, image, keyframe=None, stamp=None, tag=None):
         self.pushed += 1
         index = self.pushed - 1
-        return [frame_result(index, 2 * math.pi * index / self.frames)]
+        return [frame_result(index, self.start + self.sweep * index / self.frames, self.start)]
 
     def results(self, pending):
         return pending
@@ -102,11 +106,16 @@ def T_cam_base() -> np.ndarray:
     return invert_rigid(T_base_cam)
 
 
-def stand_in_sessions(frames: int = 12) -> SimpleNamespace:
-    """What ``ros.startup.load_sessions`` gives, for the node's one camera: a ``RoomSession``."""
-    session = RoomSession(frames)
-    session.inner = SimpleNamespace(backend=SimpleNamespace(name="box room (stand-in)"))
-    return SimpleNamespace(sessions={"": session}, storage=None, model=session, submit_many=None)
+def stand_in_sessions(frames: int = 12, cameras: dict[str, RoomSession] | None = None) -> SimpleNamespace:
+    """What ``ros.startup.load_sessions`` gives: for the node's one camera a ``RoomSession`` of
+    ``frames``; with ``cameras`` (name -> session) those, as a node with the parameter ``cameras``
+    gets them (no shared pool to report)."""
+    sessions = cameras if cameras is not None else {"": RoomSession(frames)}
+    for session in sessions.values():
+        session.inner = SimpleNamespace(backend=SimpleNamespace(name="box room (stand-in)"))
+    first = next(iter(sessions.values()))
+    return SimpleNamespace(sessions=dict(sessions), storage=None, model=first, submit_many=None,
+                           pool_status=lambda: None)
 
 
 def classes(snap):

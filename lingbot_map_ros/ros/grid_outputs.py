@@ -1,10 +1,11 @@
 """The occupancy grid over ROS: ~/grid, its /diagnostics entry and its map_server files.
 
-``GridOutput`` serves the grid of the node's FIRST camera (the one that defines ``map_frame``;
-with several cameras the others build none): the camera's ``runtime.grid.SequenceGrid`` is built
-here (``attach_grid``) with the camera extrinsic read from the node's TF buffer
-(``tf_tools.SharedTf``: ``<camera optical frame> -> base_frame``, the URDF's static transforms)
-and handed to the camera's sequence, which feeds it on the camera's output thread.
+``GridOutput`` serves the node's one grid (``runtime.grid.GridMap``) in ``map_frame``, the first
+camera's map: every camera's sequence feeds it (``attach_grid``: a ``SequenceGrid`` each, fed on
+the camera's output thread) with the camera extrinsic read from the node's TF buffer
+(``tf_tools.SharedTf``: ``<camera optical frame> -> base_frame``, the URDF's static transforms);
+a listed camera's frames are placed through its map alignment (``runtime.multi_map.MapAligner``)
+and wait in its history until its map has joined ``map_frame``.
 
 - ~/grid (nav_msgs/OccupancyGrid, latched: transient local, depth 1) in the camera's map frame,
   published by the node's timer (``grid_publish_rate``) when the grid changed and someone
@@ -29,7 +30,8 @@ from std_msgs.msg import Header
 
 from ..io.map_server import MapFilesError, save_map_files
 from ..robot.occupancy import GridSnapshot
-from ..runtime.grid import GroundFromBase, SequenceGrid, grid_config
+from ..runtime.grid import GridMap, GroundFromBase, Place, grid_config
+from ..runtime.multi_map import MapAligner
 from ..runtime.params import NodeSettings
 from .camera_channel import CameraChannel
 from .common import diag, qos_profile
@@ -53,17 +55,35 @@ def camera_extrinsic(tf: SharedTf, base_frame: str):
     return lambda camera_frame: tf.matrix(camera_frame, base_frame)
 
 
-class GridOutput:
-    """~/grid of ``channel`` (the node's first camera) on ``node``; see the module docstring."""
+def joined_to(aligner: MapAligner, camera: str, map_frame: str) -> Place:
+    """How ``camera``'s published frames reach ``map_frame`` (``runtime.grid.Place``): the alignment's
+    ``T_map_mapc`` once its map is joined to the first camera's, else why not."""
+    def place(transform):
+        placed = aligner.placement(camera, cam_output=transform)
+        if placed.frame != map_frame:
+            return None, aligner.describe(camera)
+        return placed.transform, ""
+    return place
 
-    def __init__(self, node: Node, channel: CameraChannel, settings: NodeSettings, tf: SharedTf) -> None:
+
+class GridOutput:
+    """~/grid on ``node``, fed by every camera of ``channels`` (``reference``: the first camera, whose
+    map is ``map_frame``); see the module docstring."""
+
+    def __init__(self, node: Node, channels: dict[str, CameraChannel], reference: str, settings: NodeSettings,
+                 tf: SharedTf, aligner: MapAligner) -> None:
         s = settings
-        self.channel = channel
+        self.channel, self.reference = channels[reference], reference
         if s.base_frame:
             tf.start()  # the listener fills the buffer with the URDF's transforms from now on
-        self.grid = SequenceGrid(grid_config(s), GroundFromBase(s.base_frame, s.grid_base_height,
-                                                                camera_extrinsic(tf, s.base_frame)), s.scale_source)
-        channel.engine.seq.attach_grid(self.grid)
+        self.grid = GridMap(grid_config(s))
+        ground = GroundFromBase(s.base_frame, s.grid_base_height, camera_extrinsic(tf, s.base_frame))
+        self.feeds = {}
+        for name in [reference] + [c for c in channels if c != reference]:  # the first camera's feed first
+            channel = channels[name]
+            self.feeds[name] = self.grid.feed(ground, channel.settings.scale_source, camera=name,
+                                              place=joined_to(aligner, name, s.map_frame))
+            channel.engine.seq.attach_grid(self.feeds[name])
         self.publisher = node.create_publisher(OccupancyGrid, "~/grid", qos_profile(latched=True, depth=1))
         self._published: int | None = None  # the version last published
         self.published = 0  # messages sent
@@ -86,7 +106,7 @@ class GridOutput:
         the ~/save_map answer adds: what was written, or why not."""
         snap = self.grid.snapshot()
         if not snap.ready:
-            return f"grid not saved: {self.grid.state.reason or snap.reason}"
+            return f"grid not saved: {self.feeds[self.reference].state.reason or snap.reason}"
         try:
             saved = save_map_files(folder, snap)
         except MapFilesError as exc:
@@ -95,16 +115,19 @@ class GridOutput:
 
     def diag(self, label: str) -> DiagnosticStatus:
         """The "<label>: grid" entry: OK when on, WARN with the reason when off."""
-        st = self.grid.state
+        st = self.feeds[self.reference].state  # the grid's, with the first camera's reason when it adds nothing
         snap = self.grid.snapshot()
         values: dict[str, Any] = {"on": st.on, "reason": st.reason or "none", "version": snap.version,
                                   "cells (width x height)": f"{snap.width} x {snap.height}",
                                   "resolution (m)": snap.resolution, "frames added": st.frames,
                                   "rebuilds": st.rebuilds, "messages published": self.published}
+        if len(self.feeds) > 1:  # each other camera's part: in the grid, or why not
+            for name, fed in list(self.feeds.items())[1:]:
+                values[f"camera {name}"] = fed.state.reason or "in the grid"
         if st.on:
             side = f"{snap.width * snap.resolution:.1f} x {snap.height * snap.resolution:.1f} m"
             return diag(f"{label}: grid", DiagnosticStatus.OK, f"{snap.width} x {snap.height} cells ({side})", values)
         return diag(f"{label}: grid", DiagnosticStatus.WARN, st.reason, values)
 
 
-__all__ = ["GridOutput", "occupancy_grid_msg", "camera_extrinsic"]
+__all__ = ["GridOutput", "occupancy_grid_msg", "camera_extrinsic", "joined_to"]

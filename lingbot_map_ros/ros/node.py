@@ -53,8 +53,8 @@ backend ends the process with exit status 1 and one error line. With ``managed``
 lifecycle node (``lifecycle``): the same phases run at its transitions, and a failing configure
 leaves it unconfigured instead of ending the process.
 
-Nav2. With ``grid`` the first camera's sequence builds an occupancy grid, published on
-``~/grid`` and written by ``~/save_map`` as map_server files (``grid_outputs``).
+Nav2. With ``grid`` every camera's sequence feeds one occupancy grid in ``map_frame``, published
+on ``~/grid`` and written by ``~/save_map`` as map_server files (``grid_outputs``).
 
 One camera is the case of many. The node's cameras are one ``camera_set.CameraSet``: without
 the parameter ``cameras`` a set of one camera (named "", the names above); with ``cameras``
@@ -180,8 +180,8 @@ class LingBotMapNode(ManagedNode, Node):
         self._start_cameras()
         self.diagnostics = self.create_publisher(DiagnosticArray, "/diagnostics", qos_profile())
         self.maps = MapTopics(self, self.channels, s)  # ~/[<c>/]map_points (and listed cameras' ~/map_points)
-        first = self.channels[self.cameras.reference]
-        self.grid = GridOutput(self, first, first.settings, self.tf_shared) if s.grid else None
+        self.grid = GridOutput(self, self.channels, self.cameras.reference, s, self.tf_shared,
+                               self.cameras.aligner) if s.grid else None
         self._create_services(log)
         self.scheduler.start()
 

@@ -1,4 +1,5 @@
-"""A camera's occupancy grid as part of its sequence: ``SequenceGrid`` (no ROS, no torch).
+"""The node's occupancy grid (``GridMap``) and each camera's sequence feeding it (``SequenceGrid``);
+no ROS, no torch.
 
 The grid (``robot.occupancy.OccupancyGridBuilder``) lies on the floor of the PUBLISHED map frame
 in metres; the sequence keeps its frames in its own map frame and in model units. Each frame's
@@ -32,13 +33,24 @@ What the sequence's own changes do to the grid:
   move each frame by its keyframe's correction before its transform, as the published map does:
   the grid is rebuilt from the history when they change (cells older than it are forgotten).
 
-Threads: every change runs on the camera's output thread (the sequence queues them in order
-with the frames); ``snapshot`` and ``state`` may be read from any thread (the builder's lock,
-and a state replaced as a whole).
+Several cameras, one grid (``GridMap``): every camera's sequence feeds the node's one grid through
+its own ``SequenceGrid`` (its history, corrections and transform), placed in the first camera's
+map frame by the camera's map alignment (``place``: ``runtime.multi_map.MapAligner`` on the ROS
+side). A camera whose map is not joined to the first one yet keeps its frames in its history and
+adds none (its ~/status says why); once it joins, the grid is rebuilt with them. The ground
+reference comes from the first camera that can give one (every camera is on the same base). A
+new sequence of the FIRST camera (a new map) clears the grid; another camera's new sequence only
+empties its history (its cells stay: the map is the same). A camera's placement changing (its
+scale, its map offset, its alignment, its loop corrections) rebuilds the grid from every
+camera's history. One camera is the set of one.
+
+Threads: every change runs on a camera's output thread (the sequence queues them in order with
+the frames) under the grid's lock (cameras' output threads take turns); ``snapshot`` and
+``state`` may be read from any thread (the builder's lock, and a state replaced as a whole).
 """
 from __future__ import annotations
 
-import math
+import threading
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -50,7 +62,7 @@ from ..robot.occupancy import GridConfig, GridFrame, GridSnapshot, GroundReferen
 from .corrections import NO_CORRECTIONS, Corrections
 
 HISTORY_FRAMES = 200  # frames kept for a rebuild (when the grid turns on, when the transform changes)
-HISTORY_POINTS = 4000  # points kept per frame of the history (every k-th)
+HISTORY_POINTS = 4000  # points kept per frame of the history (drawn at random, ``_thinned``)
 
 # GridConfig field -> the node parameter that sets it (error messages name the parameter)
 GRID_PARAMETER_NAMES = {"resolution": "grid_resolution", "min_height": "grid_min_height",
@@ -115,21 +127,95 @@ class GroundFromBase:
             return None, f"grid off: the base pose gives no ground plane ({exc})"
 
 
-class SequenceGrid:
-    """A sequence's occupancy grid (see the module docstring). ``scale_source``: the node's, for the
-    reason given while the scale is not metric."""
+# OutputTransform -> (T_map_mapc [4, 4] or None = identity, "") where the camera's map is joined to the
+# grid's map frame, else (None, why not): how a camera's published frames reach the first camera's map
+Place = Callable[[OutputTransform], "tuple[np.ndarray | None, str]"]
 
-    def __init__(self, config: GridConfig, ground: GroundFromBase, scale_source: str,
-                 history: int = HISTORY_FRAMES, history_points: int = HISTORY_POINTS) -> None:
+
+def _in_own_map(_transform: OutputTransform) -> tuple[None, str]:
+    return None, ""
+
+
+class GridMap:
+    """The node's occupancy grid, fed by its cameras' ``SequenceGrid``s (``feed``; see the module
+    docstring). ``state`` and ``snapshot`` are the grid's own, for ~/grid, /diagnostics and the files."""
+
+    def __init__(self, config: GridConfig) -> None:
         self.builder = OccupancyGridBuilder(config)
-        self.ground, self.scale_source = ground, scale_source
+        self.feeds: list[SequenceGrid] = []
+        self.lock = threading.RLock()
+        self.reference: GroundReference | None = None
+        self.frames = self.rebuilds = 0
+        self.state = GridState()
+
+    def feed(self, ground: GroundFromBase, scale_source: str, camera: str = "", place: Place | None = None,
+             history: int = HISTORY_FRAMES, history_points: int = HISTORY_POINTS) -> "SequenceGrid":
+        """A camera's feed (the first one added is the first camera's: its new sequence clears the grid)."""
+        with self.lock:
+            fed = SequenceGrid(self, ground, scale_source, camera, place or _in_own_map, history, history_points)
+            self.feeds.append(fed)
+            return fed
+
+    def snapshot(self) -> GridSnapshot:
+        """The grid now (immutable; the same object while nothing changed)."""
+        return self.builder.snapshot()
+
+    # ------------------------------------------------------------------ under the lock (feeds)
+    def rebuild(self) -> None:
+        """The cells made again from every joined camera's history, each at its placement now."""
+        self.builder.set_reference(self.reference, metric=True)
+        frames = [GridFrame(*placed) for fed in self.feeds for placed in fed.placed_history()]
+        result = self.builder.rebuild(frames)
+        self.frames, self.rebuilds = len(frames) - result.frames_skipped, self.rebuilds + 1
+        self.publish_state()
+
+    def clear(self, reason: str) -> None:
+        """A new map: no cells, no ground reference (each camera's history stays, see ``SequenceGrid.clear``)."""
+        self.reference = None
+        self.frames = 0
+        self.builder.set_reference(None, metric=False)  # clears the cells
+        self.state = GridState(reason=reason, version=self.builder.snapshot().version, rebuilds=self.rebuilds)
+
+    def off(self, reason: str) -> None:
+        """No grid yet, and why (a camera's reason while no camera gave the grid a reference)."""
+        if self.reference is None and self.state.reason != reason:
+            self.state = GridState(reason=reason, version=self.state.version, frames=self.frames,
+                                   rebuilds=self.rebuilds)
+
+    def publish_state(self) -> None:
+        snap = self.builder.snapshot()
+        self.state = GridState(on=snap.ready, reason=snap.reason, width=snap.width, height=snap.height,
+                               version=snap.version, frames=self.frames, rebuilds=self.rebuilds)
+
+
+class SequenceGrid:
+    """One camera's sequence feeding the grid (see the module docstring): its frames' history in the
+    sequence's map frame and model units, its loop corrections and the placement its frames were
+    added with. Made by ``GridMap.feed``; the sequence calls it on the camera's output thread."""
+
+    def __init__(self, grid: GridMap, ground: GroundFromBase, scale_source: str, camera: str, place: Place,
+                 history: int, history_points: int) -> None:
+        self.grid, self.ground, self.scale_source = grid, ground, scale_source
+        self.camera, self.place = camera, place
         self._history: deque[tuple[int, np.ndarray, np.ndarray]] = deque(maxlen=history)
         self._history_points = history_points
-        self._reference: GroundReference | None = None
-        self._transform: OutputTransform | None = None  # the transform the cells were made with
+        self._transform: OutputTransform | None = None  # the camera's transform at its last metric frame
+        self._joined: np.ndarray | None = None  # T_map_mapc the cells were made with (None: identity)
+        self._in = False  # whether the grid holds (or a rebuild would take) this camera's history
         self._corrections = NO_CORRECTIONS  # loop closure's, the cells were made with (identity without)
-        self._frames = self._rebuilds = 0
-        self.state = GridState()
+        self._why = ""  # why this camera's frames do not reach the grid now ("" when they do)
+
+    @property
+    def state(self) -> GridState:
+        """The grid's state, with this camera's reason when its frames do not reach the grid."""
+        st = self.grid.state
+        return st if not self._why or self._why == st.reason else GridState(
+            on=st.on and not self._why, reason=self._why, width=st.width, height=st.height, version=st.version,
+            frames=st.frames, rebuilds=st.rebuilds)
+
+    @property
+    def builder(self) -> OccupancyGridBuilder:
+        return self.grid.builder
 
     # ------------------------------------------------------------------ output thread
     def add(self, frame_index: int, T_seq_cam: np.ndarray, points: np.ndarray, transform: OutputTransform,
@@ -138,78 +224,92 @@ class SequenceGrid:
         model units, the ``transform`` it was published with, whether its scale is ready. Returns whether
         the grid took it (else ``state.reason`` says why)."""
         centre = np.asarray(T_seq_cam, np.float64)[:3, 3].copy()
-        step = max(1, math.ceil(len(points) / self._history_points))
-        self._history.append((frame_index, centre, np.array(points[::step], np.float32)))
-        if self.scale_source == "none" or not scale_ready:
-            why = ("the scale is model units (scale_source none: set fixed, odometry or depth)"
-                   if self.scale_source == "none" else f"waiting for the metric scale (scale_source "
-                   f"{self.scale_source}) to converge")
-            return self._off(f"grid off: no metric scale ({why})")
-        if self._reference is None:
-            reference, why = self.ground.reference(transform.pose(self._corrections.pose(frame_index, T_seq_cam)),
-                                                   camera_frame)
-            if reference is None:
-                return self._off(why)
-            self._reference = reference
-        if self._transform is None or transform != self._transform:
-            self._rebuild(transform)  # the history (this frame included) in the new transform
+        kept = _thinned(points, self._history_points, frame_index)
+        with self.grid.lock:
+            self._history.append((frame_index, centre, kept))
+            if self.scale_source == "none" or not scale_ready:
+                why = ("the scale is model units (scale_source none: set fixed, odometry or depth)"
+                       if self.scale_source == "none" else f"waiting for the metric scale (scale_source "
+                       f"{self.scale_source}) to converge")
+                return self._off(f"grid off: no metric scale ({why})")
+            joined, why = self.place(transform)
+            if why:
+                return self._off(f"grid: camera {self.camera}'s frames wait to join the map ({why})")
+            grid = self.grid
+            if grid.reference is None:
+                T_map_cam = transform.pose(self._corrections.pose(frame_index, T_seq_cam))
+                reference, why = self.ground.reference(T_map_cam if joined is None else joined @ T_map_cam,
+                                                       camera_frame)
+                if reference is None:
+                    return self._off(why)
+                grid.reference = reference
+            self._why = ""
+            moved = not self._in or transform != self._transform or not _same(joined, self._joined)
+            self._transform, self._joined, self._in = transform, joined, True
+            if moved or not grid.state.on:
+                grid.rebuild()  # every camera's history (this frame included) at its placement now
+                return True
+            result = grid.builder.add_frame(*self._placed(frame_index, centre, points))
+            if not result.applied:
+                return self._off(f"grid: frame {frame_index + 1} not added: {result.reason}")
+            grid.frames += 1
+            grid.publish_state()
             return True
-        result = self.builder.add_frame(*self._placed(frame_index, centre, points, transform))
-        if not result.applied:
-            return self._off(f"grid: frame {frame_index + 1} not added: {result.reason}")
-        self._frames += 1
-        self._publish_state()
-        return True
 
     def forget_from(self, frame_index: int) -> None:
         """A rollback: frames from 0-based ``frame_index`` on leave the history; their cells stay."""
-        while self._history and self._history[-1][0] >= frame_index:
-            self._history.pop()
+        with self.grid.lock:
+            while self._history and self._history[-1][0] >= frame_index:
+                self._history.pop()
 
     def correct(self, corrections: Corrections) -> None:
-        """Loop closure's corrections changed: the cells are made again from the history with them."""
-        if corrections.version == self._corrections.version:
-            return
-        self._corrections = corrections
-        if self._transform is not None and self._reference is not None:
-            self._rebuild(self._transform)
+        """Loop closure's corrections changed: the cells are made again from the histories with them."""
+        with self.grid.lock:
+            if corrections.version == self._corrections.version:
+                return
+            self._corrections = corrections
+            if self._in and self.grid.reference is not None:
+                self.grid.rebuild()
 
     def clear(self) -> None:
-        """A new sequence: no cells, no history, no ground reference, no corrections."""
-        self._history.clear()
-        self._reference = self._transform = None
-        self._corrections = NO_CORRECTIONS
-        self._frames = 0
-        self.builder.set_reference(None, metric=False)  # clears the cells
-        self.state = GridState(reason="grid off: a new sequence started (no frame yet)",
-                               version=self.builder.snapshot().version, rebuilds=self._rebuilds)
+        """A new sequence: no history, no corrections; the first camera's is a new map (no cells, no
+        ground reference); another camera's cells stay where they are."""
+        with self.grid.lock:
+            self._history.clear()
+            self._transform = self._joined = None
+            self._in, self._why = False, ""
+            self._corrections = NO_CORRECTIONS
+            if self.grid.feeds and self.grid.feeds[0] is self:
+                self.grid.clear("grid off: a new sequence started (no frame yet)")
 
-    def _rebuild(self, transform: OutputTransform) -> None:
-        self.builder.set_reference(self._reference, metric=True)
-        frames = [GridFrame(*self._placed(i, c, p, transform)) for i, c, p in self._history]
-        result = self.builder.rebuild(frames)
-        self._transform = transform
-        self._frames, self._rebuilds = len(frames) - result.frames_skipped, self._rebuilds + 1
-        self._publish_state()
+    def placed_history(self) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Under the grid's lock: this camera's history as the grid takes it (camera centres and points
+        in the grid's map frame, metres), at its placement now; none while it is not joined."""
+        if not self._in or self._transform is None:
+            return []
+        joined, why = self.place(self._transform)  # the first camera's scale may have moved it since
+        if why:
+            self._in = False
+            return []
+        self._joined = joined
+        return [self._placed(i, c, p) for i, c, p in self._history]
 
-    def _placed(self, frame_index: int, centre: np.ndarray, points: np.ndarray,
-                transform: OutputTransform) -> tuple[np.ndarray, np.ndarray]:
-        """A frame's camera centre and points as published: its keyframe's correction, then ``transform``."""
+    def _placed(self, frame_index: int, centre: np.ndarray, points: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """A frame's camera centre and points as published: its keyframe's correction, its transform, then
+        its camera's placement in the grid's map."""
         if not self._corrections.identity:
             c = self._corrections.at(frame_index)
             centre, points = c.apply(centre), c.apply(points).astype(np.float32)
-        return transform.pose(_pose_at(centre))[:3, 3], transform.points(points)
+        centre, points = self._transform.pose(_pose_at(centre))[:3, 3], self._transform.points(points)
+        if self._joined is not None:
+            R, t = self._joined[:3, :3], self._joined[:3, 3]
+            centre, points = R @ centre + t, (points @ R.T.astype(np.float32) + t.astype(np.float32))
+        return centre, points
 
     def _off(self, reason: str) -> bool:
-        if self.state.reason != reason:
-            self.state = GridState(reason=reason, version=self.state.version, frames=self._frames,
-                                   rebuilds=self._rebuilds)
+        self._why = reason
+        self.grid.off(reason)
         return False
-
-    def _publish_state(self) -> None:
-        snap = self.builder.snapshot()
-        self.state = GridState(on=snap.ready, reason=snap.reason, width=snap.width, height=snap.height,
-                               version=snap.version, frames=self._frames, rebuilds=self._rebuilds)
 
     # ------------------------------------------------------------------ any thread
     def history(self) -> list[int]:
@@ -218,7 +318,22 @@ class SequenceGrid:
 
     def snapshot(self) -> GridSnapshot:
         """The grid now (immutable; the same object while nothing changed)."""
-        return self.builder.snapshot()
+        return self.grid.snapshot()
+
+
+def _thinned(points: np.ndarray, most: int, seed: int) -> np.ndarray:
+    """At most ``most`` of ``points`` [N, 3] (float32, in their order), drawn at random (seeded: the same
+    frame keeps the same points): every k-th point would alias with the image's rows and leave whole
+    columns of cells without a point, and rays grazing them would clear walls in a rebuild."""
+    points = np.asarray(points)
+    if len(points) <= most:
+        return np.array(points, np.float32)
+    keep = np.sort(np.random.default_rng(seed).choice(len(points), most, replace=False))
+    return points[keep].astype(np.float32)
+
+
+def _same(a: np.ndarray | None, b: np.ndarray | None) -> bool:
+    return (a is None and b is None) or (a is not None and b is not None and bool(np.array_equal(a, b)))
 
 
 def _pose_at(centre: np.ndarray) -> np.ndarray:
@@ -228,5 +343,5 @@ def _pose_at(centre: np.ndarray) -> np.ndarray:
     return T
 
 
-__all__ = ["SequenceGrid", "GroundFromBase", "GridState", "grid_config", "GRID_PARAMETER_NAMES", "HISTORY_FRAMES",
+__all__ = ["GridMap", "SequenceGrid", "Place", "GroundFromBase", "GridState", "grid_config", "GRID_PARAMETER_NAMES", "HISTORY_FRAMES",
            "HISTORY_POINTS", "Extrinsic"]

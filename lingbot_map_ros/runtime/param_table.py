@@ -285,8 +285,9 @@ PARAMETERS: tuple[Param, ...] = (
     Param("managed", False, "Run as a managed (lifecycle) node: the parameters are read, the model loaded and "
           "the services created at configure, the inputs subscribed and the outputs published while active "
           "(lifecycle services under the node's name, e.g. for Nav2's lifecycle_manager); false = start at once"),
-    Param("grid", False, "Build and publish ~/grid (nav_msgs/OccupancyGrid, map_frame) from the first camera's "
-          "points and poses; ~/save_map then also writes map.yaml + image for map_server. Needs a metric scale "
+    Param("grid", False, "Build and publish ~/grid (nav_msgs/OccupancyGrid, map_frame) from the cameras' points "
+          "and poses (every camera whose map is joined to map_frame); ~/save_map then also writes map.yaml + "
+          "image for map_server. Needs a metric scale "
           "(scale_source), base_frame in TF (the ground plane, REP 103 z up) and accumulate_map"),
     Param("grid_resolution", 0.05, "Occupancy grid cell side (m)", limits=(0.01, 1.0, 0.0)),
     Param("grid_min_height", 0.1, "Points at least this high above the floor (m) are obstacles; lower ones "

@@ -31,7 +31,9 @@ from lingbot_map_ros.msg import Status  # noqa: E402
 from lingbot_map_ros.srv import SaveMap  # noqa: E402
 
 from graph_helpers import GraphClient, InProcessNode, generated_frames, image_msg, private_domain_id  # noqa: E402
-from room_scene import CAMERA, RESOLUTION, SCALE, classes, stand_in_sessions  # noqa: E402
+from lingbot_map_ros.geometry import OPTICAL_TO_REP103  # noqa: E402
+from lingbot_map_ros.ros.conversions import transform_stamped  # noqa: E402
+from room_scene import CAMERA, RESOLUTION, ROOM_X, ROOM_Y, SCALE, RoomSession, classes, stand_in_sessions  # noqa: E402
 
 pytestmark = [pytest.mark.ros]
 
@@ -134,6 +136,54 @@ def test_without_a_ground_reference_there_is_no_grid_and_the_node_says_why(box_r
         grid = node.node.grid
         assert grid.published == 0 and grid.grid.snapshot().width == 0
         assert grid.diag("n").level == grid.diag("n").WARN and reason in grid.diag("n").message
+    finally:
+        client.close()
+        node.close()
+
+
+def test_two_cameras_back_to_back_feed_one_grid(monkeypatch, tmp_path):
+    """cameras [front, back] on one base, back to back, 1 m up; both turn through half a turn (6 frames
+    of 30 degrees). The back camera's map joins the front one's through the URDF's extrinsics (TF) and
+    its frames reach the one ~/grid in ``map``: the wall the front camera never faces (-y) is occupied
+    along its length, the inside free, the outside unknown; /diagnostics names both cameras' part."""
+    sessions = {"front": RoomSession(6, 0.0, math.pi), "back": RoomSession(6, math.pi, math.pi)}
+    monkeypatch.setattr("lingbot_map_ros.ros.node.load_sessions", lambda *args: stand_in_sessions(cameras=sessions))
+    params = {**BASE, "base_frame": "base_link", "output_directory": str(tmp_path), "cameras": ["front", "back"],
+              "camera.front.camera_frame": "front_optical", "camera.back.camera_frame": "back_optical",
+              "input_timeout": 30.0}
+    node = InProcessNode("grid_two", params, DOMAIN_ID).start()
+    client = GraphClient("grid_two_client", DOMAIN_ID, TIMEOUT)
+    try:
+        forward = np.asarray(OPTICAL_TO_REP103)[:3, :3]  # optical axes of a camera looking along base_link's x
+        for child, R in (("front_optical", forward), ("back_optical", np.diag([-1.0, -1.0, 1.0]) @ forward)):
+            T = np.eye(4)
+            T[:3, :3], T[2, 3] = R, CAMERA_HEIGHT
+            tf2_ros.StaticTransformBroadcaster(client.node).sendTransform(
+                transform_stamped(T, Header(frame_id="base_link"), child))
+        for c in sessions:
+            client.record(Status, f"/grid_two/{c}/status", c, depth=500)
+        images = {c: client.node.create_publisher(Image, f"/{c}/image", 10) for c in sessions}
+        clip = generated_frames(6)
+        for i in range(6):  # the same stamp for both cameras: the alignment's pair
+            for c in sessions:
+                client.send_for_status(images[c], image_msg(clip[i], i + 1, f"{c}_optical"), c, first=i == 0)
+                assert node.node.channels[c].engine.outputs.flush(TIMEOUT)
+        grid = node.node.grid
+        feeds = grid.feeds
+        assert grid.grid.state.on and feeds["back"].state.reason == "" and grid.grid.state.frames >= 11, \
+            (grid.grid.state, feeds["back"].state)
+        snap = grid.grid.snapshot()
+        cells, res = snap.cells(), snap.resolution
+        wall, inside, outside = classes(snap)
+        assert np.all(cells[outside] == -1) and np.mean(cells[inside] == 0) > 0.99 and np.all(wall[cells == 100])
+        x = snap.origin_xy[0] + (np.arange(snap.width) + 0.5) * res + CAMERA[0]
+        y = snap.origin_xy[1] + (np.arange(snap.height) + 0.5) * res + CAMERA[1]
+        band = np.abs(y + ROOM_Y) <= res  # the rows of the wall at -y, which only the back camera faces
+        columns = np.abs(x) <= ROOM_X - 2 * res
+        assert np.mean((cells[band][:, columns] == 100).any(axis=0)) > 0.95
+        entry = grid.diag("n")
+        values = {v.key: v.value for v in entry.values}
+        assert entry.level == entry.OK and values["camera back"] == "in the grid", values
     finally:
         client.close()
         node.close()

@@ -14,7 +14,7 @@ from lingbot_map_ros.robot.occupancy import FREE, OCCUPIED, UNKNOWN
 from lingbot_map_ros.runtime.engine import InferenceEngine
 from lingbot_map_ros.runtime.frames import InputFrame
 from lingbot_map_ros.runtime.corrections import Corrections
-from lingbot_map_ros.runtime.grid import GroundFromBase, SequenceGrid, grid_config
+from lingbot_map_ros.runtime.grid import GridMap, GroundFromBase, grid_config
 from lingbot_map_ros.runtime.params import resolve_settings
 from lingbot_map_ros.config import ConfigError
 from lingbot_map_ros.slam import Sim3
@@ -23,15 +23,20 @@ from engine_fakes import Log, Sink
 from room_scene import CAMERA, RESOLUTION, ROOM_X, ROOM_Y, SCALE, RoomSession, T_cam_base, classes
 
 
-def room_engine(extrinsic=lambda frame: T_cam_base(), base_frame="base_link", **params):
+def room_engine(extrinsic=lambda frame: T_cam_base(), base_frame="base_link", session=None, grid=None, camera="",
+                place=None, **params):
+    """An engine on a ``RoomSession`` (``session``) feeding ``grid`` (a new ``GridMap`` of one camera
+    when None) as camera ``camera`` placed by ``place``."""
     values = {"image_width": 42, "device": "cpu", "grid": True, "grid_resolution": RESOLUTION,
               "scale_source": "fixed", "metric_scale": SCALE, "base_frame": base_frame, "point_stride": 1,
               "conf_threshold": 0.0, "map_voxel_size": 0.0, "publish_path": False, **params}
     settings = resolve_settings(values)
     sink = Sink(wants=())
-    engine = InferenceEngine(RoomSession(), settings, sink, Log(), now=lambda: 100.0, monotonic=lambda: 100.0)
-    engine.seq.attach_grid(SequenceGrid(grid_config(settings), GroundFromBase(settings.base_frame, 0.0, extrinsic),
-                                        settings.scale_source))
+    engine = InferenceEngine(session or RoomSession(), settings, sink, Log(), now=lambda: 100.0,
+                             monotonic=lambda: 100.0)
+    grid = grid if grid is not None else GridMap(grid_config(settings))
+    engine.seq.attach_grid(grid.feed(GroundFromBase(settings.base_frame, 0.0, extrinsic), settings.scale_source,
+                                     camera=camera, place=place))
     return engine, sink
 
 
@@ -51,7 +56,13 @@ def test_box_room_seen_from_its_centre_gives_walls_free_inside_unknown_outside()
     run(engine, 12)
     grid = engine.seq.grid
     assert grid.state.on and grid.state.reason == "" and grid.state.frames == 12, grid.state
-    snap = grid.snapshot()
+    assert_the_whole_room(grid.snapshot())
+    # the status says nothing about the grid once it is on
+    assert "grid" not in sink.statuses[-1][0].state_text
+
+
+def assert_the_whole_room(snap) -> None:
+    """Walls occupied all round and closed, the inside free, the outside unknown (within a cell)."""
     assert snap.ready and snap.resolution == RESOLUTION
     # the ground frame is the map frame 1 m down (the camera's height): level, the map's heading
     assert np.allclose(snap.map_from_ground[:3, :3], np.eye(3)) and snap.map_from_ground[2, 3] == pytest.approx(-1.0)
@@ -69,8 +80,6 @@ def test_box_room_seen_from_its_centre_gives_walls_free_inside_unknown_outside()
         j0 = math.floor((-ROOM_Y + res - CAMERA[1] - snap.origin_xy[1]) / res)
         j1 = math.floor((ROOM_Y - res - CAMERA[1] - snap.origin_xy[1]) / res)
         assert column[j0:j1 + 1].all(), side_x
-    # the status says nothing about the grid once it is on
-    assert "grid" not in sink.statuses[-1][0].state_text
 
 
 def test_without_metric_scale_or_ground_reference_the_grid_is_off_with_the_reason():
@@ -98,9 +107,9 @@ def test_frames_before_the_extrinsic_arrives_are_rebuilt_into_the_grid():
     run(engine, 1)
     grid = engine.seq.grid
     assert grid.state.on and grid.state.rebuilds == 1 and grid.state.frames == 12
-    cells = grid.snapshot().cells()
-    wall, inside, outside = classes(grid.snapshot())
-    assert np.mean(cells[inside] == FREE) > 0.99 and np.all(cells[outside] == UNKNOWN)
+    # rebuilt from the history's thinned points: still the whole room (every k-th point instead of a
+    # random draw aliased with the image's columns, and rays grazing the empty cells opened the walls)
+    assert_the_whole_room(grid.snapshot())
 
 
 def test_a_rollback_keeps_the_cells_and_a_reset_clears_the_grid():
@@ -159,3 +168,47 @@ def test_loop_corrections_move_the_grid_with_the_map():
     assert engine.outputs.flush(30.0)
     back = grid.snapshot()
     assert occupied_x(back) == pytest.approx(x0, abs=RESOLUTION)
+
+
+def test_two_cameras_back_to_back_fill_one_grid_once_the_second_joins_the_first_ones_map():
+    """Two cameras back to back on one base turn together through half a turn (6 frames of 30 degrees,
+    90 degree fields of view): the front camera alone leaves the wall behind the start unseen; the back
+    camera's own map frame is its first pose, turned 180 degrees from the front one's. Its frames
+    wait in its history (its status says why) until its map joins the first camera's (the rotation
+    MapAligner would give); then the grid is rebuilt with them and is the whole room, as one
+    camera's full turn gives it. The back camera's new sequence keeps the cells; the front
+    camera's (a new map) clears them."""
+    grid = GridMap(grid_config(resolve_settings({"grid": True, "grid_resolution": RESOLUTION})))
+    joined = {"yes": False}
+    T_front_back = np.eye(4)
+    T_front_back[:3, :3] = np.diag([-1.0, -1.0, 1.0])  # 180 degrees about the map's z (REP 103 up)
+
+    def place(transform):
+        return (T_front_back, "") if joined["yes"] else (None, "waiting for TF base_link -> back_optical")
+
+    front, _ = room_engine(session=RoomSession(6, 0.0, math.pi), grid=grid, camera="front")
+    back, back_sink = room_engine(session=RoomSession(6, math.pi, math.pi), grid=grid, camera="back", place=place)
+    run(front, 6)
+    snap = grid.snapshot()
+    wall, inside, outside = classes(snap)
+    assert grid.state.on and grid.state.frames == 6
+    assert np.mean(snap.cells()[wall] == OCCUPIED) < 0.8  # part of the room is not seen yet
+    run(back, 5)
+    assert grid.snapshot() is snap and back.seq.grid.history() == [0, 1, 2, 3, 4]  # waiting, not in the grid
+    reason = back.seq.grid.state.reason
+    assert "camera back's frames wait to join the map (waiting for TF base_link -> back_optical)" in reason
+    assert reason in back_sink.statuses[-1][0].state_text and front.seq.grid.state.reason == ""
+    joined["yes"] = True
+    rebuilds = grid.state.rebuilds
+    run(back, 1)
+    assert grid.state.on and grid.state.rebuilds == rebuilds + 1 and grid.state.frames == 12, grid.state
+    assert back.seq.grid.state.reason == ""
+    assert_the_whole_room(grid.snapshot())
+    back.commands.reset()  # the back camera's new sequence: its history goes, the map and its cells stay
+    assert back.outputs.flush(5.0)
+    assert back.seq.grid.history() == [] and grid.snapshot().cells().tolist() == \
+        front.seq.grid.snapshot().cells().tolist() and grid.state.on
+    assert_the_whole_room(grid.snapshot())
+    front.commands.reset()  # the first camera's new sequence is a new map
+    assert front.outputs.flush(5.0)
+    assert not grid.state.on and grid.snapshot().width == 0 and "new sequence" in grid.state.reason
