@@ -174,7 +174,7 @@ def test_bad_decisions_are_refused_and_change_nothing(loop):
     # counted from here: frame 1000 of the test before may have timed out while it replayed (a slow machine)
     timed_out = client.msgs["status"][-1].decisions_timed_out
     client.pub.publish(image_msg(generated_frames(3, seed=5)[1], 2001))
-    client.wait(lambda: any(s.decisions_timed_out > timed_out for s in client.msgs["status"][after:]), timeout=10.0,
+    client.wait(lambda: any(s.decisions_timed_out > timed_out for s in client.msgs["status"][after:]),
                 what="the timeout's default decision")
     late = client.keep(n + 1)
     assert not late.success and "already decided" in late.message and "timeout" in late.message
@@ -221,8 +221,8 @@ def test_the_shipped_selector_decides_and_its_death_leaves_the_node_tracking(loo
             client.pub.publish(image_msg(imgs[(k + j) % 30], 5000 + j))
             time.sleep(0.5)
         client.wait(lambda: any(s.decisions_timed_out > decided.decisions_timed_out
-                                for s in client.msgs["status"][after:]), timeout=10.0, what="a timed-out decision")
-        client.wait(lambda: any(p.header.stamp.sec >= 5003 for p in client.msgs["pose"]), timeout=10.0,
+                                for s in client.msgs["status"][after:]), what="a timed-out decision")
+        client.wait(lambda: any(p.header.stamp.sec >= 5003 for p in client.msgs["pose"]),
                     what="poses after the selector died")
         assert proc.poll() is None
     finally:

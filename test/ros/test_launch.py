@@ -245,7 +245,10 @@ def test_ros2_finds_the_installed_package_and_its_executable():
 
 def test_poses_come_out_for_frames_on_the_remapped_topic(launched):
     launch, client = launched
-    for _ in range(4):
+    # a frame every 0.3 s until 3 poses came: the first may be lost (the node's reader had not matched
+    # this writer yet) and a frame may replace one still waiting (the first steps are slow)
+    deadline = time.monotonic() + STEP_TIMEOUT
+    while len(client.poses) < 3 and time.monotonic() < deadline:
         client.publish_next()
         time.sleep(0.3)
     poses = client.wait_poses(3)

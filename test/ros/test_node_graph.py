@@ -269,7 +269,9 @@ def graph(tmp_path_factory, fixtures):
     from lingbot_map_ros.runtime.params import write_params_file
 
     tmp = tmp_path_factory.mktemp("graph")
-    params = {**NODE_PARAMS, "checkpoint": str(root / "weights.safetensors"),
+    # deferred_eviction_timeout 0: test_deferred_eviction_and_commit's pending evictions wait for its
+    # commit however slow the machine (the default 5 s would commit them on a heartbeat)
+    params = {**NODE_PARAMS, "deferred_eviction_timeout": 0.0, "checkpoint": str(root / "weights.safetensors"),
               "model_config": str(root / "config.json"), "output_directory": str(tmp / "default_out")}
     raw = write_params_file(tmp / "raw.yaml", params)
     # camera_batching on a one-camera node: a warning at start that it has no effect
@@ -471,7 +473,7 @@ def test_rollback_restores_the_previous_state(graph, replay):
     client.reset()
     frames = generated_frames(6, seed=4)
     stamps = [client.send_rgb(rgb)[0] for rgb in frames[:4]]
-    client.wait(lambda: len(client.latest(f"{A}/path").poses) == 4, what="path of 4")
+    client.wait(lambda: (p := client.latest(f"{A}/path")) is not None and len(p.poses) == 4, what="path of 4")
     before = client.latest(f"{A}/status")
     # A map is stamped with the latest pose, which goes out before the output thread adds that
     # frame's points: the first map stamped with frame 4 may lack them (CI saw it). Frame 4's ~/points
@@ -557,7 +559,7 @@ def test_save_map_then_reset(graph, tmp_path):
     status = client.wait(lambda: (s := client.latest(f"{A}/status")).frames_received == 0 and s)
     assert (status.frames_processed, status.frames_dropped_invalid, status.frame_index, status.stored_frames) == (
         0, 0, 0, 0)
-    client.wait(lambda: len(client.latest(f"{A}/path").poses) == 0, what="empty path")
+    client.wait(lambda: (p := client.latest(f"{A}/path")) is not None and len(p.poses) == 0, what="empty path")
     stamp, status = client.send_rgb(generated_frames(1, seed=8)[0])
     assert status.frame_index == 1 and status.state == Status.STATE_INITIALIZING  # a new sequence
 
@@ -568,9 +570,9 @@ def test_waiting_for_images_is_reported(graph):
     client.send_rgb(generated_frames(1, seed=9)[0])
     diag = client.wait(lambda: next((s for d in client.msgs["/diagnostics"] for s in d.status
                                      if s.name.endswith("lingbot_map: input") and s.level == DiagnosticStatus.WARN),
-                                    None), timeout=10, what="an input warning on /diagnostics")
+                                    None), what="an input warning on /diagnostics")
     assert "/cam_a/image" in diag.message
-    client.wait(lambda: client.latest(f"{A}/status").state == Status.STATE_WAITING_FOR_IMAGES, timeout=10,
+    client.wait(lambda: client.latest(f"{A}/status").state == Status.STATE_WAITING_FOR_IMAGES,
                 what="WAITING_FOR_IMAGES")
 
 

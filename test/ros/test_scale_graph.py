@@ -111,7 +111,9 @@ def graph(tmp_path_factory, fixtures):
             else:  # the two scale frames come out together with the second image
                 images_pub.publish(image_msg(rgb, stamp_of(k), "unused"))
                 client.wait(lambda: stamp_of(k).sec in got["pose"], f"the pose of frame {k}")
-        time.sleep(0.3)
+        # the tests read every frame's status: the last one leaves after its pose, on its own topic
+        client.wait(lambda: any(s.header.stamp == stamp_of(FRAMES - 1) and s.frames_processed > 0
+                                for s in got["status"]), "the last frame's status")
         yield got, model_poses, log
     finally:
         client.close()

@@ -124,10 +124,15 @@ class Robot(GraphClient):
         self.wait(lambda: publisher.get_subscription_count() >= len(NODES) + 1, what=f"{what} to be discovered")
 
     def send_frame(self, k: int, rgb: np.ndarray) -> None:
-        """Odometry at the image stamp first (as a robot's odometry runs ahead of the camera), then the image."""
+        """Odometry a frame ahead of the camera (as a robot's runs ahead of it), then the image: the
+        odometry at the image stamp went out with the frame before (frame 0: with its own, and frame
+        1's), so it is in the nodes' TF buffers when the image is posed (TF on /tf and the image on
+        its topic: nothing orders their delivery; a node publishes no map -> odom without it)."""
         stamp = stamp_of(k)
-        self.dynamic.sendTransform([transform_stamped(odometry(k, key), Header(stamp=stamp, frame_id=f"odom_{key}"),
-                                                      f"base_{key}") for key in ("o", "a")])
+        ahead = (0, 1) if k == 0 else (k + 1,)
+        self.dynamic.sendTransform([transform_stamped(odometry(j, key), Header(stamp=stamp_of(j),
+                                                                                frame_id=f"odom_{key}"), f"base_{key}")
+                                    for j in ahead for key in ("o", "a")])
         time.sleep(0.05)
         self.images.publish(image_msg(rgb, stamp, "header_frame_unused"))
 
