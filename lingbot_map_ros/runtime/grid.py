@@ -45,8 +45,10 @@ scale, its map offset, its alignment, its loop corrections) rebuilds the grid fr
 camera's history. One camera is the set of one.
 
 Threads: every change runs on a camera's output thread (the sequence queues them in order with
-the frames) under the grid's lock (cameras' output threads take turns); ``snapshot`` and
-``state`` may be read from any thread (the builder's lock, and a state replaced as a whole).
+the frames) under the grid's lock (cameras' output threads take turns), except the long part of
+a rebuild: it runs on the thread that caused it with the lock free, and other cameras' frames
+that come meanwhile are added after it (``GridMap.rebuild``); ``snapshot`` and ``state`` may be
+read from any thread (the builder's lock, and a state replaced as a whole).
 """
 from __future__ import annotations
 
@@ -146,6 +148,8 @@ class GridMap:
         self.lock = threading.RLock()
         self.reference: GroundReference | None = None
         self.frames = self.rebuilds = 0
+        self.rebuilding = self.again = False  # a rebuild runs (on some camera's thread) / must run again
+        self.late: list[tuple[np.ndarray, np.ndarray]] = []  # frames added while it runs (placed)
         self.state = GridState()
 
     def feed(self, ground: GroundFromBase, scale_source: str, camera: str = "", place: Place | None = None,
@@ -160,15 +164,40 @@ class GridMap:
         """The grid now (immutable; the same object while nothing changed)."""
         return self.builder.snapshot()
 
-    # ------------------------------------------------------------------ under the lock (feeds)
     def rebuild(self) -> None:
-        """The cells made again from every joined camera's history, each at its placement now."""
-        self.builder.set_reference(self.reference, metric=True)
-        frames = [GridFrame(*placed) for fed in self.feeds for placed in fed.placed_history()]
-        result = self.builder.rebuild(frames)
-        self.frames, self.rebuilds = len(frames) - result.frames_skipped, self.rebuilds + 1
-        self.publish_state()
+        """The cells made again from every joined camera's history, each at its placement now. Called
+        WITHOUT the lock: the histories are taken under it, the cells are made outside it (other
+        cameras' frames meanwhile wait in ``late`` and are added after the swap); a rebuild asked for
+        while one runs makes the running one go again (on its thread)."""
+        with self.lock:
+            if self.rebuilding:
+                self.again = True
+                return
+            self.rebuilding = True
+        try:
+            while True:
+                with self.lock:
+                    self.again, self.late = False, []
+                    if self.reference is None:  # a new map since it was asked for
+                        self.rebuilding = False
+                        return
+                    self.builder.set_reference(self.reference, metric=True)
+                    frames = [GridFrame(*placed) for fed in self.feeds for placed in fed.placed_history()]
+                result = self.builder.rebuild(frames)  # the long part, the lock free
+                with self.lock:
+                    late = [r for r in (self.builder.add_frame(*f) for f in self.late) if r.applied]
+                    if result.applied:
+                        self.frames, self.rebuilds = len(frames) - result.frames_skipped + len(late), self.rebuilds + 1
+                        self.publish_state()
+                    if not self.again:  # done: frames from now on are added as they come
+                        self.rebuilding, self.late = False, []
+                        return
+        except BaseException:
+            with self.lock:
+                self.rebuilding, self.late = False, []
+            raise
 
+    # ------------------------------------------------------------------ under the lock (feeds)
     def clear(self, reason: str) -> None:
         """A new map: no cells, no ground reference (each camera's history stays, see ``SequenceGrid.clear``)."""
         self.reference = None
@@ -246,15 +275,19 @@ class SequenceGrid:
             self._why = ""
             moved = not self._in or transform != self._transform or not _same(joined, self._joined)
             self._transform, self._joined, self._in = transform, joined, True
-            if moved or not grid.state.on:
-                grid.rebuild()  # every camera's history (this frame included) at its placement now
+            rebuild = moved or not (grid.state.on or grid.rebuilding)
+            if not rebuild and grid.rebuilding:  # added once the running rebuild has swapped its cells in
+                grid.late.append(self._placed(frame_index, centre, points))
                 return True
-            result = grid.builder.add_frame(*self._placed(frame_index, centre, points))
-            if not result.applied:
-                return self._off(f"grid: frame {frame_index + 1} not added: {result.reason}")
-            grid.frames += 1
-            grid.publish_state()
-            return True
+            if not rebuild:
+                result = grid.builder.add_frame(*self._placed(frame_index, centre, points))
+                if not result.applied:
+                    return self._off(f"grid: frame {frame_index + 1} not added: {result.reason}")
+                grid.frames += 1
+                grid.publish_state()
+                return True
+        grid.rebuild()  # every camera's history (this frame included) at its placement now
+        return True
 
     def forget_from(self, frame_index: int) -> None:
         """A rollback: frames from 0-based ``frame_index`` on leave the history; their cells stay."""
@@ -268,8 +301,9 @@ class SequenceGrid:
             if corrections.version == self._corrections.version:
                 return
             self._corrections = corrections
-            if self._in and self.grid.reference is not None:
-                self.grid.rebuild()
+            if not self._in or self.grid.reference is None:
+                return
+        self.grid.rebuild()
 
     def clear(self) -> None:
         """A new sequence: no history, no corrections; the first camera's is a new map (no cells, no

@@ -6,6 +6,7 @@ Without a metric scale or a ground reference the grid stays off and says why (~/
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import pytest
@@ -212,3 +213,63 @@ def test_two_cameras_back_to_back_fill_one_grid_once_the_second_joins_the_first_
     front.commands.reset()  # the first camera's new sequence is a new map
     assert front.outputs.flush(5.0)
     assert not grid.state.on and grid.snapshot().width == 0 and "new sequence" in grid.state.reason
+
+
+class HeldRebuild:
+    """A grid builder's ``rebuild`` that waits at its first call until ``gate`` is set."""
+
+    def __init__(self, builder) -> None:
+        self.entered, self.gate, self.real = threading.Event(), threading.Event(), builder.rebuild
+
+    def __call__(self, frames):
+        frames = list(frames)
+        if not self.gate.is_set():
+            self.entered.set()
+            assert self.gate.wait(30.0)
+        return self.real(frames)
+
+
+def two_cameras_with_corrections(hold: bool):
+    """Front and back cameras (back joined) with 3 and 1 frames; then the front camera's loop correction,
+    2 more back frames and the back camera's correction; ``hold``: the front camera's rebuild is held in
+    its builder while the back camera goes on (each back step must not wait for it)."""
+    grid = GridMap(grid_config(resolve_settings({"grid": True, "grid_resolution": RESOLUTION})))
+    T_front_back = np.eye(4)
+    T_front_back[:3, :3] = np.diag([-1.0, -1.0, 1.0])
+    front, _ = room_engine(session=RoomSession(6, 0.0, math.pi), grid=grid, camera="front")
+    back, _ = room_engine(session=RoomSession(6, math.pi, math.pi), grid=grid, camera="back",
+                          place=lambda transform: (T_front_back, ""))
+    run(front, 3)
+    run(back, 1)
+    rebuilds = grid.state.rebuilds
+    held = HeldRebuild(grid.builder) if hold else None
+    if held is not None:
+        grid.builder.rebuild = held
+    front.seq.correct(Corrections({0: Sim3(np.eye(3), np.array([0.1, 0.0, 0.0]), 1.0)}))
+    if held is not None:
+        assert held.entered.wait(30.0), "the front camera's rebuild never started"
+    for _ in range(2):  # the back camera's next frames
+        stamp = back.seq.counter_values().frames_received + 1
+        back.submit_frame(InputFrame(rgb=np.zeros((28, 42, 3), np.uint8), stamp=stamp, stamp_s=float(stamp),
+                                     camera_frame="cam_optical"))
+        assert back.run_once(0.0)
+        assert back.outputs.flush(5.0), "the back camera's output thread waited for the other's rebuild"
+    back.seq.correct(Corrections({0: Sim3(np.eye(3), np.array([0.0, 0.2, 0.0]), 1.0)}))
+    assert back.outputs.flush(5.0), "the back camera's correction waited for the other's rebuild"
+    if held is not None:
+        assert grid.rebuilding and len(grid.late) == 2 and grid.again
+        held.gate.set()
+    assert front.outputs.flush(30.0) and back.outputs.flush(30.0)
+    assert not grid.rebuilding and grid.late == [] and grid.state.frames == 6
+    return grid, rebuilds
+
+
+def test_a_rebuild_on_one_cameras_thread_holds_up_no_other_camera():
+    """The long part of a rebuild runs with the grid's lock free: while the front camera's output
+    thread rebuilds (a loop correction; held here inside the builder), the back camera's frames are
+    taken at once and its own correction only asks for another pass; when the rebuild ends the grid
+    is cell for cell what the same changes one after the other give."""
+    expected, _ = two_cameras_with_corrections(hold=False)
+    grid, rebuilds = two_cameras_with_corrections(hold=True)
+    assert grid.state.rebuilds == rebuilds + 2  # the held one, then the pass the back camera asked for
+    assert grid.snapshot().cells().tolist() == expected.snapshot().cells().tolist()
