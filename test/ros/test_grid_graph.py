@@ -143,9 +143,11 @@ def test_without_a_ground_reference_there_is_no_grid_and_the_node_says_why(box_r
 
 def test_two_cameras_back_to_back_feed_one_grid(monkeypatch, tmp_path):
     """cameras [front, back] on one base, back to back, 1 m up; both turn through half a turn (6 frames
-    of 30 degrees). The back camera's map joins the front one's through the URDF's extrinsics (TF) and
-    its frames reach the one ~/grid in ``map``: the wall the front camera never faces (-y) is occupied
-    along its length, the inside free, the outside unknown; /diagnostics names both cameras' part."""
+    of 30 degrees). The back camera's transform reaches TF only after two frames: until then its frames
+    wait (its ~/back/status says why) and the grid holds the front camera's; then its map joins the
+    front one's through the URDF's extrinsics and all its frames reach the one ~/grid in ``map``: the
+    wall the front camera never faces (-y) is occupied along its length, the inside free, the outside
+    unknown; /diagnostics names both cameras' part."""
     sessions = {"front": RoomSession(6, 0.0, math.pi), "back": RoomSession(6, math.pi, math.pi)}
     monkeypatch.setattr("lingbot_map_ros.ros.node.load_sessions", lambda *args: stand_in_sessions(cameras=sessions))
     params = {**BASE, "base_frame": "base_link", "output_directory": str(tmp_path), "cameras": ["front", "back"],
@@ -155,20 +157,33 @@ def test_two_cameras_back_to_back_feed_one_grid(monkeypatch, tmp_path):
     client = GraphClient("grid_two_client", DOMAIN_ID, TIMEOUT)
     try:
         forward = np.asarray(OPTICAL_TO_REP103)[:3, :3]  # optical axes of a camera looking along base_link's x
-        for child, R in (("front_optical", forward), ("back_optical", np.diag([-1.0, -1.0, 1.0]) @ forward)):
+
+        def urdf(child: str, R: np.ndarray) -> None:
             T = np.eye(4)
             T[:3, :3], T[2, 3] = R, CAMERA_HEIGHT
             tf2_ros.StaticTransformBroadcaster(client.node).sendTransform(
                 transform_stamped(T, Header(frame_id="base_link"), child))
+
+        urdf("front_optical", forward)  # the back camera's transform comes late (its driver starts later)
         for c in sessions:
             client.record(Status, f"/grid_two/{c}/status", c, depth=500)
         images = {c: client.node.create_publisher(Image, f"/{c}/image", 10) for c in sessions}
         clip = generated_frames(6)
-        for i in range(6):  # the same stamp for both cameras: the alignment's pair
-            for c in sessions:
-                client.send_for_status(images[c], image_msg(clip[i], i + 1, f"{c}_optical"), c, first=i == 0)
-                assert node.node.channels[c].engine.outputs.flush(TIMEOUT)
         grid = node.node.grid
+        for i in range(6):  # the same stamp for both cameras: the alignment's pair
+            if i == 2:
+                waiting = grid.feeds["back"].state.reason
+                assert "camera back's frames wait to join the map" in waiting and "back_optical" in waiting, waiting
+                assert grid.grid.state.on and grid.grid.state.frames == 2  # the front camera's frames only
+                urdf("back_optical", np.diag([-1.0, -1.0, 1.0]) @ forward)
+                client.wait(lambda: node.node.tf_shared.matrix("base_link", "back_optical") is not None,
+                            "the back camera's transform in the node's TF buffer")
+            for c in sessions:
+                status = client.send_for_status(images[c], image_msg(clip[i], i + 1, f"{c}_optical"), c,
+                                                first=i == 0)
+                assert node.node.channels[c].engine.outputs.flush(TIMEOUT)
+            if i == 1:  # the reason reached the back camera's ~/back/status
+                assert "frames wait to join the map" in status.state_text, status.state_text
         feeds = grid.feeds
         assert grid.grid.state.on and feeds["back"].state.reason == "" and grid.grid.state.frames >= 11, \
             (grid.grid.state, feeds["back"].state)
