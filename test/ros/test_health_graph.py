@@ -57,6 +57,10 @@ def graph(tmp_path_factory, fixtures):
             # the two scale frames come out together with the second image
             client.wait(lambda: len(got["odometry"]) >= k + 1, f"odometry of frame {k}")
         client.wait(lambda: len(got["odometry"]) >= FRAMES, f"{FRAMES} odometry messages")
+        # each frame's status travels on its own topic, after its odometry: wait for the last one's too
+        last = image_msg(frames[-1], 7000 + FRAMES - 1, "cam").header.stamp
+        client.wait(lambda: any(_key(s.header.stamp) == _key(last) and s.frames_processed > 0 for s in got["status"]),
+                    "the last frame's status")
         client.wait(lambda: any(s.name.endswith(": tracking") for a in got["diagnostics"] for s in a.status),
                     "a tracking diagnostics entry")
         yield got, log
