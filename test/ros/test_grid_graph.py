@@ -165,6 +165,8 @@ def test_two_cameras_back_to_back_feed_one_grid(monkeypatch, tmp_path):
                 transform_stamped(T, Header(frame_id="base_link"), child))
 
         urdf("front_optical", forward)  # the back camera's transform comes late (its driver starts later)
+        client.wait(lambda: node.node.tf_shared.matrix("base_link", "front_optical") is not None,
+                    "the front camera's transform in the node's TF buffer")
         for c in sessions:
             client.record(Status, f"/grid_two/{c}/status", c, depth=500)
         images = {c: client.node.create_publisher(Image, f"/{c}/image", 10) for c in sessions}
