@@ -30,7 +30,7 @@ from std_msgs.msg import Header
 
 from ..io.map_server import MapFilesError, save_map_files
 from ..robot.occupancy import GridSnapshot
-from ..runtime.grid import GridMap, GroundFromBase, Place, grid_config
+from ..runtime.grid import GridMap, GroundFromBase, Place, SequenceGrid, grid_config
 from ..runtime.multi_map import MapAligner
 from ..runtime.params import NodeSettings
 from .camera_channel import CameraChannel
@@ -78,7 +78,7 @@ class GridOutput:
             tf.start()  # the listener fills the buffer with the URDF's transforms from now on
         self.grid = GridMap(grid_config(s))
         ground = GroundFromBase(s.base_frame, s.grid_base_height, camera_extrinsic(tf, s.base_frame))
-        self.feeds = {}
+        self.feeds: dict[str, SequenceGrid] = {}
         for name in [reference] + [c for c in channels if c != reference]:  # the first camera's feed first
             channel = channels[name]
             self.feeds[name] = self.grid.feed(ground, channel.settings.scale_source, camera=name,
@@ -121,9 +121,8 @@ class GridOutput:
                                   "cells (width x height)": f"{snap.width} x {snap.height}",
                                   "resolution (m)": snap.resolution, "frames added": st.frames,
                                   "rebuilds": st.rebuilds, "messages published": self.published}
-        if len(self.feeds) > 1:  # each other camera's part: in the grid, or why not
-            for name, fed in list(self.feeds.items())[1:]:
-                values[f"camera {name}"] = fed.state.reason or "in the grid"
+        for name, fed in list(self.feeds.items())[1:]:  # each other camera's part: in the grid, or why not
+            values[f"camera {name}"] = fed.state.reason or "in the grid"
         if st.on:
             side = f"{snap.width * snap.resolution:.1f} x {snap.height * snap.resolution:.1f} m"
             return diag(f"{label}: grid", DiagnosticStatus.OK, f"{snap.width} x {snap.height} cells ({side})", values)

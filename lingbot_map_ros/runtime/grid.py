@@ -62,6 +62,7 @@ import numpy as np
 from ..robot.map_offset import OutputTransform
 from ..robot.occupancy import GridConfig, GridFrame, GridSnapshot, GroundReference, OccupancyGridBuilder
 from .corrections import NO_CORRECTIONS, Corrections
+from .multi_map import transform_points
 
 HISTORY_FRAMES = 200  # frames kept for a rebuild (when the grid turns on, when the transform changes)
 HISTORY_POINTS = 4000  # points kept per frame of the history (drawn at random, ``_thinned``)
@@ -239,12 +240,8 @@ class SequenceGrid:
         """The grid's state, with this camera's reason when its frames do not reach the grid."""
         st = self.grid.state
         return st if not self._why or self._why == st.reason else GridState(
-            on=st.on and not self._why, reason=self._why, width=st.width, height=st.height, version=st.version,
+            on=False, reason=self._why, width=st.width, height=st.height, version=st.version,
             frames=st.frames, rebuilds=st.rebuilds)
-
-    @property
-    def builder(self) -> OccupancyGridBuilder:
-        return self.grid.builder
 
     # ------------------------------------------------------------------ output thread
     def add(self, frame_index: int, T_seq_cam: np.ndarray, points: np.ndarray, transform: OutputTransform,
@@ -275,12 +272,12 @@ class SequenceGrid:
             self._why = ""
             moved = not self._in or transform != self._transform or not _same(joined, self._joined)
             self._transform, self._joined, self._in = transform, joined, True
-            rebuild = moved or not (grid.state.on or grid.rebuilding)
-            if not rebuild and grid.rebuilding:  # added once the running rebuild has swapped its cells in
-                grid.late.append(self._placed(frame_index, centre, points))
-                return True
-            if not rebuild:
-                result = grid.builder.add_frame(*self._placed(frame_index, centre, points))
+            if not moved and (grid.state.on or grid.rebuilding):
+                placed = self._placed(frame_index, centre, points)
+                if grid.rebuilding:  # added once the running rebuild has swapped its cells in
+                    grid.late.append(placed)
+                    return True
+                result = grid.builder.add_frame(*placed)
                 if not result.applied:
                     return self._off(f"grid: frame {frame_index + 1} not added: {result.reason}")
                 grid.frames += 1
@@ -335,10 +332,7 @@ class SequenceGrid:
             c = self._corrections.at(frame_index)
             centre, points = c.apply(centre), c.apply(points).astype(np.float32)
         centre, points = self._transform.pose(_pose_at(centre))[:3, 3], self._transform.points(points)
-        if self._joined is not None:
-            R, t = self._joined[:3, :3], self._joined[:3, 3]
-            centre, points = R @ centre + t, (points @ R.T.astype(np.float32) + t.astype(np.float32))
-        return centre, points
+        return transform_points(self._joined, centre[None])[0], transform_points(self._joined, points)
 
     def _off(self, reason: str) -> bool:
         self._why = reason

@@ -109,6 +109,18 @@ class Run:
             self.journal.writer.close()
 
 
+def show_until_relocalized(run: Run, again: dict, t0: float) -> list[int]:
+    """Show the revisits ``again`` ({tag: place}) from stamp ``t0`` on, one a second, until the camera's
+    loop closer has relocalized; the places shown, in order."""
+    shown = []
+    for n, (k, j) in enumerate(again.items()):
+        run.show(tagged(place_image(j % N), k), t0 + n)
+        shown.append(j)
+        if not run.engine.loop.relocalizing:
+            break
+    return shown
+
+
 def map_pose(run: Run, index: int) -> np.ndarray:
     """Frame ``index``'s pose in the map as the path hands it over (the sequence's path, its
     corrections applied)."""
@@ -211,12 +223,7 @@ def test_relocalizes_a_saved_session_onto_its_keyframes(tiny_model, tmp_path, sc
         assert loop.relocalizing and not second.sink.frames
         assert second.engine.seq.counter_values().frames_not_localized == len(new_ids)
         assert any("relocalizing" in st.state_text for st, _ in second.sink.statuses)
-        shown = []
-        for n, (k, j) in enumerate(again.items()):
-            second.show(tagged(place_image(j % N), k), 3000.0 + n)
-            shown.append(j)
-            if not loop.relocalizing:
-                break
+        shown = show_until_relocalized(second, again, 3000.0)
         assert loop.localization == "localized", (loop.stats, [r for r in second.engine.log.lines if "reloc" in r[1]])
         assert second.sink.statuses[-1][0].localization == "localized"
         # the frames after the relocalisation are posed where the saved map has their places
@@ -280,12 +287,7 @@ def test_a_lost_track_relocalizes_in_its_own_map_and_goes_on(tiny_model, tmp_pat
         assert loop.relocalizing and len(run.sink.frames) == posed and run.session.frames_pushed == pushed
         assert seq.counter_values().frames_not_localized == len(strangers)
         assert run.sink.statuses[-1][0].localization == "relocalizing"
-        shown = []
-        for n, (k, j) in enumerate(again.items()):
-            run.show(tagged(place_image(j % N), k), 1300.0 + n)
-            shown.append(j)
-            if not loop.relocalizing:
-                break
+        shown = show_until_relocalized(run, again, 1300.0)
         assert loop.localization == "localized", (loop.stats, [r for r in run.engine.log.lines if "reloc" in r[1]])
         assert {e.frame_index for e in seq.path.entries()} >= set(range(first))  # the sequence went on
         assert seq.tracking.lost_resets == 1 and len(loop.store) >= first
